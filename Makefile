@@ -1,0 +1,23 @@
+# make run   - set up .venv if needed, then train the built-in default job (MiniLM on the sample set, CPU)
+# make test  - set up .venv if needed, then run the whole test suite (slow tests included)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: setup run test test-fast clean
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml launch/setup_env.sh
+	bash launch/setup_env.sh $(VENV)
+
+run: setup
+	$(PY) -m lychee_exp.run $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(ARGS)
+
+clean:
+	rm -rf outputs multirun

@@ -1,0 +1,1 @@
+"""lychee_exp: train and sweep Lychee-style rerankers with Hydra, on one device or many."""

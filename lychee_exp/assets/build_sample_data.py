@@ -1,0 +1,301 @@
+"""Build the frozen real-text ranking sample set in ``lychee_exp/assets/sample/``.
+
+Run (from the repo root, with CPython 3.11.7)::
+
+    python -m lychee_exp.assets.build_sample_data [--out DIR]
+
+Queries are summary lines of standard-library docstrings, positives are the
+docstring bodies, negatives are BM25-mined hard negatives + same-module
+siblings + seeded random fill. Dev and train are module-disjoint. The output
+is deterministic: every iteration is sorted and every random draw is seeded.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+import random
+import re
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import bm25s
+import numpy as np
+
+EXPECTED_PYTHON = (3, 11, 7)  # docstrings change between CPython releases
+SEED = 1234
+DEV_MIN, DEV_MAX = 110, 130  # target number of dev queries
+DEV_MODULE_MAX = 20  # keep any single module from dominating dev
+N_NEG = {"train": 15, "dev": 19}
+N_BM25, N_SIBLING = 12, 4
+MAX_DOC_CHARS = 1000
+MIN_SUMMARY_WORDS, MIN_BODY_CHARS = 4, 60
+
+# Fixed, sorted list of pure-Python stdlib modules that import without side effects.
+MODULES = (
+    "abc argparse ast base64 bdb calendar cmd code codeop compileall configparser "
+    "contextlib csv dataclasses difflib dis doctest email.feedparser email.header "
+    "email.headerregistry email.message email.policy email.utils enum filecmp fileinput "
+    "fnmatch fractions ftplib functools getopt glob graphlib gzip hmac html.parser "
+    "http.client http.cookiejar http.cookies http.server imaplib importlib.abc "
+    "importlib.metadata importlib.util inspect ipaddress json.decoder json.encoder "
+    "linecache locale logging logging.handlers lzma mailbox mimetypes modulefinder numbers "
+    "optparse pathlib pdb pickle pickletools pkgutil platform plistlib poplib posixpath "
+    "profile pstats py_compile pyclbr queue quopri random runpy sched secrets "
+    "selectors shelve shutil smtplib socket socketserver statistics string subprocess "
+    "symtable tarfile tempfile textwrap threading timeit tokenize trace traceback "
+    "tracemalloc types typing unittest.case unittest.mock urllib.parse urllib.request uuid "
+    "warnings wave weakref webbrowser wsgiref.handlers xml.dom.minidom "
+    "xml.etree.ElementTree xml.sax.saxutils xmlrpc.client xmlrpc.server zipfile"
+).split()
+assert MODULES == sorted(MODULES) and len(set(MODULES)) == len(MODULES)
+
+
+def own_doc(obj) -> str | None:
+    """Docstring written on the object itself (inspect.getdoc would inherit a base's)."""
+    raw = obj.__dict__.get("__doc__") if isinstance(obj, type) else getattr(obj, "__doc__", None)
+    return inspect.getdoc(obj) if isinstance(raw, str) and raw.strip() else None
+
+
+def iter_documented(modname: str):
+    """Yield (qid, group, docstring) for public functions, classes and their methods."""
+    mod = importlib.import_module(modname)
+    for name in sorted(vars(mod)):
+        obj = vars(mod)[name]
+        if name.startswith("_") or not (inspect.isclass(obj) or inspect.isroutine(obj)):
+            continue
+        # Only objects defined here under their own name: drops re-exports and aliases.
+        if getattr(obj, "__module__", None) != modname or getattr(obj, "__qualname__", None) != name:
+            continue
+        if own_doc(obj):
+            yield f"{modname}.{name}", modname, own_doc(obj)
+        for mname, meth in sorted(vars(obj).items()) if inspect.isclass(obj) else ():
+            meth = meth.__func__ if isinstance(meth, (classmethod, staticmethod)) else meth
+            # public methods under their own name (skips aliases such as `x = y`)
+            if (not mname.startswith("_") and inspect.isroutine(meth) and own_doc(meth)
+                    and getattr(meth, "__qualname__", None) == f"{name}.{mname}"):
+                yield f"{modname}.{name}.{mname}", f"{modname}.{name}", own_doc(meth)
+
+
+def normalise_body(lines: list[str]) -> str:
+    """Strip trailing spaces, drop outer blank lines, collapse blank-line runs to one."""
+    text = "\n".join(line.rstrip() for line in lines).strip("\n")
+    return re.sub(r"\n{3,}", "\n\n", text)
+
+
+# End of a sentence: . ! ? followed by whitespace + capital/bracket/quote, or end of text.
+SENTENCE_END = re.compile(r"[.!?](?=\s+[A-Z(\"'`]|\s*$)")
+MAX_QUERY_CHARS = 300
+
+
+def split_summary(doc: str) -> tuple[str, str]:
+    """(query, body): the summary line, and the rest of the docstring.
+
+    Many stdlib docstrings wrap their one-sentence summary over two or more lines;
+    cutting at the first newline would leave a half sentence as the query and start
+    the document mid-sentence. In that case the query is the first sentence of the
+    first paragraph (joined onto one line) and the body starts right after it.
+    """
+    lines = doc.splitlines()
+    first = lines[0].strip()
+    if len(lines) > 1 and lines[1].strip() and not re.search(r"[.!?:]$", first):
+        m = SENTENCE_END.search(doc.split("\n\n", 1)[0])  # within the first paragraph
+        if m and m.end() <= MAX_QUERY_CHARS:
+            query = " ".join(doc[: m.end()].split())
+            rest = doc[m.end():].lstrip(" ").removeprefix("\n")
+            return query, normalise_body(rest.splitlines())
+    return first, normalise_body(lines[1:])
+
+
+def truncate(text: str, limit: int = MAX_DOC_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    cut = max(text.rfind(" ", 0, limit + 1), text.rfind("\n", 0, limit + 1))
+    return text[: cut if cut > 0 else limit].rstrip()
+
+
+def collect_records() -> list[dict]:
+    raw = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for modname in MODULES:
+            for qid, group, doc in iter_documented(modname):
+                query, body = split_summary(doc)
+                if len(query.split()) < MIN_SUMMARY_WORDS or len(body) < MIN_BODY_CHARS:
+                    continue
+                raw.append({"qid": qid, "module": modname, "group": group,
+                            "query": query, "doc": truncate(body), "full": doc})
+    # Deduplicate by docstring text and by document text; first by sorted qid wins.
+    seen, records = set(), []
+    for rec in sorted(raw, key=lambda r: r["qid"]):
+        if rec["full"] not in seen and rec["doc"] not in seen:
+            seen.update((rec["full"], rec["doc"]))
+            records.append(rec)
+    return records
+
+
+def choose_dev_modules(counts: Counter) -> list[str]:
+    """Seeded shuffle of modules, greedily packed until dev holds DEV_MIN..DEV_MAX queries."""
+    order = sorted(counts)
+    random.Random(SEED).shuffle(order)
+    dev, total = [], 0
+    for mod in order:
+        if counts[mod] <= DEV_MODULE_MAX and total + counts[mod] <= DEV_MAX:
+            dev, total = dev + [mod], total + counts[mod]
+        if total >= DEV_MIN:
+            return sorted(dev)
+    raise RuntimeError(f"could not reach {DEV_MIN} dev queries (got {total})")
+
+
+def bm25_scorer(docs: list[str]):
+    """bm25s index over `docs`; returns query -> score of every document."""
+    retriever = bm25s.BM25()
+    retriever.index(bm25s.tokenize(docs, stopwords="en", show_progress=False), show_progress=False)
+
+    def scores(query: str) -> np.ndarray:
+        toks = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)[0]
+        ids = retriever.get_tokens_ids(toks)  # drops terms unknown to the index
+        return np.asarray(retriever.get_scores(ids)) if ids else np.zeros(len(docs), np.float32)
+
+    return scores
+
+
+def build_split(records: list[dict], split: str) -> list[dict]:
+    docs = [r["doc"] for r in records]
+    bm25, n_neg, out = bm25_scorer(docs), N_NEG[split], []
+    for i, rec in enumerate(records):
+        rng = random.Random(f"{SEED}:{split}:{rec['qid']}")  # str seeds are stable across runs
+        negs: list[str] = []
+
+        def take(j: int) -> None:
+            if j != i and docs[j] != docs[i] and docs[j] not in negs and len(negs) < n_neg:
+                negs.append(docs[j])
+
+        # 1) what a first-stage retriever returns: BM25 top hits (ties by index)
+        scores = bm25(rec["query"])
+        for j in np.lexsort((np.arange(len(docs)), -scores)):
+            if len(negs) >= N_BM25 or scores[j] <= 0:
+                break
+            take(int(j))
+        # 2) siblings: same class first (for methods), then same module
+        same_group = [j for j, r in enumerate(records) if r["group"] == rec["group"]]
+        same_mod = [j for j, r in enumerate(records) if r["module"] == rec["module"]]
+        rng.shuffle(same_group)
+        rng.shuffle(same_mod)
+        limit = min(n_neg, len(negs) + N_SIBLING)
+        for j in same_group + same_mod:
+            if len(negs) < limit:
+                take(j)
+        # 3) seeded random fill from the split
+        for j in rng.sample(range(len(docs)), len(docs)):
+            take(j)
+        assert len(negs) == n_neg, rec["qid"]
+        out.append({"query": rec["query"], "pos": [rec["doc"]], "neg": negs, "qid": rec["qid"]})
+    return out
+
+
+def rank_metrics(greater: int, ties: int) -> tuple[float, float]:
+    """Expected (NDCG@10, MRR@10) of one relevant item, ties broken uniformly at random."""
+    ranks = range(greater + 1, greater + ties + 2)
+    ndcg = sum(1 / math.log2(r + 1) if r <= 10 else 0.0 for r in ranks) / len(ranks)
+    mrr = sum(1 / r if r <= 10 else 0.0 for r in ranks) / len(ranks)
+    return ndcg, mrr
+
+
+def baselines(dev: list[dict]) -> dict:
+    """Random (exact expectation) and BM25 NDCG@10 / MRR@10 over dev candidate lists."""
+    docs = [line["pos"][0] for line in dev]  # every dev document is some query's positive
+    where = {d: k for k, d in enumerate(docs)}
+    bm25, rnd, bm = bm25_scorer(docs), [], []
+    for line in dev:
+        rnd.append(rank_metrics(0, len(line["neg"])))  # positive uniform over all positions
+        scores = bm25(line["query"])
+        pos, neg = scores[where[line["pos"][0]]], np.array([scores[where[d]] for d in line["neg"]])
+        bm.append(rank_metrics(int((neg > pos).sum()), int((neg == pos).sum())))
+    rnd, bm = np.mean(rnd, axis=0), np.mean(bm, axis=0)
+    return {"random_ndcg10": float(rnd[0]), "random_mrr10": float(rnd[1]),
+            "bm25_ndcg10": float(bm[0]), "bm25_mrr10": float(bm[1])}
+
+
+def write_jsonl(path: Path, lines: list[dict]) -> None:
+    text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+    path.write_text(text, encoding="utf-8", newline="\n")
+
+
+def readme(train, dev, counts, dev_mods, train_mods, base) -> str:
+    mods = lambda ms: ", ".join(f"`{m}` ({counts[m]})" for m in ms)  # noqa: E731
+    return f"""# Ranking sample set (standard-library docstrings)
+
+Small real-text reranking data in FlagEmbedding's reranker JSONL format:
+`{{"query": str, "pos": [str], "neg": [str, ...], "qid": "module.qualname"}}`.
+No instruction is stored; the framework supplies its default one.
+
+- **Source**: docstrings (`inspect.getdoc`) of public functions, classes and class methods
+  of the CPython 3.11.7 standard library. Query = summary line (when the summary sentence is
+  wrapped over several lines: that first sentence, joined), positive = the rest of the
+  docstring (blank-line runs collapsed, cut to <= {MAX_DOC_CHARS} chars at a word boundary).
+  Kept only if the query has >= {MIN_SUMMARY_WORDS} words and the body >= {MIN_BODY_CHARS} chars;
+  private names, aliases, re-exports and duplicate texts are skipped.
+- **Licence**: Python Software Foundation License Version 2 (the docstrings are part of CPython).
+- **Built with**: `python -m lychee_exp.assets.build_sample_data` (CPython 3.11.7, bm25s {bm25s.__version__}).
+- **Negatives**: up to {N_BM25} BM25 (bm25s, stopwords "en") top hits over the split's own
+  documents, up to {N_SIBLING} same-class/same-module siblings, then seeded random fill.
+  Train and dev are module-disjoint; dev negatives come only from dev documents.
+
+## Counts
+
+| split | queries | negatives/query | candidates/query | modules |
+|---|---|---|---|---|
+| train | {len(train)} | {N_NEG['train']} | {N_NEG['train'] + 1} | {len(train_mods)} |
+| dev | {len(dev)} | {N_NEG['dev']} | {N_NEG['dev'] + 1} | {len(dev_mods)} |
+
+## Dev baselines (binary relevance, {N_NEG['dev'] + 1} candidates per query)
+
+| ranker | NDCG@10 | MRR@10 |
+|---|---|---|
+| random (exact expectation) | {base['random_ndcg10']:.4f} | {base['random_mrr10']:.4f} |
+| BM25 (index over dev documents) | {base['bm25_ndcg10']:.4f} | {base['bm25_mrr10']:.4f} |
+
+BM25 ties are scored as the expectation over random tie-breaking. BM25 is well below 1.0
+because the negatives were themselves BM25-mined.
+
+## Modules (queries kept)
+
+Dev ({len(dev_mods)}): {mods(dev_mods)}
+
+Train ({len(train_mods)}): {mods(train_mods)}
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "sample")
+    ap.add_argument("--any-python", action="store_true", help="allow a Python other than 3.11.7")
+    args = ap.parse_args(argv)
+    if tuple(sys.version_info[:3]) != EXPECTED_PYTHON and not args.any_python:
+        sys.exit(f"needs CPython {EXPECTED_PYTHON} (docstrings differ by version); use --any-python")
+
+    records = collect_records()
+    counts = Counter(r["module"] for r in records)
+    dev_mods = choose_dev_modules(counts)
+    train_mods = sorted(m for m in counts if m not in dev_mods)
+    train = build_split([r for r in records if r["module"] in train_mods], "train")
+    dev = build_split([r for r in records if r["module"] in dev_mods], "dev")
+    base = baselines(dev)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(args.out / "train.jsonl", train)
+    write_jsonl(args.out / "dev.jsonl", dev)
+    text = readme(train, dev, counts, dev_mods, train_mods, base)
+    (args.out / "README.md").write_text(text, encoding="utf-8", newline="\n")
+    print(f"train: {len(train)} queries from {len(train_mods)} modules; "
+          f"dev: {len(dev)} queries from {len(dev_mods)} modules")
+    print(" ".join(f"{k}={v:.4f}" for k, v in base.items()))
+
+
+if __name__ == "__main__":
+    main()

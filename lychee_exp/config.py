@@ -1,0 +1,233 @@
+"""Typed schema of a run's configuration, and the checks Hydra's types cannot express.
+
+The dataclasses are registered with Hydra's ConfigStore as `lychee_schema`, which `conf/config.yaml` lists first
+in its defaults: composing then fails on a misspelt key or a wrong type, naming the key. `check_config` adds the
+value checks (lr > 0, ...) and runs in the Hydra process before any training process starts.
+"""
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from lychee_exp.devices import parse_gpus
+from lychee_exp.errors import UserError
+
+LYCHEE_PREFIX = "Given the instruction and query, judge whether the document is relevant to the query (yes/no)."
+
+
+@dataclass
+class PromptConfig:
+    prefix: str = LYCHEE_PREFIX
+    separator: str = "\n"  # between prefix and template
+    template: str = "Instruct: {instruction} Query: {query} Document: {document}"
+    suffix: str = ""  # e.g. a chat template's assistant opening, so that the next token is the answer
+    default_instruction: str = "Given a web search query, retrieve relevant passages that answer the query"
+    query_max_len: int = 64  # tokens; the query is truncated to this
+    doc_max_len: int = 192  # tokens; the document is truncated, never the template around it
+    yes_token: str = "yes"
+    no_token: str = "no"
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 64
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: List[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    # causal_lm: score = p(yes) from the yes/no next-token logits (Lychee);
+    # sequence_classification: one logit plays logit(yes) - logit(no) (cross-encoders such as MiniLM)
+    kind: str = "causal_lm"
+    path: str = MISSING  # a local directory, or pkg://package/sub/dir inside an installed package
+    random_init: bool = False  # build the architecture from path's config.json with fresh weights
+    dtype: str = "float32"  # dtype of the loaded weights: float32 | bfloat16 | float16
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    train_file: str = MISSING
+    dev_file: str = MISSING
+    instruction: Optional[str] = None  # overrides model.prompt.default_instruction for lines without one
+    batch_size: int = 4  # queries per device per micro-step
+    train_group_size: int = 8  # 1 positive + (n - 1) sampled negatives per query
+    eval_batch_size: int = 64  # (query, document) pairs per forward pass at evaluation
+    max_train_queries: int = 0  # 0 = all; a prefix of the file, for quick runs
+    max_dev_queries: int = 0
+    num_workers: int = 0  # DataLoader workers that tokenize batches
+
+
+@dataclass
+class LossConfig:
+    name: str = "pointwise"  # pointwise | listwise
+    temperature: float = 1.0  # listwise: softmax over score / temperature
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 3e-5  # base learning rate, tuned at base_batch_size
+    base_batch_size: int = 4  # effective batch (queries) at which lr applies
+    lr_scaling: str = "none"  # none | linear | sqrt: scale lr to the effective batch size
+    weight_decay: float = 0.01
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    scheduler: str = "linear"  # linear | cosine | constant, after warmup
+    warmup_ratio: float = 0.1
+    max_grad_norm: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class TrainerConfig:
+    max_epochs: int = 1
+    max_steps: int = -1  # optimizer steps; > 0 overrides max_epochs
+    eval_every: int = 0  # optimizer steps between dev evaluations; 0 = after each epoch only
+    eval_before_training: bool = True
+    grad_accum_steps: int = 1
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: fp32 on CPU, bf16 on GPUs that support it)
+    log_every: int = 5
+    progress_bar: bool = True
+    deterministic: bool = True
+    save_model: bool = True
+    checkpoint_every: int = 0  # optimizer steps between checkpoints in <run>/checkpoints; 0 = none
+    keep_checkpoints: int = 2
+    resume: str = "never"  # never | auto (latest checkpoint in the run directory, if any) | a checkpoint dir
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "ddp"  # single (one device) | dp (DataParallel, one process) | ddp (one process per device)
+    backend: str = "auto"  # auto (nccl on GPUs, gloo on CPU) | nccl | gloo
+    max_restarts: int = 0  # elastic restarts of all ranks after a failure (resume from the latest checkpoint)
+    find_unused_parameters: bool = False
+    timeout_s: int = 1800  # collective timeout; dev evaluation must finish within it
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "csv"  # csv: metrics.csv in the run directory | none
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    seed: int = 42
+    gpus: Any = "auto"  # an int, or auto (all visible GPUs; without CUDA, CPU ranks for the cores)
+    optimized_metric: str = "ndcg@10"
+    output_dir: str = MISSING
+
+
+def register_schema() -> None:
+    ConfigStore.instance().store(name="lychee_schema", node=RunConfig)
+
+
+METRIC_NAMES = ("ndcg@10", "mrr@10")
+_CHOICES = {
+    "model.kind": ("causal_lm", "sequence_classification"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "loss.name": ("pointwise", "listwise"),
+    "optimizer.name": ("adamw",),
+    "optimizer.lr_scaling": ("none", "linear", "sqrt"),
+    "optimizer.scheduler": ("linear", "cosine", "constant"),
+    "trainer.precision": ("auto", "fp32", "bf16", "fp16"),
+    "parallel.strategy": ("single", "dp", "ddp"),
+    "parallel.backend": ("auto", "nccl", "gloo"),
+    "logger.name": ("csv", "none"),
+    "optimized_metric": METRIC_NAMES,
+}
+_POSITIVE = (
+    "data.batch_size",
+    "data.eval_batch_size",
+    "trainer.grad_accum_steps",
+    "trainer.log_every",
+    "optimizer.base_batch_size",
+    "model.prompt.query_max_len",
+    "model.prompt.doc_max_len",
+    "model.lora.r",
+    "parallel.timeout_s",
+)
+_NON_NEGATIVE = ("data.max_train_queries", "data.max_dev_queries", "data.num_workers", "trainer.eval_every",
+                 "trainer.max_epochs", "optimizer.weight_decay", "optimizer.max_grad_norm",
+                 "trainer.checkpoint_every", "trainer.keep_checkpoints", "parallel.max_restarts")
+
+
+def check_config(cfg: DictConfig | RunConfig) -> None:
+    """Value checks beyond types; raises UserError naming the key."""
+    c: Any = cfg
+
+    def get(key: str) -> Any:
+        return OmegaConf.select(c, key) if isinstance(c, DictConfig) else _attr(c, key)
+
+    for key, allowed in _CHOICES.items():
+        if get(key) not in allowed:
+            raise UserError(f"{key}={get(key)!r} is not one of {', '.join(allowed)}")
+    for key in _POSITIVE:
+        if get(key) < 1:
+            raise UserError(f"{key} must be >= 1, got {get(key)}")
+    for key in _NON_NEGATIVE:
+        if get(key) < 0:
+            raise UserError(f"{key} must be >= 0, got {get(key)}")
+    if not get("optimizer.lr") > 0:
+        raise UserError(f"optimizer.lr must be > 0, got {get('optimizer.lr')}")
+    if not 0 <= get("optimizer.warmup_ratio") < 1:
+        raise UserError(f"optimizer.warmup_ratio must be in [0, 1), got {get('optimizer.warmup_ratio')}")
+    if not get("loss.temperature") > 0:
+        raise UserError(f"loss.temperature must be > 0, got {get('loss.temperature')}")
+    group = get("data.train_group_size")
+    if get("loss.name") == "listwise" and group < 2:
+        raise UserError(f"data.train_group_size must be >= 2 for loss=listwise (1 positive + negatives), got {group}")
+    if group < 1:
+        raise UserError(f"data.train_group_size must be >= 1, got {group}")
+    if get("trainer.max_steps") <= 0 and get("trainer.max_epochs") < 1:
+        raise UserError("trainer.max_epochs must be >= 1 when trainer.max_steps <= 0")
+    _check_template(get("model.prompt.template"))
+    parse_gpus(get("gpus"))
+
+
+def _check_template(template: str) -> None:
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as err:
+        raise UserError(f"model.prompt.template is not a valid format string: {err}") from None
+    unknown = set(fields) - {"instruction", "query", "document"}
+    if unknown:
+        raise UserError(f"model.prompt.template has unknown field(s) {sorted(unknown)}; "
+                        "use {instruction}, {query}, {document}")
+    for needed in ("query", "document"):
+        if fields.count(needed) != 1:
+            raise UserError(f"model.prompt.template must contain {{{needed}}} exactly once")
+
+
+def _attr(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """The resolved, checked, plain-object config that training code reads (no Hydra needed in workers)."""
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(cfg, resolve=True))
+    run_cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    check_config(run_cfg)
+    return run_cfg

@@ -1,0 +1,50 @@
+"""Where this process sits in a run: its rank, the world size and its device, plus the collectives used."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:  # nanoGPT's master_process: the one rank that logs, saves and reports
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def gather_objects(self, obj: object) -> list:
+        """Every rank's obj, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+
+def single_device_env() -> DistEnv:
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return DistEnv(device=device)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def cpu_threads() -> int:
+    return int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))

@@ -1,0 +1,189 @@
+"""Runs one training job on its DevicePlan and hands rank 0's metrics back to the Hydra process.
+
+- single / dp: in the Hydra process itself.
+- ddp: fresh worker processes per run, started with torch's elastic launcher (the API behind torchrun):
+  c10d rendezvous on 127.0.0.1 with a free port (two runs can share a machine), per-rank logs in
+  <run>/logs, and no restarts unless asked. Workers get the resolved config as a plain dict: Hydra's state
+  does not exist in child processes. A failing, OOM-ing or killed rank makes the agent stop the others at once.
+- under torchrun (the user launched the ranks): this process is already one rank; train in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from lychee_exp.config import RunConfig
+from lychee_exp.devices import DevicePlan
+from lychee_exp.distributed import DistEnv
+from lychee_exp.train import run_training
+
+log = logging.getLogger(__name__)
+
+TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+class RunFailed(RuntimeError):
+    """A training job failed; `kind` is diverged | oom | crashed, for sweepers to record."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def failure_kind(message: str) -> str:
+    if "TrainingDiverged" in message or "loss is nan" in message or "loss is inf" in message:
+        return "diverged"
+    if "out of memory" in message.lower() or "OutOfMemoryError" in message:
+        return "oom"
+    return "crashed"
+
+
+def under_torchrun() -> bool:
+    return all(name in os.environ for name in TORCHRUN_VARS)
+
+
+def launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None = None) -> dict:
+    if plan.strategy != "ddp":
+        if plan.device_type == "cpu":
+            torch.set_num_threads(plan.threads_per_rank)
+        device = torch.device("cuda", 0) if plan.device_type == "cuda" else torch.device("cpu")
+        return _in_process(cfg, DistEnv(device=device), plan, output_dir)
+    if under_torchrun():
+        return _as_rank(cfg, plan, output_dir)
+    return _elastic_launch(cfg, plan, output_dir, log_file)
+
+
+def _in_process(cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path) -> dict:
+    from lychee_exp.train import TrainingDiverged
+
+    try:
+        return run_training(cfg, env, plan, output_dir)
+    except TrainingDiverged as err:
+        raise RunFailed(f"TrainingDiverged: {err}", "diverged") from err
+    except torch.OutOfMemoryError as err:
+        raise RunFailed(f"out of memory: {str(err).splitlines()[0]}", "oom") from err
+
+
+def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None) -> dict:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    log_dir = output_dir / "logs"
+    log.info(plan.describe())
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=plan.num_devices, run_id=f"lychee-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=cfg.parallel.max_restarts,
+        monitor_interval=0.2, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL}),
+        log_line_prefix_template="[rank${rank}] ")
+    payload = dataclasses.asdict(cfg)
+    # The agent logs each failure with a full dump; the one line below (with the rank's log) replaces it.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        results = elastic_launch(config, worker)(payload, str(output_dir), plan.threads_per_rank, plan.device_type,
+                                                 log_file)
+    except ChildFailedError as err:
+        rank, failure, message = _root_cause(err.failures)
+        logs = sorted(log_dir.glob(f"**/attempt_*/{failure.local_rank}/stderr.log"))
+        where = f" (log: {logs[-1]})" if logs else ""
+        raise RunFailed(f"rank {rank} failed: {message}{where}", failure_kind(message)) from None
+    return results[0]
+
+
+# Errors that ranks report because ANOTHER rank died (its sockets closed, or the agent stopped them).
+_COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "SIGTERM", "NCCL",
+               "gloo", "Gloo", "ProcessGroup")
+
+
+def _root_cause(failures: dict) -> tuple[int, object, str]:
+    """The failure to report: the earliest one that is not a consequence of another rank's failure."""
+    described = []
+    for rank, failure in failures.items():
+        message = failure.message  # a dict when the worker's @record wrote an error file
+        message = str(message.get("message", message) if isinstance(message, dict) else message).strip()
+        message = message.splitlines()[-1] if message else f"exit code {failure.exitcode}"
+        collateral = any(marker in message for marker in _COLLATERAL)
+        described.append((collateral, failure.timestamp, rank, failure, message))
+    collateral, _, rank, failure, message = min(described, key=lambda d: d[:3])
+    return rank, failure, message
+
+
+def _as_rank(cfg: RunConfig, plan: DevicePlan, output_dir: Path) -> dict:
+    env = init_distributed(plan.device_type, cfg.parallel.backend, cfg.parallel.timeout_s)
+    plan = dataclasses.replace(plan, num_devices=env.world_size)  # all nodes' ranks, not this node's GPUs
+    try:
+        if not env.is_main:
+            _quiet_non_main_logging()
+        return run_training(cfg, env, plan, output_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def init_distributed(device_type: str, backend: str, timeout_s: int) -> DistEnv:
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def _quiet_non_main_logging() -> None:
+    logging.getLogger().setLevel(logging.WARNING)
+
+
+def _configure_worker_logging(rank: int, log_file: str | None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if rank == 0 and log_file:
+        handlers.append(logging.FileHandler(log_file))  # rank 0 continues the Hydra job's log
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, handlers=handlers, force=True,
+                        format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+
+
+def worker(payload: dict, output_dir: str, threads: int, device_type: str, log_file: str | None) -> dict:
+    """Entry point of each spawned rank (top level, so that spawn can import it)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_worker)(payload, output_dir, threads, device_type, log_file)
+
+
+def _die_with_parent() -> None:
+    """If the launching process is killed (SIGKILL, OOM killer), its ranks must not train on as orphans."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(1)
+
+
+def _worker(payload: dict, output_dir: str, threads: int, device_type: str, log_file: str | None) -> dict:
+    _die_with_parent()
+    rank = int(os.environ["RANK"])
+    _configure_worker_logging(rank, log_file)
+    if device_type == "cpu":
+        torch.set_num_threads(threads)
+    cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), payload))
+    plan = DevicePlan("ddp", device_type, int(os.environ["WORLD_SIZE"]), threads)
+    env = init_distributed(device_type, cfg.parallel.backend, cfg.parallel.timeout_s)
+    try:
+        return run_training(cfg, env, plan, Path(output_dir))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,115 @@
+"""Entry point: `python -m lychee_exp.run [overrides]` (or `lychee-run`), a Hydra app.
+
+The story of a run: compose and check the config, check the inputs, plan the devices, launch the ranks,
+write metrics.json from rank 0's results, and return the optimized metric to whichever sweeper asked.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lychee_exp.config import RunConfig, register_schema, to_run_config
+from lychee_exp.data import load_queries
+from lychee_exp.devices import plan_devices
+from lychee_exp.errors import UserError
+from lychee_exp.launcher import RunFailed, launch, under_torchrun
+from lychee_exp.model import build_encoder, load_tokenizer
+
+log = logging.getLogger("lychee_exp")
+
+
+def run_stamp() -> str:
+    """Run directory name. Under torchrun every rank computes it, so it must not depend on the moment:
+    it comes from the rendezvous id that all ranks share (launch/torchrun.sh sets LYCHEE_RUN_STAMP)."""
+    if os.environ.get("LYCHEE_RUN_STAMP"):
+        return os.environ["LYCHEE_RUN_STAMP"]
+    if under_torchrun():
+        run_id = os.environ["TORCHELASTIC_RUN_ID"]
+        return f"{datetime.now():%Y-%m-%d}_torchrun-{run_id}" if run_id != "none" else \
+            f"{datetime.now():%Y-%m-%d_%H-%M}_torchrun"
+    # the suffix keeps two runs started in the same second apart
+    return f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{secrets.token_hex(2)}"
+
+
+register_schema()
+OmegaConf.register_new_resolver("lychee_stamp", run_stamp, use_cache=True, replace=True)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Everything a user can get wrong, checked before any training process starts."""
+    load_queries(cfg.data.train_file, "data.train_file", cfg.data.max_train_queries)
+    load_queries(cfg.data.dev_file, "data.dev_file", cfg.data.max_dev_queries)
+    encoder = build_encoder(cfg.model, load_tokenizer(cfg.model))
+    if cfg.model.kind == "causal_lm":
+        encoder.single_token_id("model.prompt.yes_token", cfg.model.prompt.yes_token)
+        encoder.single_token_id("model.prompt.no_token", cfg.model.prompt.no_token)
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """Readers see the old file or the whole new one, never a partial write."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _job_log_file() -> str | None:
+    """The Hydra job's log file, which rank 0 of a spawned run keeps writing to."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            return handler.baseFilename
+    return None
+
+
+def run(cfg: DictConfig) -> float:
+    """Runs one training job from a composed config and returns its optimized metric."""
+    try:
+        run_cfg = to_run_config(cfg)
+    except OmegaConfBaseException as err:
+        raise UserError(f"{err.full_key or 'config'}: {str(err).splitlines()[0]}") from None
+    is_main = os.environ.get("RANK", "0") == "0"  # under torchrun only global rank 0 writes outputs
+    output_dir = Path(run_cfg.output_dir)
+    metrics_path = output_dir / "metrics.json"
+    if is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path.unlink(missing_ok=True)  # a stale result must not pass for this run's
+    preflight(run_cfg)
+    plan = plan_devices(run_cfg.parallel.strategy, run_cfg.gpus)
+    if is_main:
+        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))
+
+    metrics = launch(run_cfg, plan, output_dir, _job_log_file())
+    metrics["optimized_metric"] = run_cfg.optimized_metric
+    if is_main:
+        write_json_atomic(metrics_path, metrics)
+        log.info("dev ndcg@10 %.4f (untrained %.4f, BM25 %.4f), mrr@10 %.4f; %d steps in %.0f s, "
+                 "%.1f samples/s on %d device(s)", metrics["ndcg@10"], metrics.get("initial_ndcg@10", float("nan")),
+                 metrics.get("bm25_ndcg@10", float("nan")), metrics["mrr@10"], metrics["steps"],
+                 metrics["train_time_s"], metrics["train_samples_per_s"], metrics["world_size"])
+        log.info("results in %s", output_dir)
+    return float(metrics[run_cfg.optimized_metric])
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    try:
+        return run(cfg)
+    except UserError as err:
+        # A user mistake gets one line, not a traceback.
+        log.error("error: %s", err)
+        sys.exit(2)
+    except RunFailed as err:
+        log.error("error: %s", err)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

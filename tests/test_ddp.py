@@ -1,0 +1,178 @@
+"""The DDP runner on CPU ranks (gloo): equivalence with one process, repeated and concurrent launches,
+failures that end the job quickly, and resume after SIGKILL."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lychee_exp.devices import plan_devices
+from lychee_exp.errors import UserError
+from lychee_exp.jobs import run_job
+
+# Tiny Lychee path, fp32, no dropout: one process with batch 2b and 2 ranks with batch b must agree.
+TINY_DDP = ["model=tiny_lychee", "data.max_train_queries=16", "data.max_dev_queries=6", "data.train_group_size=4",
+            "trainer.max_steps=4", "trainer.log_every=1", "trainer.progress_bar=false", "trainer.precision=fp32",
+            "optimizer.lr=1e-3", "optimizer.lr_scaling=none", "logger=csv"]
+
+
+def _metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def _losses(run_dir: Path) -> list[float]:
+    import csv
+
+    with (run_dir / "metrics.csv").open() as handle:
+        return [float(row["train/loss"]) for row in csv.DictReader(handle) if row.get("train/loss")]
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model" / "model.safetensors"))
+
+
+def _cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lychee_exp.run", *args], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("ddp_batch, accum", [(2, 1), (1, 2)], ids=["batch", "accumulation"])
+def test_ddp_matches_single_process(tmp_path, ddp_batch, accum):
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    run_job([*TINY_DDP, "parallel=single", "data.batch_size=4"], single)
+    run_job([*TINY_DDP, "parallel=ddp", "gpus=2", f"data.batch_size={ddp_batch}",
+             f"trainer.grad_accum_steps={accum}"], ddp)
+    m_single, m_ddp = _metrics(single), _metrics(ddp)
+    assert m_ddp["world_size"] == 2 and m_ddp["effective_batch_size"] == m_single["effective_batch_size"] == 4
+    assert _losses(ddp) == pytest.approx(_losses(single), abs=1e-5)
+    # sharded, gathered dev evaluation equals the single-process one (same initial weights)
+    assert m_ddp["initial_ndcg@10"] == pytest.approx(m_single["initial_ndcg@10"], abs=1e-6)
+    assert m_ddp["initial_mrr@10"] == pytest.approx(m_single["initial_mrr@10"], abs=1e-6)
+    w_single, w_ddp = _weights(single), _weights(ddp)
+    assert w_single.keys() == w_ddp.keys()
+    for name in w_single:
+        torch.testing.assert_close(w_ddp[name], w_single[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_metrics_record_the_parallel_setup(tmp_path):
+    run_job([*TINY_DDP, "parallel=ddp", "gpus=2", "data.batch_size=2", "trainer.grad_accum_steps=2"], tmp_path)
+    m = _metrics(tmp_path)
+    assert (m["world_size"], m["per_device_batch_size"], m["grad_accum_steps"]) == (2, 2, 2)
+    assert m["effective_batch_size"] == 8 and m["device"] == "cpu"
+    assert m["lr"] == pytest.approx(1e-3)  # lr_scaling=none
+    assert m["train_samples_per_s"] > 0 and 0 <= m["data_wait_share"] < 1 and m["rank_time_spread"] >= 1
+    assert len(m["peak_memory_mb_per_rank"]) == 2 and min(m["peak_memory_mb_per_rank"]) > 0
+    assert (tmp_path / "logs").is_dir() and list((tmp_path / "logs").glob("**/1/stderr.log"))
+
+
+def test_five_runs_in_one_process(tmp_path):
+    quick = [*TINY_DDP, "parallel=ddp", "gpus=2", "trainer.max_steps=2", "trainer.save_model=false",
+             "trainer.eval_before_training=false"]
+    values = [run_job(quick, tmp_path / f"run{i}") for i in range(5)]
+    assert len(values) == 5 and all((tmp_path / f"run{i}" / "metrics.json").is_file() for i in range(5))
+
+
+def test_two_runs_at_the_same_moment(tmp_path):
+    args = [*TINY_DDP, "parallel=ddp", "gpus=2", "trainer.max_steps=2", "trainer.save_model=false"]
+    procs = [_cli(args, tmp_path) for _ in range(2)]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    run_dirs = sorted((tmp_path / "outputs" / "runs").iterdir())
+    assert len(run_dirs) == 2 and all((d / "metrics.json").is_file() for d in run_dirs)
+
+
+@pytest.mark.parametrize("action", ["raise", "kill"])
+def test_failing_rank_ends_the_job_quickly(tmp_path, action):
+    start = time.monotonic()
+    proc = _cli([*TINY_DDP, "parallel=ddp", "gpus=2", f"hydra.run.dir={tmp_path}"], tmp_path,
+                env={"LYCHEE_FAULT": f"1:2:{action}"})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert time.monotonic() - start < 60  # includes ~10 s of start-up; the failure itself ends it in seconds
+    errors = [line for line in (out + err).splitlines() if "error:" in line]
+    assert len(errors) == 1 and "rank 1 failed" in errors[0] and "stderr.log" in errors[0], errors
+    assert ("injected fault" if action == "raise" else "SIGKILL") in errors[0]
+    assert "Traceback" not in out + err
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_hanging_rank_is_bounded_by_the_collective_timeout(tmp_path):
+    proc = _cli([*TINY_DDP, "parallel=ddp", "gpus=2", "parallel.timeout_s=5", f"hydra.run.dir={tmp_path}"],
+                tmp_path, env={"LYCHEE_FAULT": "1:2:hang"})
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and not (tmp_path / "metrics.json").exists()
+
+
+def test_nan_loss_stops_the_job(tmp_path):
+    proc = _cli([*TINY_DDP, "parallel=single", "optimizer.lr=1e30", "optimizer.max_grad_norm=0",
+                 "trainer.max_steps=20", f"hydra.run.dir={tmp_path}"], tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "loss is nan" in out + err or "loss is inf" in out + err
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
+    args = [*TINY_DDP, "parallel=ddp", "gpus=2", "data.batch_size=2", "trainer.max_steps=8",
+            "trainer.checkpoint_every=2", "trainer.eval_every=4"]
+    reference = tmp_path / "reference"
+    run_job(args, reference)
+
+    killed = tmp_path / "killed"
+    proc = _cli([*args, f"hydra.run.dir={killed}"], tmp_path, env={"LYCHEE_FAULT": "0:5:hang"})
+    deadline = time.monotonic() + 120
+    while not (killed / "checkpoints" / "step_000004").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.send_signal(signal.SIGKILL)  # the launcher alone: its ranks must die with it (PDEATHSIG)
+    proc.communicate(timeout=30)
+    resumed = _cli([*args, "trainer.resume=auto", f"hydra.run.dir={killed}"], tmp_path)
+    out, err = resumed.communicate(timeout=180)
+    assert resumed.returncode == 0, err[-3000:]
+    assert "resumed from" in out + err
+    m_ref, m_res = _metrics(reference), _metrics(killed)
+    for key in ("ndcg@10", "mrr@10", "initial_ndcg@10", "train_loss"):
+        assert m_res[key] == pytest.approx(m_ref[key], abs=1e-5), key
+    assert m_res["steps"] == 8
+    for name, tensor in _weights(reference).items():
+        torch.testing.assert_close(_weights(killed)[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    run_job([*TINY_DDP, "parallel=single", "trainer.max_steps=6", "trainer.checkpoint_every=2",
+             "trainer.keep_checkpoints=2"], tmp_path)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000004", "step_000006"]
+    assert (root / "latest").read_text().strip() == "step_000006"
+    assert not list(root.glob(".tmp*"))
+    state = torch.load(root / "step_000006" / "state.pt", weights_only=True)
+    assert state["step"] == 6
+
+
+def test_gpu_count_checks():
+    with pytest.raises(UserError, match=r"gpus=4 but only 2 CUDA GPU"):
+        plan_devices("ddp", 4, cuda_count=2, cores=16)
+    with pytest.raises(UserError, match=r"parallel=dp needs CUDA GPUs"):
+        plan_devices("dp", "auto", cuda_count=0, cores=2)
+    assert plan_devices("ddp", "auto", cuda_count=4, cores=16).num_devices == 4
+    cpu = plan_devices("ddp", 3, cuda_count=0, cores=6)
+    assert (cpu.device_type, cpu.num_devices, cpu.threads_per_rank) == ("cpu", 3, 2)
+    assert plan_devices("ddp", "auto", cuda_count=0, cores=2).num_devices == 2
+
+
+def test_dp_without_cuda_is_one_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = _cli(["parallel=dp", f"hydra.run.dir={tmp_path}"], tmp_path)
+    out, err = proc.communicate(timeout=120)
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "parallel=dp needs CUDA GPUs" in lines[0], lines

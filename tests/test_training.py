@@ -1,0 +1,200 @@
+"""Training runs of the tiny model: losses fall, metrics.json, determinism, accumulation, lr scaling."""
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import TINY_OVERRIDES, compose_config, run_tiny
+from lychee_exp import losses
+from lychee_exp.config import to_run_config
+from lychee_exp.train import effective_batch_size, scaled_lr
+
+REQUIRED_KEYS = {"ndcg@10", "mrr@10", "initial_ndcg@10", "initial_mrr@10", "bm25_ndcg@10", "bm25_mrr@10",
+                 "train_loss", "steps", "effective_batch_size", "lr", "train_samples_per_s", "train_time_s"}
+
+
+def read_csv(path: Path) -> list[dict]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [float(row["train/loss"]) for row in read_csv(run_dir / "metrics.csv") if row.get("train/loss")]
+
+
+# ------------------------------------------------------------------------------------------------ loss units
+def test_pointwise_matches_hand_computation():
+    logits = torch.tensor([2.0, -1.0, 0.5, -0.3, 0.7, 1.5])
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    expected = [
+        (-math.log(sig(2.0)) - math.log(1 - sig(-1.0)) - math.log(1 - sig(0.5))) / 3,
+        (-math.log(sig(-0.3)) - math.log(1 - sig(0.7)) - math.log(1 - sig(1.5))) / 3,
+    ]
+    got = losses.pointwise(logits, group_size=3)
+    assert got.shape == (2,)
+    torch.testing.assert_close(got, torch.tensor(expected), atol=1e-6, rtol=0)
+
+
+def test_pointwise_is_yes_no_softmax_cross_entropy():
+    """logit = logit(yes) - logit(no): BCE on it equals the 2-way softmax cross-entropy over (yes, no)."""
+    yes_no = torch.randn(8, 2, generator=torch.Generator().manual_seed(0))
+    target = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1])  # index 0 = yes for each group's first (positive) pair
+    reference = F.cross_entropy(yes_no, target, reduction="none").view(2, 4).mean(1)
+    torch.testing.assert_close(losses.pointwise(yes_no[:, 0] - yes_no[:, 1], 4), reference, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_listwise_matches_hand_computation(temperature):
+    logits = torch.tensor([2.0, -1.0, 0.5, -0.3, 0.7, 1.5])
+    expected = []
+    for group in ([2.0, -1.0, 0.5], [-0.3, 0.7, 1.5]):
+        z = [g / temperature for g in group]
+        expected.append(-(z[0] - math.log(sum(math.exp(v) for v in z))))
+    got = losses.listwise(logits, group_size=3, temperature=temperature)
+    torch.testing.assert_close(got, torch.tensor(expected), atol=1e-6, rtol=0)
+
+
+def test_losses_have_gradients_toward_the_positive():
+    for fn in (losses.pointwise, losses.listwise):
+        logits = torch.zeros(4, requires_grad=True)
+        fn(logits, 4).sum().backward()
+        assert logits.grad[0] < 0 and (logits.grad[1:] > 0).all(), fn.__name__
+
+
+# ------------------------------------------------------------------------------------------------ lr scaling
+@pytest.mark.parametrize(("scaling", "factor"), [("none", 1.0), ("linear", 8.0), ("sqrt", math.sqrt(8.0))])
+def test_scaled_lr(scaling, factor, tmp_path):
+    cfg = to_run_config(compose_config(["model=tiny_lychee", "optimizer.lr=1e-3", "optimizer.base_batch_size=4",
+                                        f"optimizer.lr_scaling={scaling}", "data.batch_size=8",
+                                        "trainer.grad_accum_steps=2"], tmp_path))
+    assert effective_batch_size(cfg, 2) == 32
+    assert scaled_lr(cfg, 2) == pytest.approx(1e-3 * factor)
+    # at the base batch size every rule leaves lr alone
+    cfg.data.batch_size, cfg.trainer.grad_accum_steps = 4, 1
+    assert scaled_lr(cfg, 1) == pytest.approx(1e-3)
+
+
+# ------------------------------------------------------------------------------------------------ runs
+@pytest.fixture(scope="module")
+def standard_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("standard_run")
+    value, metrics = run_tiny(out, "logger=csv", "optimizer.lr_scaling=linear", "optimizer.base_batch_size=4",
+                              "optimized_metric=mrr@10")
+    return out, value, metrics
+
+
+def test_run_writes_metrics_json(standard_run):
+    out, value, metrics = standard_run
+    assert REQUIRED_KEYS <= set(metrics), REQUIRED_KEYS - set(metrics)
+    for key in REQUIRED_KEYS:
+        assert isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]), key
+    for key in ("ndcg@10", "mrr@10", "initial_ndcg@10", "initial_mrr@10", "bm25_ndcg@10", "bm25_mrr@10"):
+        assert 0.0 <= metrics[key] <= 1.0, key
+    assert metrics["steps"] == 4
+    assert metrics["effective_batch_size"] == 2
+    assert metrics["lr"] == pytest.approx(1e-3 * 2 / 4)  # linear scaling from base batch 4 to 2
+    assert metrics["train_samples_per_s"] > 0 and metrics["train_time_s"] > 0
+    assert (out / "config.yaml").is_file()
+
+
+def test_run_returns_optimized_metric(standard_run):
+    out, value, metrics = standard_run
+    assert metrics["optimized_metric"] == "mrr@10"
+    assert value == pytest.approx(metrics["mrr@10"])
+
+
+def test_csv_logger_rows(standard_run):
+    out, _, metrics = standard_run
+    rows = read_csv(out / "metrics.csv")
+    steps_with_loss = [int(r["step"]) for r in rows if r.get("train/loss")]
+    assert steps_with_loss == [1, 2, 3, 4]  # log_every=1
+    assert float([r for r in rows if r.get("train/loss")][-1]["train/loss"]) == pytest.approx(metrics["train_loss"])
+    dev_rows = [r for r in rows if r.get("dev/ndcg@10")]
+    assert int(dev_rows[0]["step"]) == 0 and int(dev_rows[-1]["step"]) == 4
+    assert float(dev_rows[-1]["dev/ndcg@10"]) == pytest.approx(metrics["ndcg@10"])
+    assert float(dev_rows[0]["dev/ndcg@10"]) == pytest.approx(metrics["initial_ndcg@10"])
+
+
+def test_saved_model_loads_with_transformers(standard_run):
+    out, _, _ = standard_run
+    model = AutoModelForCausalLM.from_pretrained(str(out / "model"))
+    tokenizer = AutoTokenizer.from_pretrained(str(out / "model"))
+    assert model.config.model_type == "qwen2"
+    assert len(tokenizer("yes", add_special_tokens=False)["input_ids"]) == 1
+
+
+def test_run_with_model_from_previous_run_reproduces_its_final_metrics(standard_run, tmp_path):
+    """The saved model directory is a valid model.path: evaluating it before training gives the final metrics."""
+    out, _, metrics = standard_run
+    _, again = run_tiny(tmp_path, f"model.path={out / 'model'}", "model.random_init=false",
+                        "trainer.save_model=false")
+    assert again["initial_ndcg@10"] == pytest.approx(metrics["ndcg@10"], abs=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["pointwise", "listwise"])
+def test_loss_falls(loss, tmp_path):
+    _, metrics = run_tiny(tmp_path, f"loss={loss}", "logger=csv", "data.max_train_queries=16", "data.batch_size=4",
+                          "data.max_dev_queries=2", "trainer.max_steps=60", "trainer.log_every=1",
+                          "optimizer.lr=2e-3", "optimizer.warmup_ratio=0.05", "trainer.save_model=false")
+    series = train_losses(tmp_path)
+    assert len(series) == 60
+    first, last = sum(series[:8]) / 8, sum(series[-8:]) / 8
+    print(f"{loss}: first {first:.4f} last {last:.4f}")
+    assert last < first * 0.8, (first, last)
+    assert metrics["epochs"] >= 10  # 16 queries / batch 4 = 4 steps per epoch: the data repeats
+
+
+def test_max_steps_overrides_epochs(tmp_path):
+    _, metrics = run_tiny(tmp_path / "a", "trainer.max_epochs=5", "trainer.max_steps=3", "trainer.save_model=false")
+    assert metrics["steps"] == 3
+
+
+def test_epochs_when_no_max_steps(tmp_path):
+    # 8 queries, batch 2 -> 4 steps per epoch
+    _, metrics = run_tiny(tmp_path, "trainer.max_epochs=2", "trainer.max_steps=-1", "trainer.save_model=false")
+    assert metrics["steps"] == 8 and metrics["epochs"] == 2
+
+
+def test_seeded_runs_are_identical(tmp_path):
+    extra = ("trainer.deterministic=true", "trainer.save_model=false")
+    _, a = run_tiny(tmp_path / "a", *extra)
+    _, b = run_tiny(tmp_path / "b", *extra)
+    assert a["ndcg@10"] == b["ndcg@10"]
+    assert a["mrr@10"] == b["mrr@10"]
+    assert a["train_loss"] == b["train_loss"]
+    _, c = run_tiny(tmp_path / "c", *extra, "seed=7")
+    assert c["train_loss"] != a["train_loss"]
+
+
+def test_gradient_accumulation_matches_big_batch(tmp_path):
+    common = ("trainer.deterministic=true", "trainer.precision=fp32", "trainer.save_model=false", "logger=csv",
+              "trainer.max_steps=6", "optimizer.lr_scaling=none")
+    _, big = run_tiny(tmp_path / "big", "data.batch_size=4", "trainer.grad_accum_steps=1", *common)
+    _, acc = run_tiny(tmp_path / "acc", "data.batch_size=2", "trainer.grad_accum_steps=2", *common)
+    assert big["effective_batch_size"] == acc["effective_batch_size"] == 4
+    assert big["steps"] == acc["steps"] == 6
+    torch.testing.assert_close(torch.tensor(train_losses(tmp_path / "acc"), dtype=torch.float64),
+                               torch.tensor(train_losses(tmp_path / "big"), dtype=torch.float64),
+                               atol=1e-5, rtol=0)
+    assert acc["train_loss"] == pytest.approx(big["train_loss"], abs=1e-5)
+    assert acc["ndcg@10"] == pytest.approx(big["ndcg@10"], abs=1e-5)
+    assert acc["mrr@10"] == pytest.approx(big["mrr@10"], abs=1e-5)
+
+
+def test_stale_metrics_json_is_removed_when_the_run_fails(tmp_path):
+    """A failed run must not leave an earlier run's metrics.json behind for a sweeper to read."""
+    from lychee_exp.errors import UserError
+    from lychee_exp.run import run
+
+    (tmp_path / "metrics.json").write_text('{"ndcg@10": 99}')
+    cfg = compose_config([*TINY_OVERRIDES, "data=jsonl", f"data.train_file={tmp_path / 'missing.jsonl'}",
+                          f"data.dev_file={tmp_path / 'missing.jsonl'}"], tmp_path)
+    with pytest.raises(UserError, match="missing.jsonl"):
+        run(cfg)
+    assert not (tmp_path / "metrics.json").exists()
