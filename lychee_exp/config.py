@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -124,6 +124,17 @@ class LoggerConfig:
 
 
 @dataclass
+class TrialConfig:
+    """Set by the Optuna sweeper for each trial (never by hand): where rank 0 reports dev metrics for pruning."""
+
+    storage: str = ""  # SQLAlchemy URL of the study; empty = not a sweep trial
+    study_name: str = ""
+    number: int = -1  # the trial's number in its study (names its directory)
+    id: int = -1  # the storage's trial id, to report intermediate values to
+    pruner: Dict[str, Any] = field(default_factory=dict)  # _target_ spec of the study's pruner
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -136,6 +147,7 @@ class RunConfig:
     gpus: Any = "auto"  # an int, or auto (all visible GPUs; without CUDA, CPU ranks for the cores)
     optimized_metric: str = "ndcg@10"
     output_dir: str = MISSING
+    trial: TrialConfig = field(default_factory=TrialConfig)
 
 
 def register_schema() -> None:

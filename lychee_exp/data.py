@@ -10,8 +10,11 @@ import json
 import random
 from dataclasses import dataclass, field
 
+from itertools import islice
+
 import torch
-from torch.utils.data import Dataset
+
+from torch.utils.data import Dataset, DistributedSampler
 
 from lychee_exp.errors import UserError
 from lychee_exp.prompt import PromptEncoder
@@ -134,3 +137,14 @@ def build_dev_pairs(queries: list[RankingQuery], encoder: PromptEncoder, instruc
             pairs.texts.append((q.query, doc))
     return pairs
 
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start mid-epoch (resume) without touching the batches it skips."""
+
+    start = 0  # items of this rank's shard to skip in the current epoch
+
+    def __iter__(self):
+        return islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start

@@ -75,6 +75,9 @@ def run(cfg: DictConfig) -> float:
         run_cfg = to_run_config(cfg)
     except OmegaConfBaseException as err:
         raise UserError(f"{err.full_key or 'config'}: {str(err).splitlines()[0]}") from None
+    if under_torchrun() and _in_sweep():
+        raise UserError("-m sweeps cannot run under torchrun (every rank would sample its own hyperparameters); "
+                        "run the sweep without torchrun: each trial launches its own ranks")
     is_main = os.environ.get("RANK", "0") == "0"  # under torchrun only global rank 0 writes outputs
     output_dir = Path(run_cfg.output_dir)
     metrics_path = output_dir / "metrics.json"
@@ -98,17 +101,23 @@ def run(cfg: DictConfig) -> float:
     return float(metrics[run_cfg.optimized_metric])
 
 
+def _in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     try:
         return run(cfg)
-    except UserError as err:
-        # A user mistake gets one line, not a traceback.
+    except (UserError, RunFailed) as err:
         log.error("error: %s", err)
-        sys.exit(2)
-    except RunFailed as err:
-        log.error("error: %s", err)
-        sys.exit(1)
+        if _in_sweep():
+            raise  # the sweeper records the trial as failed, with this reason, and goes on
+        # A user mistake (2) or a failed run (1) gets one line, not a traceback.
+        sys.exit(2 if isinstance(err, UserError) else 1)
 
 
 if __name__ == "__main__":

@@ -10,56 +10,37 @@ import inspect
 import json
 import logging
 import math
-import os
 import random
-import resource
-import signal
 import sys
 import time
-from itertools import islice
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from tqdm import tqdm
-from transformers import get_scheduler
 
 from lychee_exp import evaluate as ev
 from lychee_exp.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from lychee_exp.config import RunConfig
-from lychee_exp.data import GroupCollator, TrainGroups, build_dev_pairs, load_queries
+from lychee_exp.data import GroupCollator, ResumableSampler, TrainGroups, build_dev_pairs, load_queries
 from lychee_exp.devices import DevicePlan
 from lychee_exp.distributed import DistEnv, device_name
 from lychee_exp.loggers import make_logger
 from lychee_exp.losses import LOSSES
+from lychee_exp.faults import inject_fault
+from lychee_exp.optim import build_optimizer, effective_batch_size, scaled_lr
 from lychee_exp.model import build_encoder, count_parameters, load_reranker, load_tokenizer, save_reranker
+from lychee_exp.throughput import StepTimer, log_hints, summarize
 
 log = logging.getLogger(__name__)
 
-TIMING_WARMUP_STEPS = 2  # the first steps pay for allocator and kernel warm-up; throughput skips them
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or inf."""
-
-
-DATA_WAIT_HINT = 0.2  # share of step time spent waiting for batches that earns a hint
-RANK_SPREAD_HINT = 1.25  # slowest / fastest rank compute time that earns a hint
-
-
-def effective_batch_size(cfg: RunConfig, num_devices: int) -> int:
-    """Queries per optimizer step: per-device batch x devices x accumulation."""
-    return cfg.data.batch_size * num_devices * cfg.trainer.grad_accum_steps
-
-
-def scaled_lr(cfg: RunConfig, num_devices: int) -> float:
-    """The multi-GPU guide's rule: keep lr per sample constant as the effective batch grows (linear) or
-    grow it with the square root (sqrt, gentler for Adam)."""
-    ratio = effective_batch_size(cfg, num_devices) / cfg.optimizer.base_batch_size
-    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.optimizer.lr_scaling]
-    return cfg.optimizer.lr * factor
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -78,21 +59,11 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start mid-epoch (resume) without touching the batches it skips."""
-
-    start = 0  # items of this rank's shard to skip in the current epoch
-
-    def __iter__(self):
-        return islice(super().__iter__(), self.start, None)
-
-    def __len__(self) -> int:
-        return self.num_samples - self.start
-
-
 class Trainer:
-    def __init__(self, cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path):
+    def __init__(self, cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path,
+                 eval_callbacks: Sequence[Callable[[int, dict], bool]] = ()):
         self.cfg, self.env, self.plan, self.output_dir = cfg, env, plan, output_dir
+        self.eval_callbacks = list(eval_callbacks)  # (step, dev metrics) -> True to stop; main rank only
         self.device = env.device
         self.num_devices = plan.num_devices  # devices whose batches make one step (DDP ranks or DP GPUs)
 
@@ -128,13 +99,8 @@ class Trainer:
         self.total_steps = (cfg.trainer.max_steps if cfg.trainer.max_steps > 0
                             else cfg.trainer.max_epochs * self.steps_per_epoch)
         self.lr = scaled_lr(cfg, self.num_devices)
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=self.lr, betas=tuple(cfg.optimizer.betas),
-                                           eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay)
-        schedule = {"constant": "constant_with_warmup"}.get(cfg.optimizer.scheduler, cfg.optimizer.scheduler)
-        self.warmup_steps = math.ceil(cfg.optimizer.warmup_ratio * self.total_steps)
-        self.scheduler = get_scheduler(schedule, self.optimizer, num_warmup_steps=self.warmup_steps,
-                                       num_training_steps=self.total_steps)
+        self.optimizer, self.scheduler, self.warmup_steps = build_optimizer(cfg, self.model, self.lr,
+                                                                            self.total_steps)
         self.precision = resolve_precision(cfg.trainer.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.loss_fn = LOSSES[cfg.loss.name]
@@ -142,6 +108,7 @@ class Trainer:
         self.resume_from = self._resume_path()
         self.logger = make_logger(cfg.logger.name, self.output_dir, env.is_main)
         self.eval_time_s = 0.0
+        self.stopped = False  # set when an evaluation callback (e.g. a sweep's pruner) ends the run early
         self._describe()
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -198,101 +165,90 @@ class Trainer:
         cfg, env = self.cfg, self.env
         progress = self._restore() if self.resume_from else {"step": 0, "epoch": 0, "batch": 0, "summary": {}}
         step, epoch, next_batch, summary = progress["step"], progress["epoch"], progress["batch"], progress["summary"]
+        evaluated_at = progress.get("evaluated_at", -1)
         if step == 0:
             summary.update(self._baselines())
-        evaluated_at = progress.get("evaluated_at", -1)
-        if step == 0 and cfg.trainer.eval_before_training:
-            initial = self._eval_and_log(0)
-            summary.update({f"initial_{k}": v for k, v in initial.items()}, **initial)
-            evaluated_at = 0
+            if cfg.trainer.eval_before_training:
+                initial = self._eval_and_log(0)
+                summary.update({f"initial_{k}": v for k, v in initial.items()}, **initial)
+                evaluated_at = 0
 
         accum, batch = cfg.trainer.grad_accum_steps, self.loader.batch_size
-        local_queries = self.sampler.num_samples
-        num_batches = math.ceil(local_queries / batch)
-        timed = {"time": 0.0, "wait": 0.0, "busy": 0.0, "queries": 0.0, "tokens": 0.0}
-        window_loss, window_count, timed_from = 0.0, 0, step + TIMING_WARMUP_STEPS
+        num_batches = math.ceil(self.sampler.num_samples / batch)
+        timer = StepTimer(step, self.total_steps)
+        losses: list[float] = []
         bar = tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True,
                    disable=not (env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()))
         self.train_model.train()
         train_start = time.perf_counter()
-        while step < self.total_steps:
+        while step < self.total_steps and not self.stopped:
             self.sampler.set_epoch(epoch)
             self.sampler.start = next_batch * batch
             self.train_set.set_epoch(epoch)
             batches = iter(self.loader)
             for first in range(next_batch, num_batches, accum):
                 micro_steps = min(accum, num_batches - first)
-                # Queries in this window on each rank (the epoch's last batch may be short): the loss is a mean
-                # over the whole window, so accumulation and sharding give the gradient of one big batch.
-                window_queries = min(local_queries, (first + micro_steps) * batch) - first * batch
                 start = time.perf_counter()
-                wait = busy = 0.0
-                stats = torch.zeros(3, dtype=torch.float64)  # loss sum, tokens, queries
-                for micro in range(micro_steps):
-                    fetched = time.perf_counter()
-                    inputs = next(batches)
-                    wait += time.perf_counter() - fetched
-                    sync = micro == micro_steps - 1 or not env.distributed
-                    computed = time.perf_counter()
-                    with contextlib.nullcontext() if sync else self.train_model.no_sync(), self.autocast():
-                        logits = self.train_model(inputs["input_ids"].to(self.device, non_blocking=True),
-                                                  inputs["attention_mask"].to(self.device, non_blocking=True))
-                        per_query = self.loss_fn(logits, cfg.data.train_group_size, cfg.loss.temperature)
-                    busy += time.perf_counter() - computed  # forward only: backward waits on other ranks
-                    self.scaler.scale(per_query.sum() / window_queries).backward()
-                    stats += torch.tensor([per_query.detach().sum().item(), inputs["attention_mask"].sum().item(),
-                                           len(per_query)], dtype=torch.float64)
-                stats = env.all_reduce_sum(stats)
+                stats, wait, busy = self._accumulate(batches, first, micro_steps)
                 loss = stats[0].item() / stats[2].item()
                 if not math.isfinite(loss):
                     raise TrainingDiverged(f"loss is {loss} at step {step + 1} (lr {self.lr:.3g}); lower "
                                            "optimizer.lr or use trainer.precision=bf16/fp32")
                 grad_norm = self._optimizer_step()
                 step += 1
-                self._inject_fault(step)
+                inject_fault(self.env.rank, step)
                 elapsed = time.perf_counter() - start
-                if step > timed_from or self.total_steps - progress["step"] <= TIMING_WARMUP_STEPS:
-                    for key, value in (("time", elapsed), ("wait", wait), ("busy", busy + wait),
-                                       ("queries", stats[2].item()), ("tokens", stats[1].item())):
-                        timed[key] += value
-                window_loss, window_count = window_loss + loss, window_count + 1
+                timer.add(step, elapsed, wait, busy, stats[2].item(), stats[1].item())
+                losses.append(loss)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{stats[2].item() / elapsed:.1f}")
                 if step % cfg.trainer.log_every == 0 or step == self.total_steps:
-                    summary["train_loss"] = window_loss / window_count
+                    summary["train_loss"] = sum(losses) / len(losses)
                     self._log_train(step, epoch, summary["train_loss"], grad_norm, stats, elapsed, wait)
-                    window_loss, window_count = 0.0, 0
+                    losses.clear()
                 if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
                     summary.update(self._eval_and_log(step))
                     evaluated_at = step
                 position = (epoch, first + micro_steps) if first + micro_steps < num_batches else (epoch + 1, 0)
                 if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
                     self._checkpoint(step, position, summary, evaluated_at)
-                if step >= self.total_steps:
+                if step >= self.total_steps or self.stopped:
                     break
             epoch, next_batch = epoch + 1, 0
-            if evaluated_at != step:
+            if evaluated_at != step and not self.stopped:
                 summary.update(self._eval_and_log(step))
                 evaluated_at = step
         bar.close()
         train_time = time.perf_counter() - train_start - self.eval_time_s
-        summary.update(self._run_facts(step, epoch, train_time, timed))
+        summary.update(self._run_facts(step, epoch, train_time, timer), stopped_early=self.stopped)
         return summary
 
-    def _inject_fault(self, step: int) -> None:
-        """Test hook for failure handling: LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang>."""
-        fault = os.environ.get("LYCHEE_FAULT")
-        if not fault:
-            return
-        rank, at_step, action = fault.split(":")
-        if int(rank) != self.env.rank or int(at_step) != step:
-            return
-        if action == "raise":
-            raise RuntimeError(f"injected fault on rank {rank} at step {step}")
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if action == "hang":
-            time.sleep(3600)
+    def _accumulate(self, batches, first: int, micro_steps: int) -> tuple[torch.Tensor, float, float]:
+        """Forward and backward over one accumulation window; returns the all-reduced (loss sum, tokens,
+        queries) and this rank's data-wait and busy seconds."""
+        cfg, env = self.cfg, self.env
+        batch, local_queries = self.loader.batch_size, self.sampler.num_samples
+        # Queries in this window on each rank (the epoch's last batch may be short): the loss is a mean over
+        # the whole window, so accumulation and sharding give the gradient of one big batch.
+        window_queries = min(local_queries, (first + micro_steps) * batch) - first * batch
+        wait = busy = 0.0
+        stats = torch.zeros(3, dtype=torch.float64)
+        for micro in range(micro_steps):
+            fetched = time.perf_counter()
+            inputs = next(batches)
+            computed = time.perf_counter()
+            wait += computed - fetched
+            # DDP all-reduces gradients on the window's last backward only
+            sync = micro == micro_steps - 1 or not env.distributed
+            with contextlib.nullcontext() if sync else self.train_model.no_sync(), self.autocast():
+                logits = self.train_model(inputs["input_ids"].to(self.device, non_blocking=True),
+                                          inputs["attention_mask"].to(self.device, non_blocking=True))
+                per_query = self.loss_fn(logits, cfg.data.train_group_size, cfg.loss.temperature)
+            busy += time.perf_counter() - computed
+            self.scaler.scale(per_query.sum() / window_queries).backward()
+            stats += torch.tensor([per_query.detach().sum().item(), inputs["attention_mask"].sum().item(),
+                                   len(per_query)], dtype=torch.float64)
+        return env.all_reduce_sum(stats), wait, busy + wait
 
     def _baselines(self) -> dict[str, float]:
         if not self.env.is_main:
@@ -327,6 +283,11 @@ class Trainer:
     def _eval_and_log(self, step: int) -> dict[str, float]:
         metrics = self.evaluate()
         self._log_eval(metrics, step)
+        # Callbacks decide on the main rank; every rank must then stop at the same step, or DDP would hang.
+        stop = any([callback(step, metrics) for callback in self.eval_callbacks]) if self.env.is_main else False
+        self.stopped = self.env.gather_objects(stop)[0]
+        if self.stopped and self.env.is_main:
+            log.info("stopping after the evaluation at step %d (an evaluation callback asked to)", step)
         return metrics
 
     def _log_eval(self, metrics: dict[str, float], step: int) -> None:
@@ -334,18 +295,15 @@ class Trainer:
         if self.env.is_main:
             log.info("step %d: dev %s", step, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
-    def _run_facts(self, steps: int, epochs: int, train_time: float, timed: dict) -> dict:
-        cfg, env = self.cfg, self.env
-        per_rank = env.gather_objects({"busy": timed["busy"], "wait": timed["wait"], "time": timed["time"],
-                                       "peak_memory_mb": peak_memory_mb(self.device)})
-        busy = [r["busy"] for r in per_rank]
+    def _run_facts(self, steps: int, epochs: int, train_time: float, timer: StepTimer) -> dict:
+        cfg = self.cfg
         facts = {
             "steps": steps,
             "epochs": epochs,
             "effective_batch_size": effective_batch_size(cfg, self.num_devices),
             "per_device_batch_size": cfg.data.batch_size,
             "world_size": self.num_devices,
-            "num_processes": env.world_size,
+            "num_processes": self.env.world_size,
             "strategy": self.plan.strategy,
             "grad_accum_steps": cfg.trainer.grad_accum_steps,
             "train_group_size": cfg.data.train_group_size,
@@ -354,29 +312,15 @@ class Trainer:
             "precision": self.precision,
             "device": device_name(self.device),
             "device_type": self.device.type,
-            "train_samples_per_s": timed["queries"] / timed["time"] if timed["time"] else 0.0,
-            "train_tokens_per_s": timed["tokens"] / timed["time"] if timed["time"] else 0.0,
-            # mean over ranks of the share of step time spent waiting for the next batch
-            "data_wait_share": sum(r["wait"] / r["time"] if r["time"] else 0.0 for r in per_rank) / len(per_rank),
-            # slowest / fastest rank, on time spent without collectives (data wait + forward)
-            "rank_time_spread": max(busy) / min(busy) if min(busy) > 0 else 1.0,
-            "peak_memory_mb_per_rank": [r["peak_memory_mb"] for r in per_rank],
+            **summarize(self.env.gather_objects(timer.rank_record(self.device))),
             "train_time_s": train_time,
             "eval_time_s": self.eval_time_s,
             "parameters": self.params_total,
             "trainable_parameters": self.params_trainable,
         }
-        if env.is_main:
-            self._hint(facts)
+        if self.env.is_main:
+            log_hints(facts, cfg.data.num_workers)
         return facts
-
-    def _hint(self, facts: dict) -> None:
-        if facts["data_wait_share"] > DATA_WAIT_HINT:
-            log.warning("data loading: %.0f%% of step time waits for batches; raise data.num_workers (now %d)",
-                        100 * facts["data_wait_share"], self.cfg.data.num_workers)
-        if facts["rank_time_spread"] > RANK_SPREAD_HINT:
-            log.warning("uneven ranks: the slowest takes %.2fx the fastest; check other jobs on those devices, "
-                        "CPU threads per rank, or length-skewed batches", facts["rank_time_spread"])
 
     # ------------------------------------------------------------------------------------------ checkpoint
     def _checkpoint(self, step: int, position: tuple[int, int], summary: dict, evaluated_at: int) -> None:
@@ -415,15 +359,14 @@ class Trainer:
         self.logger.finish()
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
 def run_training(cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path) -> dict:
     """setup -> fit -> save -> cleanup on this rank; every rank returns the same metrics."""
-    trainer = Trainer(cfg, env, plan, output_dir)
+    callbacks = []
+    if cfg.trial.storage and env.is_main:
+        from lychee_exp.sweep.pruning import pruning_callback  # optuna is only needed by sweeps
+
+        callbacks.append(pruning_callback(cfg.trial, cfg.optimized_metric))
+    trainer = Trainer(cfg, env, plan, output_dir, callbacks)
     try:
         trainer.setup()
         metrics = trainer.fit()

@@ -1,0 +1,22 @@
+"""Fault injection for the tests of failure handling: LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang> makes that
+rank fail right after that optimizer step. Unset (always, outside tests), it does nothing."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def inject_fault(rank: int, step: int) -> None:
+    fault = os.environ.get("LYCHEE_FAULT")
+    if not fault:
+        return
+    fault_rank, fault_step, action = fault.split(":")
+    if int(fault_rank) != rank or int(fault_step) != step:
+        return
+    if action == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "hang":
+        time.sleep(3600)
