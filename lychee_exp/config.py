@@ -97,6 +97,7 @@ class TrainerConfig:
     max_epochs: int = 1
     max_steps: int = -1  # optimizer steps; > 0 overrides max_epochs
     eval_every: int = 0  # optimizer steps between dev evaluations; 0 = after each epoch only
+    evaluate: bool = True  # false: train only (throughput calibration and benchmarks)
     eval_before_training: bool = True
     grad_accum_steps: int = 1
     precision: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: fp32 on CPU, bf16 on GPUs that support it)
@@ -116,11 +117,29 @@ class ParallelConfig:
     max_restarts: int = 0  # elastic restarts of all ranks after a failure (resume from the latest checkpoint)
     find_unused_parameters: bool = False
     timeout_s: int = 1800  # collective timeout; dev evaluation must finish within it
+    cpu_threads_per_rank: int = 0  # CPU ranks: torch threads each; 0 = an equal share of the cores
 
 
 @dataclass
 class LoggerConfig:
-    name: str = "csv"  # csv: metrics.csv in the run directory | none
+    name: str = "wandb"  # wandb: W&B + metrics.csv | csv: metrics.csv in the run directory | none
+    project: str = "lychee_exp"
+    entity: Optional[str] = None
+    mode: str = "auto"  # auto: online with an API key, else offline | online | offline | disabled
+    group: Optional[str] = None  # default: the sweep's study name, or the run's name
+    job_type: Optional[str] = None  # default: trial in sweeps, else train
+    tags: List[str] = field(default_factory=list)
+    init_timeout_s: int = 30  # an unreachable server costs at most this, then the run continues offline
+
+
+@dataclass
+class SpeedupConfig:
+    """Observed speedup = this run's train samples/s / one device's, same model, lengths, batch, precision."""
+
+    baseline_file: str = "outputs/throughput_baselines.json"  # cache of single-device throughput, by key
+    calibrate: bool = True  # without a cached baseline, time a few single-device steps before training
+    calibration_steps: int = 4  # timed steps (after 2 warm-up steps)
+    baseline_samples_per_s: float = 0.0  # > 0: use this single-device figure (skips cache and calibration)
 
 
 @dataclass
@@ -147,6 +166,7 @@ class RunConfig:
     gpus: Any = "auto"  # an int, or auto (all visible GPUs; without CUDA, CPU ranks for the cores)
     optimized_metric: str = "ndcg@10"
     output_dir: str = MISSING
+    speedup: SpeedupConfig = field(default_factory=SpeedupConfig)
     trial: TrialConfig = field(default_factory=TrialConfig)
 
 
@@ -165,7 +185,8 @@ _CHOICES = {
     "trainer.precision": ("auto", "fp32", "bf16", "fp16"),
     "parallel.strategy": ("single", "dp", "ddp"),
     "parallel.backend": ("auto", "nccl", "gloo"),
-    "logger.name": ("csv", "none"),
+    "logger.name": ("wandb", "csv", "none"),
+    "logger.mode": ("auto", "online", "offline", "disabled"),
     "optimized_metric": METRIC_NAMES,
 }
 _POSITIVE = (
@@ -178,10 +199,13 @@ _POSITIVE = (
     "model.prompt.doc_max_len",
     "model.lora.r",
     "parallel.timeout_s",
+    "logger.init_timeout_s",
+    "speedup.calibration_steps",
 )
 _NON_NEGATIVE = ("data.max_train_queries", "data.max_dev_queries", "data.num_workers", "trainer.eval_every",
                  "trainer.max_epochs", "optimizer.weight_decay", "optimizer.max_grad_norm",
-                 "trainer.checkpoint_every", "trainer.keep_checkpoints", "parallel.max_restarts")
+                 "trainer.checkpoint_every", "trainer.keep_checkpoints", "parallel.max_restarts",
+                 "parallel.cpu_threads_per_rank")
 
 
 def check_config(cfg: DictConfig | RunConfig) -> None:

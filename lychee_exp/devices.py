@@ -54,7 +54,8 @@ def parse_gpus(gpus: object) -> int | None:
     return count
 
 
-def plan_devices(strategy: str, gpus: object, cuda_count: int | None = None, cores: int | None = None) -> DevicePlan:
+def plan_devices(strategy: str, gpus: object, cuda_count: int | None = None, cores: int | None = None,
+                 cpu_threads_per_rank: int = 0) -> DevicePlan:
     requested = parse_gpus(gpus)
     cuda_count = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if cuda_count is None else cuda_count
     cores = available_cores() if cores is None else cores
@@ -73,4 +74,12 @@ def plan_devices(strategy: str, gpus: object, cuda_count: int | None = None, cor
             raise UserError(f"gpus={count} but only {cuda_count} CUDA GPU(s) are visible{where}")
         return DevicePlan(strategy, "cuda", count, max(1, cores // count))
     count = max(1, min(cores, MAX_AUTO_CPU_RANKS)) if requested is None else requested
-    return DevicePlan("ddp", "cpu", count, max(1, cores // count))
+    return DevicePlan("ddp", "cpu", count, cpu_threads_per_rank or max(1, cores // count))
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision != "auto":
+        return precision
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"

@@ -5,6 +5,7 @@ write metrics.json from rank 0's results, and return the optimized metric to whi
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from lychee_exp.devices import plan_devices
 from lychee_exp.errors import UserError
 from lychee_exp.launcher import RunFailed, launch, under_torchrun
 from lychee_exp.model import build_encoder, load_tokenizer
+from lychee_exp.speedup import resolve_baseline, store_baseline
 
 log = logging.getLogger("lychee_exp")
 
@@ -85,20 +87,31 @@ def run(cfg: DictConfig) -> float:
         output_dir.mkdir(parents=True, exist_ok=True)
         metrics_path.unlink(missing_ok=True)  # a stale result must not pass for this run's
     preflight(run_cfg)
-    plan = plan_devices(run_cfg.parallel.strategy, run_cfg.gpus)
+    plan = plan_devices(run_cfg.parallel.strategy, run_cfg.gpus,
+                        cpu_threads_per_rank=run_cfg.parallel.cpu_threads_per_rank)
     if is_main:
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))
 
+    if is_main and not under_torchrun():
+        baseline = resolve_baseline(run_cfg, plan, output_dir)
+        run_cfg = dataclasses.replace(run_cfg, speedup=dataclasses.replace(run_cfg.speedup,
+                                                                          baseline_samples_per_s=baseline))
     metrics = launch(run_cfg, plan, output_dir, _job_log_file())
     metrics["optimized_metric"] = run_cfg.optimized_metric
+    if is_main and plan.num_devices == 1 and plan.strategy != "dp":
+        store_baseline(run_cfg, plan, metrics["train_samples_per_s"], f"run {output_dir}")
     if is_main:
         write_json_atomic(metrics_path, metrics)
-        log.info("dev ndcg@10 %.4f (untrained %.4f, BM25 %.4f), mrr@10 %.4f; %d steps in %.0f s, "
-                 "%.1f samples/s on %d device(s)", metrics["ndcg@10"], metrics.get("initial_ndcg@10", float("nan")),
-                 metrics.get("bm25_ndcg@10", float("nan")), metrics["mrr@10"], metrics["steps"],
-                 metrics["train_time_s"], metrics["train_samples_per_s"], metrics["world_size"])
+        if "ndcg@10" in metrics:
+            log.info("dev ndcg@10 %.4f (untrained %.4f, BM25 %.4f), mrr@10 %.4f", metrics["ndcg@10"],
+                     metrics.get("initial_ndcg@10", float("nan")), metrics.get("bm25_ndcg@10", float("nan")),
+                     metrics["mrr@10"])
+        log.info("%d steps in %.0f s: %.1f samples/s on %d device(s), effective batch %d; speedup %.2fx over one "
+                 "device (scaling efficiency %.0f%%)", metrics["steps"], metrics["train_time_s"],
+                 metrics["train_samples_per_s"], metrics["world_size"], metrics["effective_batch_size"],
+                 metrics["speedup"], 100 * metrics["scaling_efficiency"])
         log.info("results in %s", output_dir)
-    return float(metrics[run_cfg.optimized_metric])
+    return float(metrics.get(run_cfg.optimized_metric, float("nan")))  # nan: trainer.evaluate=false
 
 
 def _in_sweep() -> bool:

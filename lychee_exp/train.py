@@ -6,6 +6,7 @@ update over `grad_accum_steps` micro-batches of `data.batch_size` queries on eac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
 import logging
@@ -25,13 +26,14 @@ from lychee_exp import evaluate as ev
 from lychee_exp.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from lychee_exp.config import RunConfig
 from lychee_exp.data import GroupCollator, ResumableSampler, TrainGroups, build_dev_pairs, load_queries
-from lychee_exp.devices import DevicePlan
+from lychee_exp.devices import DevicePlan, resolve_precision
 from lychee_exp.distributed import DistEnv, device_name
 from lychee_exp.loggers import make_logger
 from lychee_exp.losses import LOSSES
 from lychee_exp.faults import inject_fault
 from lychee_exp.optim import build_optimizer, effective_batch_size, scaled_lr
 from lychee_exp.model import build_encoder, count_parameters, load_reranker, load_tokenizer, save_reranker
+from lychee_exp.speedup import speedup_facts
 from lychee_exp.throughput import StepTimer, log_hints, summarize
 
 log = logging.getLogger(__name__)
@@ -41,14 +43,6 @@ _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or inf."""
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    if precision != "auto":
-        return precision
-    if device.type != "cuda":
-        return "fp32"
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -106,10 +100,24 @@ class Trainer:
         self.loss_fn = LOSSES[cfg.loss.name]
         self.train_model = self._wrap(self.model)
         self.resume_from = self._resume_path()
-        self.logger = make_logger(cfg.logger.name, self.output_dir, env.is_main)
+        self.logger = self._make_logger()
         self.eval_time_s = 0.0
         self.stopped = False  # set when an evaluation callback (e.g. a sweep's pruner) ends the run early
         self._describe()
+
+    def _make_logger(self):
+        cfg, trial = self.cfg, self.cfg.trial
+        in_sweep = bool(trial.storage)
+        name = f"{trial.study_name}-trial{trial.number}" if in_sweep else self.output_dir.name
+        derived = {"world_size": self.num_devices, "per_device_batch_size": cfg.data.batch_size,
+                   "grad_accum_steps": cfg.trainer.grad_accum_steps,
+                   "effective_batch_size": effective_batch_size(cfg, self.num_devices), "scaled_lr": self.lr,
+                   "precision": self.precision, "device_type": self.device.type, "device_count": self.num_devices,
+                   "strategy": self.plan.strategy}
+        config = {**dataclasses.asdict(cfg), **derived}
+        return make_logger(cfg.logger, self.output_dir, self.env.is_main, name=name,
+                           group=trial.study_name if in_sweep else name, job_type="trial" if in_sweep else "train",
+                           config=config)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.env.distributed:
@@ -166,7 +174,7 @@ class Trainer:
         progress = self._restore() if self.resume_from else {"step": 0, "epoch": 0, "batch": 0, "summary": {}}
         step, epoch, next_batch, summary = progress["step"], progress["epoch"], progress["batch"], progress["summary"]
         evaluated_at = progress.get("evaluated_at", -1)
-        if step == 0:
+        if step == 0 and cfg.trainer.evaluate:
             summary.update(self._baselines())
             if cfg.trainer.eval_before_training:
                 initial = self._eval_and_log(0)
@@ -221,6 +229,9 @@ class Trainer:
         bar.close()
         train_time = time.perf_counter() - train_start - self.eval_time_s
         summary.update(self._run_facts(step, epoch, train_time, timer), stopped_early=self.stopped)
+        summary.update(speedup_facts(summary["train_samples_per_s"], cfg.speedup.baseline_samples_per_s,
+                                     self.num_devices))
+        self.logger.log_summary({**summary, "peak_memory_mb": max(summary["peak_memory_mb_per_rank"])})
         return summary
 
     def _accumulate(self, batches, first: int, micro_steps: int) -> tuple[torch.Tensor, float, float]:
@@ -281,6 +292,8 @@ class Trainer:
         return grad_norm
 
     def _eval_and_log(self, step: int) -> dict[str, float]:
+        if not self.cfg.trainer.evaluate:
+            return {}
         metrics = self.evaluate()
         self._log_eval(metrics, step)
         # Callbacks decide on the main rank; every rank must then stop at the same step, or DDP would hang.

@@ -1,0 +1,206 @@
+"""The study in its storage: opening it, heartbeats, resuming after a dead worker, and the trial budget.
+
+n_trials is the study's total, shared by every worker and every invocation. A trial whose worker died (its
+heartbeat stopped, or its process is gone from this machine) is failed with the reason and its params are
+queued again; such "interrupted" trials, and "surplus" ones (asked by two workers for the last slot), do not
+count, so the study ends with exactly n_trials finished trials.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lychee_exp.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# user attributes the sweeper keeps on trials
+REASON = "fail_reason"  # why a trial failed
+INTERRUPTED = "interrupted"  # failed because its worker died; re-run as trial `retry_of`'s successor
+SURPLUS = "surplus"  # asked when the budget was already taken by other workers; never ran
+RETRY_OF = "retry_of"  # on a re-run: the number of the interrupted trial
+WORKER = "worker"  # [machine, pid, process start time] of the worker running the trial
+RUN_DIR = "run_dir"
+METRICS = "metrics"  # the run's metrics.json facts (so results need no shared file system)
+
+
+def default_url(sweep_dir: Path) -> str:
+    return f"sqlite:///{(sweep_dir / 'optuna.db').resolve()}"
+
+
+def masked(url: str) -> str:
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url
+
+
+def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: int | None = None) -> Any:
+    """An RDBStorage for any SQLAlchemy URL; a bad URL or an unreachable server is a UserError."""
+    import optuna
+
+    # sqlite: wait for the writer instead of failing with "database is locked" (rank 0 reports while the
+    # sweeper beats); servers: drop connections that died while a long trial ran.
+    engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+    last: Exception | None = None
+    for attempt in range(3):  # workers starting together may race to create the schema
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=heartbeat_interval,
+                                                  grace_period=grace_period)
+        except Exception as err:
+            last = err
+            time.sleep(1 + attempt)
+    raise UserError(f"hydra.sweeper.storage={masked(url)}: cannot open it: {str(last).splitlines()[0]}")
+
+
+def open_study(storage: Any, name: str, directions: list[str], sampler: Any, pruner: Any) -> Any:
+    import optuna
+
+    study = optuna.create_study(storage=storage, study_name=name, sampler=sampler, pruner=pruner,
+                                directions=directions, load_if_exists=True)
+    stored = [d.name.lower() for d in study.directions]
+    if stored != directions:
+        raise UserError(f"hydra.sweeper.direction={directions}: study {name!r} in this storage has {stored}; "
+                        "use another study_name (or storage) for another objective")
+    return study
+
+
+def trial_id(storage: Any, study_name: str, number: int) -> int:
+    return storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study_name), number)
+
+
+# ------------------------------------------------------------------------------------------------ workers
+def worker_identity() -> list:
+    """[machine, pid, start time]: enough to tell, on the same machine, that the worker is gone."""
+    import psutil
+
+    try:  # hostnames repeat across containers; a PID namespace does not
+        machine = f"{socket.gethostname()}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        machine = socket.gethostname()
+    return [machine, os.getpid(), round(psutil.Process().create_time(), 2)]
+
+
+def _dead_here(worker: Any, me: list) -> bool:
+    import psutil
+
+    if not isinstance(worker, list) or len(worker) != 3 or worker[0] != me[0]:
+        return False  # another machine: only its heartbeat can tell
+    try:
+        return round(psutil.Process(worker[1]).create_time(), 2) != worker[2]  # pid reused by another process
+    except psutil.NoSuchProcess:
+        return True
+
+
+class Heartbeat:
+    """Records the trial's heartbeat now and every `interval` seconds while the trial runs, in a thread of the
+    sweep process (training happens in other processes, or releases the GIL)."""
+
+    def __init__(self, storage: Any, trial_id: int, interval: int):
+        self.storage, self.trial_id, self.interval = storage, trial_id, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{trial_id}", daemon=True)
+
+    def __enter__(self) -> "Heartbeat":
+        self.storage.record_heartbeat(self.trial_id)  # before anything else: a trial without one never goes stale
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.storage.record_heartbeat(self.trial_id)
+            except Exception as err:  # a database hiccup must not end the trial; the next beat may work
+                log.warning("heartbeat of trial id %d failed: %s", self.trial_id, str(err).splitlines()[0])
+
+
+def recover_interrupted(study: Any, storage: Any, me: list) -> list[int]:
+    """Fails the RUNNING trials of dead workers and queues their params again; returns their numbers.
+
+    Heartbeat-stale trials come from optuna's RDBStorage (grace_period); a trial whose worker process is gone
+    from this machine is recovered at once, so that re-running a killed sweep does not wait for the grace.
+    """
+    from optuna.exceptions import UpdateFinishedTrialError
+    from optuna.trial import TrialState
+
+    # optuna's public fail_stale_trials fails the trial before any hook could record why; this private
+    # query (stable since optuna 2) lets the reason be set while the trial is still RUNNING.
+    study_id = storage.get_study_id_from_name(study.study_name)
+    stale = set(storage._get_stale_trial_ids(study_id)) if storage.get_heartbeat_interval() else set()
+    recovered = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        dead_here = _dead_here(trial.user_attrs.get(WORKER), me)
+        if trial._trial_id not in stale and not dead_here:
+            continue
+        why = "its worker process is gone" if dead_here else "no heartbeat from its worker"
+        try:
+            storage.set_trial_user_attr(trial._trial_id, REASON, f"interrupted: {why}; params queued again")
+            storage.set_trial_user_attr(trial._trial_id, INTERRUPTED, True)
+            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)  # raises for all but one worker
+        except UpdateFinishedTrialError:
+            continue
+        study.enqueue_trial(trial.params, user_attrs={RETRY_OF: trial.number}, skip_if_exists=False)
+        log.warning("trial %d was interrupted (%s): failed, its params queued again", trial.number, why)
+        recovered.append(trial.number)
+    return recovered
+
+
+# ------------------------------------------------------------------------------------------------- budget
+def counts(trial: Any) -> bool:
+    """Whether a trial takes a place among n_trials (interrupted and surplus trials do not)."""
+    return not (trial.user_attrs.get(INTERRUPTED) or trial.user_attrs.get(SURPLUS))
+
+
+@dataclass
+class Tally:
+    complete: int = 0
+    pruned: int = 0
+    failed: int = 0  # failures that count (diverged, oom, crashed, ...), not interrupted ones
+    interrupted: int = 0
+    running: int = 0
+    waiting: int = 0
+
+    @property
+    def finished(self) -> int:
+        return self.complete + self.pruned + self.failed
+
+    def may_ask(self, n_trials: int) -> bool:
+        """Queued trials are part of the budget already; otherwise only while places are left."""
+        return self.waiting > 0 or self.finished + self.running < n_trials
+
+
+def tally(study: Any) -> Tally:
+    from optuna.trial import TrialState
+
+    result = Tally()
+    for trial in study.get_trials(deepcopy=False):
+        if trial.user_attrs.get(SURPLUS):
+            continue
+        if trial.user_attrs.get(INTERRUPTED):
+            result.interrupted += 1
+            continue
+        key = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed",
+               TrialState.RUNNING: "running", TrialState.WAITING: "waiting"}[trial.state]
+        setattr(result, key, getattr(result, key) + 1)
+    return result
+
+
+def within_budget(study: Any, number: int, n_trials: int) -> bool:
+    """Whether trial `number` is among the first n_trials counted ones. Two workers may ask for the last place
+    at once; the lower number keeps it, the other trial is surplus (failed unrun, not counted)."""
+    return sum(1 for t in study.get_trials(deepcopy=False) if t.number <= number and counts(t)) <= n_trials
