@@ -1,0 +1,120 @@
+"""W&B tracking, observed speedup and the scaling benchmark, all offline."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lychee_exp.jobs import run_job
+from lychee_exp.wandb_records import find_run_files, read_run
+
+TINY = ["model=tiny_lychee", "data.max_train_queries=16", "data.max_dev_queries=4", "data.train_group_size=4",
+        "trainer.max_steps=4", "trainer.progress_bar=false", "trainer.log_every=1", "optimizer.lr=1e-3"]
+SECRET = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def no_wandb_key(monkeypatch, tmp_path):
+    """No API key anywhere (environment or ~/.netrc): runs go offline."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+
+
+def _metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def _baseline_file(tmp_path: Path) -> str:
+    return f"speedup.baseline_file={tmp_path / 'baselines.json'}"
+
+
+def test_ddp_run_writes_one_offline_wandb_run_matching_metrics(tmp_path, no_wandb_key):
+    run_dir = tmp_path / "run"
+    run_job([*TINY, "parallel=ddp", "gpus=2", "logger=wandb", "logger.tags=[smoke]", _baseline_file(tmp_path)],
+            run_dir)
+    files = find_run_files(run_dir)
+    assert len(files) == 1 and "offline-run" in str(files[0])
+    record, metrics = read_run(files[0]), _metrics(run_dir)
+    assert record["summary"]["effective_batch_size"] == metrics["effective_batch_size"] == 4
+    assert record["summary"]["speedup"] == pytest.approx(metrics["speedup"])
+    assert record["summary"]["world_size"] == 2
+    assert record["summary"]["dev/ndcg@10"]["max"] == pytest.approx(max(metrics["ndcg@10"],
+                                                                        metrics["initial_ndcg@10"]))
+    config = record["config"]
+    assert config["world_size"] == 2 and config["effective_batch_size"] == 4 and config["grad_accum_steps"] == 1
+    assert config["optimizer"]["lr"] == pytest.approx(1e-3) and config["scaled_lr"] == pytest.approx(metrics["lr"])
+    assert record["run"]["job_type"] == "train" and record["run"]["group"] == run_dir.name
+    assert record["run"]["tags"] == ["smoke"]
+    assert [row["train/loss"] for row in record["history"] if "train/loss" in row]  # per-step history
+
+
+def test_unreachable_server_falls_back_offline_and_never_leaks_the_key(tmp_path, no_wandb_key, monkeypatch):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lychee_exp.run", *TINY, "parallel=single", "logger=wandb", "logger.mode=online",
+         "logger.init_timeout_s=3", "trainer.checkpoint_every=2", _baseline_file(tmp_path),
+         f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "continuing offline" in proc.stdout + proc.stderr
+    files = find_run_files(run_dir)
+    assert len(files) == 1 and "offline-run" in str(files[0])
+    assert SECRET not in proc.stdout + proc.stderr
+    for path in run_dir.rglob("*"):  # logs, configs, checkpoints, W&B files
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+
+
+def test_single_device_speedup_is_one(tmp_path, no_wandb_key):
+    first, second = tmp_path / "first", tmp_path / "second"
+    single = [*TINY, "parallel=single", "logger=none", "trainer.max_steps=8", _baseline_file(tmp_path)]
+    run_job(single, first)
+    assert _metrics(first)["speedup"] == 1.0  # no baseline yet: the run is its own
+    cached = json.loads((tmp_path / "baselines.json").read_text())
+    assert [entry["samples_per_s"] for entry in cached.values()] == [_metrics(first)["train_samples_per_s"]]
+    run_job(single, second)  # now measured against the first run's throughput
+    m = _metrics(second)
+    assert m["baseline_samples_per_s"] == pytest.approx(_metrics(first)["train_samples_per_s"])
+    # 1.0 within timing noise; a timing is not asserted, the arithmetic is
+    assert m["speedup"] == pytest.approx(m["train_samples_per_s"] / m["baseline_samples_per_s"])
+    assert m["scaling_efficiency"] == pytest.approx(m["speedup"])
+
+
+def test_multi_device_run_calibrates_and_caches_its_baseline(tmp_path, no_wandb_key):
+    run_job([*TINY, "parallel=ddp", "gpus=2", "logger=none", _baseline_file(tmp_path)], tmp_path / "run")
+    cached = json.loads((tmp_path / "baselines.json").read_text())
+    (key, entry), = cached.items()
+    assert entry["source"] == "calibration" and "cpu x1 threads" in key and "batch2" in key
+    m = _metrics(tmp_path / "run")
+    assert m["baseline_samples_per_s"] == pytest.approx(entry["samples_per_s"])
+    assert m["speedup"] == pytest.approx(m["train_samples_per_s"] / entry["samples_per_s"])
+    assert m["scaling_efficiency"] == pytest.approx(m["speedup"] / 2)
+
+
+def test_bench_prints_table_csv_and_plot(tmp_path, no_wandb_key):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "lychee_exp.bench", "gpus=1,2", *TINY, "logger=wandb",
+                           "--steps", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["devices", "samples/s"])
+    assert [lines[header + 2].split()[0], lines[header + 3].split()[0]] == ["1", "2"]
+    with (out / "bench.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(r["devices"]) for r in rows] == [1, 2] and float(rows[0]["speedup"]) == 1.0
+    assert all(float(r["samples_per_s"]) > 0 for r in rows)
+    assert (out / "bench.png").stat().st_size > 1000
+    (bench_run,) = find_run_files(out)
+    assert read_run(bench_run)["run"]["job_type"] == "bench"
