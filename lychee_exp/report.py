@@ -21,25 +21,28 @@ from typing import Any, Iterable, Sequence
 
 from lychee_exp import report_plots as plots
 from lychee_exp.errors import UserError
-from lychee_exp.report_data import Found, Run, Table, best_trial, config_value, find, fmt, number
+from lychee_exp.report_data import Found, Run, Table, argmax, best_row, best_trial, config_value, find, fmt
 
 CSS = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d2433;margin:0;background:#f6f7f9}
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d2433;margin:0;
+background:#f6f7f9}
 main{max-width:1240px;margin:0 auto;padding:20px 28px 48px}
-h1{font-size:22px;margin:0 0 2px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #d8dce3;padding-bottom:4px}
+h1{font-size:22px;margin:0 0 2px}
+h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #d8dce3;padding-bottom:4px}
 h3{font-size:15px;margin:18px 0 6px}.meta{color:#5b6475;margin:0 0 12px}.note{color:#5b6475;font-size:13px}
 .card{background:#fff;border:1px solid #e1e4ea;border-radius:8px;padding:12px 14px;margin:10px 0;overflow-x:auto}
 table{border-collapse:collapse;font-size:13px;width:100%}
 th,td{padding:5px 7px;border-bottom:1px solid #eceef2;text-align:right;white-space:nowrap}
-th{background:#f0f2f5;font-weight:600;white-space:normal;vertical-align:bottom}th:first-child,td:first-child{text-align:left}
+th{background:#f0f2f5;font-weight:600;white-space:normal;vertical-align:bottom}
+th:first-child,td:first-child{text-align:left}
 tr.best td{background:#eefaf0}.gain{color:#1a7f37;font-size:12px}.loss{color:#b42318;font-size:12px}
-.fig svg{max-width:100%;height:auto}.banner{background:#fff4d6;border:1px solid #f0d58a;border-radius:6px;padding:6px 10px}
+.fig svg{max-width:100%;height:auto}
 nav a{margin-right:14px;color:#2f5fb3;text-decoration:none}
 """
 
 # the runs table: what the W&B workspace compares runs by, one row per run
-RUN_COLUMNS = ["run", "model / loss", "world size", "effective batch", "lr (base → scaled)", "ndcg@10 (gain)", "mrr@10",
-               "speedup", "efficiency", "samples/s", "peak memory (MB)"]
+RUN_COLUMNS = ["run", "model / loss", "world size", "effective batch", "lr (base → scaled)", "ndcg@10 (gain)",
+               "mrr@10", "speedup", "efficiency", "samples/s", "peak memory (MB)"]
 THROUGHPUT_COLUMNS = ["run", "samples/s", "tokens/s", "data wait", "rank spread", "peak memory per rank (MB)",
                       "train time (s)", "eval time (s)", "steps", "precision", "device"]
 
@@ -91,19 +94,15 @@ def _throughput_row(run: Run) -> list[str]:
     cells = [run.name, fmt(m.get("train_samples_per_s"), "f2"), fmt(m.get("train_tokens_per_s"), "int"),
              fmt(m.get("data_wait_share"), "pct"), fmt(m.get("rank_time_spread"), "f2"),
              ", ".join(per_rank) or fmt(None), fmt(m.get("train_time_s"), "f2"), fmt(m.get("eval_time_s"), "f2"),
-             fmt(m.get("steps"), "int"), fmt(m.get("precision")), fmt(m.get("device_type") or m.get("device"))]
+             fmt(m.get("steps"), "int") + (" (stopped early)" if m.get("stopped_early") else ""),
+             fmt(m.get("precision")), fmt(" · ".join(str(m[k]) for k in ("device_type", "strategy") if m.get(k))
+                                          or m.get("device"))]
     return [_esc(c) for c in cells]
 
 
-def _csv_table(table: Table, cls: str, highlight_key: str | None = None) -> str:
+def _csv_table(table: Table, cls: str, highlight_best: bool = False) -> str:
     rows = [[_esc(fmt(row.get(col))) for col in table.columns] for row in table.rows]
-    best = None
-    if highlight_key:
-        scored = [(number(r.get("metric")), i) for i, r in enumerate(table.rows) if r.get("state", "COMPLETE")
-                  == "COMPLETE"]
-        scored = [(v, i) for v, i in scored if v is not None]
-        best = max(scored)[1] if scored else None
-    return _table(table.columns, rows, cls=cls, highlight=best)
+    return _table(table.columns, rows, cls=cls, highlight=best_row(table.rows) if highlight_best else None)
 
 
 def _sweep_section(sweep: Table) -> str:
@@ -117,7 +116,8 @@ def _sweep_section(sweep: Table) -> str:
         params = ", ".join(f"{k} = {fmt(v)}" for k, v in best["params"].items()) or fmt(None)
         parts.append(f'<p class="best-params"><b>Best trial {_esc(fmt(best["trial"]))}</b>: metric '
                      f'{_esc(fmt(best["value"]))} with {_esc(params)}</p>')
-    parts.append(_csv_table(sweep, "sweep", "metric") if sweep.columns else '<p class="note">no trials.csv</p>')
+    no_table = '<p class="note">no trials.csv</p>'
+    parts.append(_csv_table(sweep, "sweep", highlight_best=True) if sweep.columns else no_table)
     return "".join(parts)
 
 
@@ -129,8 +129,7 @@ def _bench_section(table: Table) -> str:
 def render(found: Found, root: Path, title: str | None = None) -> str:
     runs = found.runs
     title = title or f"lychee_exp report: {root.name}"
-    ndcgs = [(r.get("ndcg@10"), i) for i, r in enumerate(runs) if r.get("ndcg@10") is not None]
-    best = max(ndcgs)[1] if ndcgs else None
+    best = argmax([r.get("ndcg@10") for r in runs])
     groups: dict[str, list[Run]] = {}
     for run in runs:
         groups.setdefault(run.group, []).append(run)
@@ -186,7 +185,7 @@ def headless_chromium(page: Path, *flags: str, timeout: float = 120) -> subproce
         cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                "--disable-background-networking", "--disable-component-update", "--disable-sync",
                "--hide-scrollbars", f"--user-data-dir={profile}", *flags, Path(page).resolve().as_uri()]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

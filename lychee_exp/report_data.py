@@ -163,12 +163,23 @@ def best_trial(sweep: Table) -> dict[str, Any]:
     if s.get("best_trials"):  # multi-objective: the Pareto front; show its first member
         first = s["best_trials"][0]
         return {"trial": first.get("number"), "value": first.get("values"), "params": first.get("params") or {}}
-    done = [r for r in sweep.rows if r.get("state", "COMPLETE") == "COMPLETE" and number(r.get("metric")) is not None]
-    if not done:
+    best = best_row(sweep.rows)
+    if best is None:
         return {}
-    row = max(done, key=lambda r: number(r["metric"]))
+    row = sweep.rows[best]
     params = {k: row[k] for k in ("lr", "per_device_batch_size", "effective_batch_size") if row.get(k)}
     return {"trial": row.get("number"), "value": number(row["metric"]), "params": params}
+
+
+def argmax(values: list[float | None]) -> int | None:
+    """Index of the highest value, None when there is none (missing values never win)."""
+    scored = [(v, i) for i, v in enumerate(values) if v is not None]
+    return max(scored)[1] if scored else None
+
+
+def best_row(rows: list[dict[str, str]]) -> int | None:
+    """The complete trial with the highest metric in a trials.csv."""
+    return argmax([number(r.get("metric")) if r.get("state", "COMPLETE") == "COMPLETE" else None for r in rows])
 
 
 def config_value(config: dict[str, Any], dotted: str) -> Any:

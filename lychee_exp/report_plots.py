@@ -9,10 +9,10 @@ from typing import Callable, Sequence
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter, NullLocator  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter, NullLocator
 
-from lychee_exp.report_data import Run, Table, number  # noqa: E402
+from lychee_exp.report_data import Run, Table, number
 
 _salt = itertools.count()
 COLORS = plt.get_cmap("tab10").colors
@@ -111,8 +111,12 @@ def hyperparameters(runs: Sequence[Run]) -> str:
     if not any(r.get("ndcg@10") is not None for r in runs):
         return ""
     fig, (ax1, ax2) = _figure(2)
-    lr = lambda r: r.get("base_lr") if r.get("base_lr") is not None else r.get("lr")  # noqa: E731
-    batch = lambda r: r.get("effective_batch_size")  # noqa: E731
+    def lr(r: Run) -> float | None:  # the swept value: the lr at the base batch, before scaling
+        return r.get("base_lr") if r.get("base_lr") is not None else r.get("lr")
+
+    def batch(r: Run) -> float | None:
+        return r.get("effective_batch_size")
+
     if _scatter_by_group(ax1, runs, lr, lambda r: r.get("ndcg@10")):
         _ticks_at_values(ax1, runs, lr, 10, ".0e")
     ax1.set(xlabel="learning rate (at base batch)", ylabel="dev ndcg@10", title="ndcg@10 vs learning rate")

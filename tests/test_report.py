@@ -1,0 +1,196 @@
+"""The local report (python -m lychee_exp.report): built from hand-written run directories, read back with
+html.parser (and, marked slow, loaded in headless Chromium)."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lychee_exp.report import build, headless_chromium
+from lychee_exp.report_data import best_trial, find
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+class Tables(HTMLParser):
+    """Every <table>: its attributes and its rows as lists of cell texts; plus counts of other tags."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables: list[dict] = []
+        self.tags: dict[str, int] = {}
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        self.tags[tag] = self.tags.get(tag, 0) + 1
+        if tag == "table":
+            self.tables.append({"attrs": dict(attrs), "rows": []})
+        elif tag == "tr" and self.tables:
+            self.tables[-1]["rows"].append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self.tables[-1]["rows"][-1].append(" ".join("".join(self._cell).split()))
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+    def find(self, *, id: str | None = None, cls: str | None = None) -> list[dict]:
+        return [t for t in self.tables
+                if (id and t["attrs"].get("id") == id) or (cls and t["attrs"].get("class") == cls)]
+
+
+def parse(text: str) -> Tables:
+    parser = Tables()
+    parser.feed(text)
+    return parser
+
+
+def as_dicts(table: dict) -> list[dict[str, str]]:
+    header, *rows = table["rows"]
+    return [dict(zip(header, row)) for row in rows]
+
+
+def write_run(run_dir: Path, metrics: dict, history: list[dict] | None = None, config: dict | None = None) -> None:
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.json").write_text(json.dumps(metrics))
+    if history:
+        columns = list(dict.fromkeys(k for row in history for k in row))
+        with (run_dir / "metrics.csv").open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(history)
+    if config:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def write_csv(path: Path, rows: list[list]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        csv.writer(handle).writerows(rows)
+
+
+FULL = {"ndcg@10": 0.65, "mrr@10": 0.6, "initial_ndcg@10": 0.5, "initial_mrr@10": 0.45, "train_loss": 0.3,
+        "steps": 20, "effective_batch_size": 16, "per_device_batch_size": 8, "world_size": 2, "grad_accum_steps": 1,
+        "lr": 2e-4, "base_lr": 1e-4, "precision": "fp32", "device": "cpu", "train_samples_per_s": 41.5,
+        "train_tokens_per_s": 9000, "data_wait_share": 0.12, "rank_time_spread": 1.1,
+        "peak_memory_mb_per_rank": [1024, 2048], "train_time_s": 12.5, "eval_time_s": 1.5, "speedup": 1.85,
+        "scaling_efficiency": 0.93, "baseline_samples_per_s": 22.4, "device_type": "cpu", "strategy": "ddp",
+        "stopped_early": True}
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    root = tmp_path / "outputs"
+    history = [{"step": 0, "dev/ndcg@10": 0.5, "dev/mrr@10": 0.45},
+               {"step": 5, "train/loss": 0.6, "train/lr": 1e-4, "train/samples_per_s": 40, "epoch": 0},
+               {"step": 10, "train/loss": 0.4, "train/lr": 1e-4, "train/samples_per_s": 42, "epoch": 0},
+               {"step": 10, "dev/ndcg@10": 0.65, "dev/mrr@10": 0.6}]
+    write_run(root / "runs" / "ddp2", FULL, history, {"model": {"name": "tiny_lychee"}, "loss": {"name": "pointwise"},
+                                                       "optimizer": {"lr": 1e-4}, "data": {"batch_size": 8}})
+    write_run(root / "runs" / "old", {"ndcg@10": 0.4, "world_size": 1})  # an older run: most keys missing
+    for n, (lr, ndcg) in enumerate([(1e-4, 0.55), (3e-4, 0.7)]):
+        write_run(root / "sweep" / str(n), {**FULL, "ndcg@10": ndcg, "lr": lr, "base_lr": lr, "world_size": 1,
+                                             "speedup": 1.0, "scaling_efficiency": 1.0}, history)
+    write_csv(root / "sweep" / "trials.csv", [
+        ["number", "state", "lr", "per_device_batch_size", "effective_batch_size", "metric", "duration_s", "reason",
+         "speedup", "scaling_efficiency"],
+        [0, "COMPLETE", 1e-4, 8, 8, 0.55, 10.0, "", 1.0, 1.0], [1, "COMPLETE", 3e-4, 8, 8, 0.7, 11.0, "", 1.0, 1.0],
+        [2, "FAIL", 1e-3, 8, 8, "", 2.0, "loss is NaN", "", ""]])
+    (root / "sweep" / "optimization_results.yaml").write_text(yaml.safe_dump(
+        {"study_name": "s1", "best_params": {"optimizer.lr": 3e-4}, "best_value": 0.7, "best_trial": 1}))
+    write_csv(root / "bench" / "bench.csv", [
+        ["devices", "samples_per_s", "speedup", "efficiency", "data_wait_share", "rank_time_spread"],
+        [1, 20.0, 1.0, 1.0, 0.1, 1.0], [2, 36.0, 1.8, 0.9, 0.12, 1.05]])
+    return root
+
+
+def test_report_tables_hold_the_runs(root, tmp_path):
+    out = build(root, tmp_path / "report.html")
+    page = parse(out.read_text())
+
+    (runs,) = page.find(id="runs")
+    rows = {row["run"]: row for row in as_dicts(runs)}
+    assert list(rows) == ["runs/ddp2", "runs/old", "sweep/0", "sweep/1"]
+    ddp = rows["runs/ddp2"]
+    assert ddp["model / loss"] == "tiny_lychee / pointwise"
+    assert ddp["world size"] == "2" and ddp["effective batch"] == "16"
+    assert ddp["lr (base → scaled)"] == "1.00e-04 → 2.00e-04"
+    assert ddp["ndcg@10 (gain)"] == "0.650 (+0.150)" and ddp["mrr@10"] == "0.600"
+    assert ddp["speedup"] == "1.85" and ddp["efficiency"] == "93%"
+    assert ddp["samples/s"] == "41.50" and ddp["peak memory (MB)"] == "2,048"  # the busiest rank
+    old = rows["runs/old"]
+    assert old["ndcg@10 (gain)"] == "0.400" and old["world size"] == "1"
+    assert {old[k] for k in ("model / loss", "speedup", "efficiency", "samples/s", "peak memory (MB)")} == {"—"}
+
+    (sweep,) = page.find(cls="sweep")
+    trials = as_dicts(sweep)
+    assert [t["number"] for t in trials] == ["0", "1", "2"]
+    assert trials[2]["state"] == "FAIL" and trials[2]["reason"] == "loss is NaN" and trials[2]["metric"] == "—"
+    assert "Best trial 1" in out.read_text() and "optimizer.lr = 0.0003" in out.read_text()
+
+    (bench,) = page.find(cls="bench")
+    assert [(b["devices"], b["speedup"], b["efficiency"]) for b in as_dicts(bench)] == [("1", "1", "1"),
+                                                                                          ("2", "1.8", "0.9")]
+    (throughput,) = page.find(id="throughput")
+    first = as_dicts(throughput)[0]
+    assert first["peak memory per rank (MB)"] == "1,024, 2,048" and first["steps"] == "20 (stopped early)"
+    assert first["device"] == "cpu · ddp" and first["data wait"] == "12%"
+
+    # self-contained: figures are inline SVG, nothing is fetched
+    text = out.read_text()
+    assert page.tags.get("svg", 0) >= 6  # scaling, bench, hyperparameters, 2 loss-curve groups, bars
+    assert "<script" not in text and "<link" not in text and "src=" not in text
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_best_trial_without_optimization_results(root):
+    (root / "sweep" / "optimization_results.yaml").unlink()
+    (sweep,) = find(root).sweeps
+    assert best_trial(sweep) == {"trial": "1", "value": 0.7, "params": {"lr": "0.0003", "per_device_batch_size": "8",
+                                                                         "effective_batch_size": "8"}}
+
+
+def report_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lychee_exp.report", *args], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_cli_prints_the_output_path(root):
+    proc = report_cli(str(root))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(root / "report.html")
+    assert (root / "report.html").is_file()
+
+
+@pytest.mark.parametrize("make", [lambda tmp: tmp / "missing", lambda tmp: tmp])
+def test_no_runs_is_one_line_error(tmp_path, make):
+    proc = report_cli(str(make(tmp_path)))
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "report.html").exists()
+
+
+@pytest.mark.slow
+def test_report_renders_in_headless_chromium(root, tmp_path):
+    if not CHROMIUM.exists():
+        pytest.skip("/usr/bin/chromium is absent (Debian: apt-get install -y chromium; .ci/run installs it)")
+    out = build(root, tmp_path / "report.html")
+    proc = headless_chromium(out, "--dump-dom", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dom = parse(proc.stdout)
+    assert len(dom.find(id="runs")) == 1 and len(dom.find(id="throughput")) == 1
+    assert len(dom.find(cls="sweep")) == 1 and len(dom.find(cls="bench")) == 1
+    assert len(as_dicts(dom.find(id="runs")[0])) == 4
+    assert dom.tags.get("svg", 0) >= 6
