@@ -111,7 +111,8 @@ class Trainer:
         name = f"{trial.study_name}-trial{trial.number}" if in_sweep else self.output_dir.name
         derived = {"world_size": self.num_devices, "per_device_batch_size": cfg.data.batch_size,
                    "grad_accum_steps": cfg.trainer.grad_accum_steps,
-                   "effective_batch_size": effective_batch_size(cfg, self.num_devices), "scaled_lr": self.lr,
+                   "effective_batch_size": effective_batch_size(cfg, self.num_devices),
+                   "lr": self.lr,  # optimizer.lr scaled to the effective batch
                    "precision": self.precision, "device_type": self.device.type, "device_count": self.num_devices,
                    "strategy": self.plan.strategy}
         config = {**dataclasses.asdict(cfg), **derived}
@@ -128,7 +129,7 @@ class Trainer:
             return torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=self.cfg.parallel.find_unused_parameters, **no_sync)
-        if self.plan.strategy == "dp" and self.num_devices > 1:
+        if self.plan.strategy == "dp":
             return torch.nn.DataParallel(model, device_ids=list(range(self.num_devices)))
         return model
 
@@ -318,6 +319,7 @@ class Trainer:
             "world_size": self.num_devices,
             "num_processes": self.env.world_size,
             "strategy": self.plan.strategy,
+            "backend": torch.distributed.get_backend() if self.env.distributed else "none",
             "grad_accum_steps": cfg.trainer.grad_accum_steps,
             "train_group_size": cfg.data.train_group_size,
             "lr": self.lr,

@@ -50,7 +50,7 @@ def test_ddp_run_writes_one_offline_wandb_run_matching_metrics(tmp_path, no_wand
                                                                         metrics["initial_ndcg@10"]))
     config = record["config"]
     assert config["world_size"] == 2 and config["effective_batch_size"] == 4 and config["grad_accum_steps"] == 1
-    assert config["optimizer"]["lr"] == pytest.approx(1e-3) and config["scaled_lr"] == pytest.approx(metrics["lr"])
+    assert config["optimizer"]["lr"] == pytest.approx(1e-3) and config["lr"] == pytest.approx(metrics["lr"])
     assert record["run"]["job_type"] == "train" and record["run"]["group"] == run_dir.name
     assert record["run"]["tags"] == ["smoke"]
     assert [row["train/loss"] for row in record["history"] if "train/loss" in row]  # per-step history
