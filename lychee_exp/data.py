@@ -70,6 +70,14 @@ def _parse_line(line: str, where: str, index: int) -> RankingQuery:
     return RankingQuery(query, pos, neg, instruction, str(record.get("qid", index)))
 
 
+def check_negatives(queries: list[RankingQuery], group_size: int) -> None:
+    if group_size > 1:
+        for q in queries:
+            if not q.neg:
+                raise UserError(f"data.train_file: query {q.qid!r} has no negatives, but "
+                                f"data.train_group_size={group_size} needs {group_size - 1}")
+
+
 class TrainGroups(Dataset):
     """Item i = (instruction, query, [positive, negative, ...]) with negatives resampled each epoch.
 
@@ -78,11 +86,7 @@ class TrainGroups(Dataset):
     """
 
     def __init__(self, queries: list[RankingQuery], group_size: int, instruction: str, seed: int):
-        if group_size > 1:
-            for q in queries:
-                if not q.neg:
-                    raise UserError(f"data.train_file: query {q.qid!r} has no negatives, but "
-                                    f"data.train_group_size={group_size} needs {group_size - 1}")
+        check_negatives(queries, group_size)
         self.queries, self.group_size, self.instruction, self.seed = queries, group_size, instruction, seed
         self.epoch = 0
 

@@ -26,7 +26,10 @@ def ranking_metrics(scores: Sequence[float], labels: Sequence[int], query_index:
         by_query[qi].append(row)
     ndcg, mrr = [], []
     for rows in by_query.values():
-        preds = torch.tensor([float(scores[r]) for r in rows], dtype=torch.float64)
+        raw = torch.tensor([float(scores[r]) for r in rows], dtype=torch.float64)
+        # Ranks 1..n instead of raw scores: torchmetrics' reciprocal rank ignores candidates scoring <= 0, and
+        # our scores are log-odds. Ties keep the (seeded, shuffled) candidate order, for both metrics alike.
+        preds = (torch.argsort(torch.argsort(raw, stable=True), stable=True) + 1).to(torch.float64)
         target = torch.tensor([labels[r] for r in rows])
         ndcg.append(retrieval_normalized_dcg(preds, target, top_k=TOP_K).item())
         mrr.append(retrieval_reciprocal_rank(preds, target, top_k=TOP_K).item())

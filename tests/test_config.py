@@ -55,14 +55,22 @@ def test_experiment_lychee_lora_recipe(tmp_path):
     assert run_cfg.data.train_group_size == 16
 
 
-def test_misspelt_key_fails_at_compose_naming_it(tmp_path):
+def test_misspelt_key_fails_at_compose_naming_it(compose_cfg, tmp_path):
     with pytest.raises(ConfigCompositionException, match=r"optimizer\.lrr"):
-        compose_config(["optimizer.lrr=1"], tmp_path)
+        compose_cfg(["optimizer.lrr=1"], tmp_path)
 
 
-def test_wrong_type_fails_at_compose_naming_it(tmp_path):
+def test_wrong_type_fails_at_compose_naming_it(compose_cfg, tmp_path):
     with pytest.raises(ConfigCompositionException, match=r"data\.batch_size"):
-        compose_config(["data.batch_size=abc"], tmp_path)
+        compose_cfg(["data.batch_size=abc"], tmp_path)
+
+
+def test_tiny_fixture_config(tiny_cfg, tmp_path):
+    run_cfg = to_run_config(tiny_cfg)
+    assert run_cfg.model.name == "tiny_lychee" and run_cfg.model.kind == "causal_lm" and run_cfg.model.random_init
+    assert run_cfg.trainer.max_steps == 4 and not run_cfg.trainer.progress_bar
+    assert run_cfg.logger.name == "none" and run_cfg.parallel.strategy == "single"
+    assert run_cfg.output_dir == str(tmp_path)
 
 
 @pytest.mark.parametrize(("overrides", "key"), [

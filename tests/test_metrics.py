@@ -61,18 +61,12 @@ def test_matches_pytrec_eval_positive_scores(seed):
     assert 0.05 < ref["mrr@10"] < 0.95  # a mix of hits and misses, so the comparison means something
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: ranking_metrics feeds relevance logits (logit(yes) - logit(no), often < 0) to torchmetrics' "
-    "retrieval_reciprocal_rank, which treats every candidate with a score <= 0 as non-relevant "
-    "(torch.where(preds > 0, target, 0)); MRR@10 is then too low, often 0 (dev mrr@10 0.0 with ndcg@10 > 0)"))
-@pytest.mark.parametrize("seed", [0])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_matches_pytrec_eval_signed_scores(seed):
     scores, labels, query_index = random_dev_set(seed, n_queries=200, signed=True)
     assert_matches_pytrec(scores, labels, query_index)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: MRR of a top-ranked positive with a negative logit is 0, not 1 "
-                                       "(torchmetrics drops candidates with preds <= 0)")
 def test_mrr_of_top_ranked_positive_with_negative_logit_is_one():
     metrics = ranking_metrics([-3.0, -0.5, -2.0], [0, 1, 0], [0, 0, 0])
     assert metrics["mrr@10"] == pytest.approx(1.0)

@@ -39,7 +39,7 @@ def _bare(tok, text):
 
 
 def _specials(tok):
-    """What the tokenizer itself puts around one text: ([CLS]], [SEP]) for BERT, nothing for Qwen."""
+    """What the tokenizer itself puts around one text: ([CLS], [SEP]) for BERT, nothing for Qwen."""
     bare, wrapped = _bare(tok, "hello"), tok("hello")["input_ids"]
     i = next(i for i in range(len(wrapped)) if wrapped[i:i + len(bare)] == bare)
     return wrapped[:i], wrapped[i + len(bare):]

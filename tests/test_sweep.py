@@ -1,0 +1,354 @@
+"""The lychee_optuna sweeper on CPU: a DDP sweep and its results, failures, pruning, resume after SIGKILL,
+two workers sharing PostgreSQL, a ported lightning-hydra-template search config, and bad sweep configs.
+
+Every sweep is the real CLI (`python -m lychee_exp.run -m ...`) in a scratch directory, on the tiny model.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from lychee_exp.sweep.storage import INTERRUPTED, RETRY_OF, SURPLUS, WORKER, Heartbeat, open_storage, \
+    recover_interrupted
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["model=tiny_lychee", "data.max_train_queries=16", "data.max_dev_queries=6", "data.train_group_size=4",
+        "trainer.max_steps=4", "trainer.log_every=1", "trainer.progress_bar=false", "trainer.precision=fp32",
+        "trainer.save_model=false", "logger=csv", "optimizer.lr_scaling=none", "data.batch_size=choice(1,2)"]
+SINGLE = ["parallel=single", "gpus=1"]
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _env(**extra: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HYDRA_FULL_ERROR="0", **extra)
+    env.pop("LYCHEE_FAULT", None)
+    return env
+
+
+def _command(sweep_dir: Path, *args: str, search: str = "hparams_search=lr_batch") -> list[str]:
+    return [sys.executable, "-m", "lychee_exp.run", "-m", search, *TINY, f"hydra.sweep.dir={sweep_dir}",
+            "hydra.sweeper.heartbeat_interval=1", *args]
+
+
+def _sweep(tmp_path: Path, *args: str, timeout: float = 400, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(_command(tmp_path / "sweep", *args, **kw), cwd=tmp_path, env=_env(), text=True,
+                          capture_output=True, timeout=timeout)
+    return proc
+
+
+def _study(sweep_dir: Path, name: str = "lr_batch", url: str | None = None) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=url or f"sqlite:///{sweep_dir / 'optuna.db'}")
+
+
+def _rows(sweep_dir: Path) -> list[dict]:
+    with (sweep_dir / "trials.csv").open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def _counted_finished(study: optuna.Study) -> list:
+    return [t for t in study.trials if t.state.is_finished() and not t.user_attrs.get(INTERRUPTED)
+            and not t.user_attrs.get(SURPLUS)]
+
+
+def _write_search(tmp_path: Path, name: str, text: str) -> str:
+    folder = tmp_path / "conf" / "hparams_search"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.yaml").write_text(text)
+    return f"hydra.searchpath=[file://{tmp_path / 'conf'}]"
+
+
+# ------------------------------------------------------------------------------------------------ sweeps
+@pytest.mark.slow
+def test_four_trial_ddp_sweep_and_its_results(tmp_path):
+    proc = _sweep(tmp_path, "parallel=ddp", "gpus=2", "hydra.sweeper.n_trials=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = tmp_path / "sweep"
+    study = _study(sweep)
+    assert len(_counted_finished(study)) == 4 and len(study.trials) == 4
+    values = {}
+    for trial in study.trials:
+        metrics = json.loads((sweep / str(trial.number) / "metrics.json").read_text())
+        assert metrics["world_size"] == 2 and metrics["per_device_batch_size"] == trial.params["data.batch_size"]
+        assert metrics["base_lr"] == pytest.approx(trial.params["optimizer.lr"])
+        if trial.state == TrialState.COMPLETE:
+            values[trial.number] = metrics["ndcg@10"]
+    summary = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    best = max(values, key=values.get)
+    assert summary["best_value"] == values[best] and summary["best_trial"] == best
+    assert summary["best_params"] == study.trials[best].params
+    assert summary["complete"] + summary["pruned"] + summary["failed"] == 4
+    rows = _rows(sweep)
+    assert len(rows) == 4 and [int(r["number"]) for r in rows] == [0, 1, 2, 3]
+    assert all(r["state"] in ("COMPLETE", "PRUNED") and int(r["effective_batch_size"]) == 2 *
+               int(r["per_device_batch_size"]) and float(r["duration_s"]) > 0 for r in rows)
+    for plot in ("optimization_history.html", "param_importances.html", "contour_lr_batch.html"):
+        html = (sweep / plot).read_text()
+        assert "plotly" in html and len(html) > 1_000_000, plot  # plotly.js inside: opens offline
+
+
+@pytest.mark.slow
+def test_diverging_trial_fails_and_the_sweep_goes_on(tmp_path):
+    proc = _sweep(tmp_path, *SINGLE, "optimizer.lr=choice(0.001,1e30)", "optimizer.max_grad_norm=0",
+                  "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler", "hydra.sweeper.n_trials=2",
+                  "hydra.sweeper.max_failure_rate=0.5", "data.batch_size=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    study = _study(tmp_path / "sweep")
+    by_lr = {t.params["optimizer.lr"]: t for t in study.trials}
+    assert len(_counted_finished(study)) == 2 and set(by_lr) == {0.001, 1e30}
+    assert by_lr[1e30].state == TrialState.FAIL
+    assert by_lr[1e30].user_attrs["fail_reason"].startswith("diverged:")
+    assert by_lr[0.001].state == TrialState.COMPLETE
+    rows = {float(r["lr"]): r for r in _rows(tmp_path / "sweep")}
+    assert rows[1e30]["state"] == "FAIL" and "loss is" in rows[1e30]["reason"]
+
+
+@pytest.mark.slow
+def test_too_many_failures_stop_the_sweep(tmp_path):
+    proc = _sweep(tmp_path, *SINGLE, "optimizer.lr=choice(1e30)", "optimizer.max_grad_norm=0",
+                  "hydra.sweeper.n_trials=6", "hydra.sweeper.max_failure_rate=0.2", "data.batch_size=2")
+    assert proc.returncode == 1
+    assert [line for line in proc.stderr.splitlines() if "error:" in line and "max_failure_rate" in line]
+    study = _study(tmp_path / "sweep")
+    assert [t.state for t in study.trials] == [TrialState.FAIL] * 2  # 2 > 0.2 x 6: no third trial
+
+
+@pytest.mark.slow
+def test_pruning_stops_a_hopeless_trial_on_every_rank(tmp_path):
+    # ndcg@10 never reaches 2: the pruner condemns the trial at its first evaluation after warm-up (step 2)
+    searchpath = _write_search(tmp_path, "hopeless", """# @package _global_
+defaults:
+  - override /hydra/sweeper: lychee_optuna
+hydra:
+  sweeper:
+    study_name: hopeless
+    n_trials: 1
+    pruner:
+      _target_: optuna.pruners.ThresholdPruner
+      lower: 2.0
+      n_warmup_steps: 2
+    params:
+      optimizer.lr: tag(log, interval(1e-4, 1e-3))
+""")
+    proc = _sweep(tmp_path, "parallel=ddp", "gpus=2", "trainer.eval_every=1", "trainer.max_steps=6", searchpath,
+                  search="hparams_search=hopeless")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [trial] = _study(tmp_path / "sweep", "hopeless").trials
+    metrics = json.loads((tmp_path / "sweep" / "0" / "metrics.json").read_text())
+    assert trial.state == TrialState.PRUNED and trial.user_attrs["pruned_at_step"] == 2
+    assert metrics["stopped_early"] is True and metrics["steps"] == 2 < 6 and metrics["world_size"] == 2
+    assert trial.value == pytest.approx(metrics["ndcg@10"]) == trial.intermediate_values[2]
+    assert sorted(trial.intermediate_values) == [0, 1, 2]
+    assert _rows(tmp_path / "sweep")[0]["state"] == "PRUNED"
+
+
+@pytest.mark.slow
+def test_sigkill_mid_trial_then_the_same_command_finishes_the_study(tmp_path):
+    sweep = tmp_path / "sweep"
+    command = _command(sweep, *SINGLE, "hydra.sweeper.n_trials=3", "trainer.max_steps=8")
+    proc = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (sweep / "1" / "run.log").exists():  # trial 1 has started its job
+        assert proc.poll() is None and time.monotonic() < deadline, "trial 1 never started"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    before = {path: path.stat().st_mtime_ns for path in sorted(sweep.glob("[01]/**/*")) if path.is_file()}
+    first = json.loads((sweep / "0" / "metrics.json").read_text())
+
+    again = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    study = _study(sweep)
+    finished = _counted_finished(study)
+    assert len(finished) == 3 and [t.number for t in finished] == [0, 2, 3]
+    interrupted = study.trials[1]
+    assert interrupted.state == TrialState.FAIL and interrupted.user_attrs[INTERRUPTED]
+    assert "worker process is gone" in interrupted.user_attrs["fail_reason"]
+    assert study.trials[2].user_attrs[RETRY_OF] == 1 and study.trials[2].params == interrupted.params
+    # nothing finished was re-run, no directory overwritten: trial 0's and 1's files are untouched
+    assert json.loads((sweep / "0" / "metrics.json").read_text()) == first
+    assert {path: path.stat().st_mtime_ns for path in before} == before
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
+    summary = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert (summary["finished"], summary["interrupted"]) == (3, 1)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_a_live_workers_trial_is_left_alone_until_its_heartbeat_stops(tmp_path):
+    """A RUNNING trial of a worker on another machine: recovered only after grace_period without heartbeat."""
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    storage = open_storage(url, heartbeat_interval=1, grace_period=2)
+    study = optuna.create_study(storage=storage, study_name="s", direction="maximize")
+    trial = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    trial.set_user_attr(WORKER, ["another-machine:1", 4242, 1.0])
+    trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name("s"), trial.number)
+    me = ["this-machine:1", os.getpid(), 0.0]
+    with Heartbeat(storage, trial_id, interval=1):
+        time.sleep(3.5)  # longer than the grace period, but the worker beats
+        assert recover_interrupted(study, storage, me) == []
+    time.sleep(4)  # now it has stopped beating: its worker is gone
+    assert recover_interrupted(study, storage, me) == [0]
+    assert recover_interrupted(study, storage, me) == []  # once
+    states = [(t.state, t.user_attrs.get(RETRY_OF)) for t in study.trials]
+    assert states == [(TrialState.FAIL, None), (TrialState.WAITING, 0)]
+    assert study.trials[1].system_attrs["fixed_params"] == trial.params  # what the next ask() gets
+
+
+# ------------------------------------------------------------------------------------- many workers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def postgres_url():
+    """A throwaway PostgreSQL server on localhost (as the postgres user when run as root)."""
+    bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    if not bins:
+        pytest.skip("PostgreSQL server binaries are not installed")
+    pytest.importorskip("psycopg2")
+    bindir = bins[-1].parent
+    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    root = Path(tempfile.mkdtemp(prefix="lychee-pg-"))  # not under pytest's 0700 tmp: postgres must reach it
+    data = root / "data"
+    data.mkdir()
+    if as_user:
+        shutil.chown(root, "postgres")
+        shutil.chown(data, "postgres")
+    port = _free_port()
+    subprocess.run([*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
+                   check=True, capture_output=True)
+    subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"), "-w",
+                    "-o", f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start"], check=True,
+                   capture_output=True)
+    try:
+        subprocess.run([*as_user, str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres",
+                        "optuna"], check=True, capture_output=True)
+        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/optuna"
+    finally:
+        subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
+                       capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_two_workers_share_one_postgres_study(tmp_path, postgres_url):
+    sweep = tmp_path / "sweep"
+    args = [a for a in _command(sweep, *SINGLE, "hydra.sweeper.n_trials=4", f"hydra.sweeper.storage={postgres_url}")
+            if a not in (sys.executable, "-m", "lychee_exp.run")]
+    proc = subprocess.run(["bash", str(REPO / "launch" / "sweep_workers.sh"), "2", *args], cwd=tmp_path,
+                          env=_env(PYTHON=sys.executable, NUM_GPUS="2", LOG_DIR=str(tmp_path / "logs"),
+                                   STAGGER_S="0.5"), text=True, capture_output=True, timeout=400)
+    logs = {p.name: p.read_text() for p in (tmp_path / "logs").glob("*.log")}
+    assert proc.returncode == 0, (proc.stdout, {k: v[-2000:] for k, v in logs.items()})
+    assert "CUDA_VISIBLE_DEVICES=0 gpus=1" in proc.stdout and "CUDA_VISIBLE_DEVICES=1 gpus=1" in proc.stdout
+    study = _study(sweep, url=postgres_url)
+    ran = [t for t in study.trials if not t.user_attrs.get(SURPLUS)]
+    assert len(_counted_finished(study)) == 4 and len(ran) == 4
+    assert len({tuple(t.user_attrs[WORKER]) for t in ran}) == 2  # both workers took trials
+    # no trial ran twice: one launch per trial number across both workers, one directory each
+    launches = [line for log in logs.values() for line in log.splitlines() if "Launching 1 jobs" in line]
+    assert len(launches) == 4
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [str(t.number) for t in ran]
+    assert len(_rows(sweep)) == 4
+
+
+# ------------------------------------------------------------------------------------ config surface
+LIGHTNING_TEMPLATE = """# @package _global_
+
+# example hyperparameter optimization of some experiment with Optuna:
+# python train.py -m hparams_search=mnist_optuna experiment=example
+
+defaults:
+  - override /hydra/sweeper: lychee_optuna
+
+# choose metric which will be optimized by Optuna
+optimized_metric: "ndcg@10"
+
+hydra:
+  mode: "MULTIRUN" # set hydra to multirun by default if this config is attached
+
+  sweeper:
+    # storage URL to persist optimization results
+    storage: null
+    # name of the study to persist optimization results
+    study_name: null
+    # number of parallel workers
+    n_jobs: 1
+    # 'minimize' or 'maximize' the objective
+    direction: maximize
+    # total number of runs that will be executed
+    n_trials: 2
+    sampler:
+      _target_: optuna.samplers.TPESampler
+      seed: 1234
+      n_startup_trials: 10 # number of random sampling runs before optimization starts
+    params:
+      optimizer.lr: interval(0.0001, 0.01)
+      data.batch_size: choice(1, 2)
+"""
+
+
+@pytest.mark.slow
+def test_a_lightning_hydra_template_search_config_ports_by_its_sweeper_name(tmp_path):
+    searchpath = _write_search(tmp_path, "mnist_optuna", LIGHTNING_TEMPLATE)
+    # hydra.mode=MULTIRUN in the file: no -m, as in the template
+    command = [a for a in _command(tmp_path / "sweep", *SINGLE, searchpath, search="hparams_search=mnist_optuna")
+               if a not in ("-m", "hydra.sweeper.heartbeat_interval=1")]
+    proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    study = _study(tmp_path / "sweep", name="sweep")  # study_name null: the sweep directory's name
+    assert len(_counted_finished(study)) == 2
+    assert all(1e-4 <= t.params["optimizer.lr"] <= 1e-2 and t.params["data.batch_size"] in (1, 2)
+               for t in study.trials)
+    assert yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())["n_trials"] == 2
+
+
+BAD_PARAMS = """# @package _global_
+defaults:
+  - override /hydra/sweeper: lychee_optuna
+hydra:
+  sweeper:
+    params:
+      {params}
+"""
+
+
+@pytest.mark.parametrize("params, args, expected", [
+    ("optimizer.lrr: interval(1e-5, 1e-3)", [], "hydra.sweeper.params.optimizer.lrr: 'optimizer.lrr' is not a key"),
+    ("data.batch_size: choice()", [], "hydra.sweeper.params.data.batch_size: 'data.batch_size=choice()': "
+                                      "ValueError while evaluating 'choice()': empty choice is not legal"),
+    ("optimizer.lr: interval(1e-3, 1e-5)", [], "hydra.sweeper.params.optimizer.lr: interval(0.001, 1e-05) needs "
+                                               "low < high"),
+    ("optimizer.lr: interval(1e-5, 1e-3)", ["hydra.sweeper.sampler._target_=optuna.samplers.NoSuchSampler"],
+     "hydra.sweeper.sampler._target_=optuna.samplers.NoSuchSampler: no such class"),
+    ("optimizer.lr: interval(1e-5, 1e-3)", ["hydra.sweeper.pruner._target_=optuna.pruners.Nope"],
+     "hydra.sweeper.pruner._target_=optuna.pruners.Nope: no such class"),
+    ("optimizer.lr: interval(1e-5, 1e-3)", ["data.batch_size=choice(a,b)"],
+     "hydra.sweeper.params: a trial's config does not compose: Error merging override data.batch_size='a'"),
+], ids=["unknown-key", "empty-choice", "low-above-high", "unknown-sampler", "unknown-pruner", "wrong-type"])
+def test_bad_sweep_configs_get_one_line_before_any_trial(tmp_path, params, args, expected):
+    searchpath = _write_search(tmp_path, "bad", BAD_PARAMS.format(params=params))
+    command = [sys.executable, "-m", "lychee_exp.run", "-m", "hparams_search=bad", "model=tiny_lychee",
+               f"hydra.sweep.dir={tmp_path / 'sweep'}", searchpath, *args]
+    proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=120)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 2, lines
+    assert len(lines) == 1 and lines[0].split(" error: ", 1)[1].startswith(expected), lines
+    assert not (tmp_path / "sweep").exists()  # no study, no trial
