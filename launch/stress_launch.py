@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from lychee_exp.jobs import run_job
-from lychee_exp.launcher import RunFailed
 
 TINY = ["experiment=tiny_smoke", "logger=none", "trainer.save_model=false", "trainer.eval_before_training=false",
         "trainer.max_steps=2", "data.max_dev_queries=4"]
@@ -30,13 +29,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for index in range(args.runs):
             start = time.perf_counter()
+            outcome = "ok"
             try:
                 run_job([*TINY, "parallel=ddp", f"gpus={args.gpus}"], Path(tmp) / f"run{index}")
-            except (RunFailed, Exception) as err:  # noqa: BLE001 - every failure counts, whatever its kind
-                failures.append(f"run {index}: {type(err).__name__}: {err}")
+            except Exception as err:  # noqa: BLE001 - every failure counts, whatever its kind (RunFailed, ...)
+                outcome = f"FAIL {type(err).__name__}: {err}"
+                failures.append(f"run {index + 1}: {outcome}")
             seconds.append(time.perf_counter() - start)
-            print(f"run {index + 1}/{args.runs}: {'FAIL' if len(failures) and failures[-1].startswith(f'run {index}:') else 'ok'} "
-                  f"{seconds[-1]:.1f} s", flush=True)
+            print(f"run {index + 1}/{args.runs}: {outcome} ({seconds[-1]:.1f} s)", flush=True)
     print(f"{args.runs} launches of {args.gpus} ranks: {len(failures)} failures; "
           f"median {statistics.median(seconds):.1f} s per run, max {max(seconds):.1f} s")
     for failure in failures:

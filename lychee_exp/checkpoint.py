@@ -87,3 +87,29 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> dict:
         raise RuntimeError(f"checkpoint {path} does not match the model: unexpected {unexpected[:3]}, "
                            f"missing {sorted(wanted & set(missing))[:3]}")
     return torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+
+
+def save_training_state(output_dir: Path, model: torch.nn.Module, optimizer, scheduler, scaler, env,
+                        progress: dict, keep: int) -> Path | None:
+    """Collective (every rank's RNG state is gathered, so dropout continues as it would have); rank 0 writes."""
+    rngs = env.gather_objects(rng_state())
+    if not env.is_main:
+        return None
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+             **{k: progress[k] for k in ("step", "epoch", "batch", "evaluated_at")},
+             "summary": json.dumps(progress["summary"]), "rng": rngs, "world_size": env.world_size}
+    return save_checkpoint(output_dir, progress["step"], model, state, keep)
+
+
+def restore_training_state(path: Path, model: torch.nn.Module, optimizer, scheduler, scaler, env) -> dict:
+    """Loads a checkpoint on every rank; returns the progress to continue from."""
+    state = load_checkpoint(path, model)
+    if state["world_size"] != env.world_size:
+        raise ValueError(f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
+                         f"{env.world_size}; resume with the same gpus")
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"][env.rank])
+    return {**{k: state[k] for k in ("step", "epoch", "batch", "evaluated_at")},
+            "summary": json.loads(state["summary"])}

@@ -1,6 +1,7 @@
 """Where this process sits in a run: its rank, the world size and its device, plus the collectives used."""
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -48,3 +49,18 @@ def device_name(device: torch.device) -> str:
 
 def cpu_threads() -> int:
     return int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
+
+
+def wrap_for_training(model: torch.nn.Module, env: DistEnv, plan, find_unused_parameters: bool) -> torch.nn.Module:
+    """DDP across ranks, DataParallel across one process's GPUs, or the model itself."""
+    if env.distributed:
+        # No buffer here changes in training; syncing buffers would make every forward a synchronisation
+        # point (and hide which rank is slow). torch >= 2.13 names the switch forward_sync_buffers.
+        params = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+        no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
+        return torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            find_unused_parameters=find_unused_parameters, **no_sync)
+    if plan.strategy == "dp":
+        return torch.nn.DataParallel(model, device_ids=list(range(plan.num_devices)))
+    return model

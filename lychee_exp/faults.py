@@ -1,5 +1,5 @@
-"""Fault injection for the tests of failure handling: LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang> makes that
-rank fail right after that optimizer step. Unset (always, outside tests), it does nothing."""
+"""Fault injection for the tests of failure handling: LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang|oom> makes that
+rank fail right after that optimizer step (oom: as a CUDA out-of-memory error would). Unset (always, outside tests), it does nothing."""
 from __future__ import annotations
 
 import os
@@ -18,5 +18,9 @@ def inject_fault(rank: int, step: int) -> None:
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "oom":
+        import torch
+
+        raise torch.OutOfMemoryError(f"injected out of memory on rank {rank} at step {step}")
     if action == "hang":
         time.sleep(3600)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import uuid
 from datetime import timedelta
@@ -74,7 +75,7 @@ def _in_process(cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path
 
 
 def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None) -> dict:
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -92,6 +93,11 @@ def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file
     try:
         results = elastic_launch(config, worker)(payload, str(output_dir), plan.threads_per_rank, plan.device_type,
                                                  log_file)
+    except SignalException as err:
+        # Ctrl-C / SIGTERM reached the launcher, which has stopped the ranks: stop the job (and any sweep) too.
+        if err.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise SystemExit(128 + int(err.sigval)) from None
     except ChildFailedError as err:
         rank, failure, message = _root_cause(err.failures)
         logs = sorted(log_dir.glob(f"**/attempt_*/{failure.local_rank}/stderr.log"))
@@ -166,7 +172,6 @@ def _die_with_parent() -> None:
     """If the launching process is killed (SIGKILL, OOM killer), its ranks must not train on as orphans."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

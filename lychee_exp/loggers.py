@@ -3,6 +3,7 @@ so a DDP run is one W&B run, never one per rank."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import logging
 import netrc
 import os
@@ -10,7 +11,7 @@ import shutil
 from pathlib import Path
 from urllib.parse import urlparse
 
-from lychee_exp.config import LoggerConfig
+from lychee_exp.config import LoggerConfig, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -148,3 +149,12 @@ def make_logger(cfg: LoggerConfig, output_dir: Path, is_main: bool, name: str = 
     if cfg.name == "wandb" and cfg.mode != "disabled":
         loggers.append(WandbLogger(cfg, output_dir, name, group, job_type, config or {}))
     return Loggers(loggers)
+
+
+def run_logger(cfg: RunConfig, output_dir: Path, is_main: bool, derived: dict) -> NullLogger:
+    """The loggers of one training job: in a sweep, W&B groups the trials by study and names them by number."""
+    trial = cfg.trial
+    in_sweep = bool(trial.storage)
+    name = f"{trial.study_name}-trial{trial.number}" if in_sweep else output_dir.name
+    return make_logger(cfg.logger, output_dir, is_main, name=name, group=trial.study_name if in_sweep else name,
+                       job_type="trial" if in_sweep else "train", config={**dataclasses.asdict(cfg), **derived})

@@ -6,9 +6,6 @@ update over `grad_accum_steps` micro-batches of `data.batch_size` queries on eac
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import inspect
-import json
 import logging
 import math
 import random
@@ -23,12 +20,12 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from lychee_exp import evaluate as ev
-from lychee_exp.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from lychee_exp.checkpoint import latest_checkpoint, restore_training_state, save_training_state
 from lychee_exp.config import RunConfig
 from lychee_exp.data import GroupCollator, ResumableSampler, TrainGroups, build_dev_pairs, load_queries
 from lychee_exp.devices import DevicePlan, resolve_precision
-from lychee_exp.distributed import DistEnv, device_name
-from lychee_exp.loggers import make_logger
+from lychee_exp.distributed import DistEnv, device_name, wrap_for_training
+from lychee_exp.loggers import run_logger
 from lychee_exp.losses import LOSSES
 from lychee_exp.faults import inject_fault
 from lychee_exp.optim import build_optimizer, effective_batch_size, scaled_lr
@@ -98,7 +95,7 @@ class Trainer:
         self.precision = resolve_precision(cfg.trainer.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.loss_fn = LOSSES[cfg.loss.name]
-        self.train_model = self._wrap(self.model)
+        self.train_model = wrap_for_training(self.model, env, self.plan, cfg.parallel.find_unused_parameters)
         self.resume_from = self._resume_path()
         self.logger = self._make_logger()
         self.eval_time_s = 0.0
@@ -106,32 +103,14 @@ class Trainer:
         self._describe()
 
     def _make_logger(self):
-        cfg, trial = self.cfg, self.cfg.trial
-        in_sweep = bool(trial.storage)
-        name = f"{trial.study_name}-trial{trial.number}" if in_sweep else self.output_dir.name
+        cfg = self.cfg
         derived = {"world_size": self.num_devices, "per_device_batch_size": cfg.data.batch_size,
                    "grad_accum_steps": cfg.trainer.grad_accum_steps,
                    "effective_batch_size": effective_batch_size(cfg, self.num_devices),
                    "lr": self.lr,  # optimizer.lr scaled to the effective batch
                    "precision": self.precision, "device_type": self.device.type, "device_count": self.num_devices,
                    "strategy": self.plan.strategy}
-        config = {**dataclasses.asdict(cfg), **derived}
-        return make_logger(cfg.logger, self.output_dir, self.env.is_main, name=name,
-                           group=trial.study_name if in_sweep else name, job_type="trial" if in_sweep else "train",
-                           config=config)
-
-    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.env.distributed:
-            # No buffer here changes in training; syncing buffers would make every forward a synchronisation
-            # point (and hide which rank is slow). torch >= 2.13 names the switch forward_sync_buffers.
-            params = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
-            no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
-            return torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                find_unused_parameters=self.cfg.parallel.find_unused_parameters, **no_sync)
-        if self.plan.strategy == "dp":
-            return torch.nn.DataParallel(model, device_ids=list(range(self.num_devices)))
-        return model
+        return run_logger(cfg, self.output_dir, self.env.is_main, derived)
 
     def _resume_path(self) -> Path | None:
         resume = self.cfg.trainer.resume
@@ -339,31 +318,21 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ checkpoint
     def _checkpoint(self, step: int, position: tuple[int, int], summary: dict, evaluated_at: int) -> None:
-        rngs = self.env.gather_objects(rng_state())  # every rank's, so dropout continues as it would have
-        if not self.env.is_main:
-            return
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "scaler": self.scaler.state_dict(), "step": step, "epoch": position[0], "batch": position[1],
-                 "evaluated_at": evaluated_at, "summary": json.dumps(summary), "rng": rngs,
-                 "world_size": self.env.world_size}
-        path = save_checkpoint(self.output_dir, step, self.model, state, self.cfg.trainer.keep_checkpoints)
-        log.info("checkpoint: %s", path)
+        progress = {"step": step, "epoch": position[0], "batch": position[1], "evaluated_at": evaluated_at,
+                    "summary": summary}
+        path = save_training_state(self.output_dir, self.model, self.optimizer, self.scheduler, self.scaler,
+                                   self.env, progress, self.cfg.trainer.keep_checkpoints)
+        if path:
+            log.info("checkpoint: %s", path)
 
     def _restore(self) -> dict:
-        state = load_checkpoint(self.resume_from, self.model)
-        if state["world_size"] != self.env.world_size:
-            raise ValueError(f"checkpoint {self.resume_from} was written by {state['world_size']} ranks, "
-                             f"this run has {self.env.world_size}; resume with the same gpus")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"][self.env.rank])
+        progress = restore_training_state(self.resume_from, self.model, self.optimizer, self.scheduler,
+                                          self.scaler, self.env)
         if self.env.is_main:
-            log.info("resumed from %s at step %d (epoch %d, batch %d)", self.resume_from, state["step"],
-                     state["epoch"], state["batch"])
-        self.logger.truncate(state["step"])
-        return {"step": state["step"], "epoch": state["epoch"], "batch": state["batch"],
-                "evaluated_at": state["evaluated_at"], "summary": json.loads(state["summary"])}
+            log.info("resumed from %s at step %d (epoch %d, batch %d)", self.resume_from, progress["step"],
+                     progress["epoch"], progress["batch"])
+        self.logger.truncate(progress["step"])
+        return progress
 
     # ------------------------------------------------------------------------------------------------ save
     def save(self) -> None:
