@@ -168,7 +168,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True,
                    disable=not (env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()))
         self.train_model.train()
-        train_start = time.perf_counter()
+        train_start, eval_time_before = time.perf_counter(), self.eval_time_s
         while step < self.total_steps and not self.stopped:
             self.sampler.set_epoch(epoch)
             self.sampler.start = next_batch * batch
@@ -207,7 +207,7 @@ class Trainer:
                 summary.update(self._eval_and_log(step))
                 evaluated_at = step
         bar.close()
-        train_time = time.perf_counter() - train_start - self.eval_time_s
+        train_time = time.perf_counter() - train_start - (self.eval_time_s - eval_time_before)
         summary.update(self._run_facts(step, epoch, train_time, timer), stopped_early=self.stopped)
         summary.update(speedup_facts(summary["train_samples_per_s"], cfg.speedup.baseline_samples_per_s,
                                      self.num_devices))

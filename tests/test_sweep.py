@@ -22,8 +22,15 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from lychee_exp.sweep.storage import INTERRUPTED, RETRY_OF, SURPLUS, WORKER, Heartbeat, open_storage, \
-    recover_interrupted
+from lychee_exp.sweep.storage import (
+    INTERRUPTED,
+    RETRY_OF,
+    SURPLUS,
+    WORKER,
+    Heartbeat,
+    open_storage,
+    recover_interrupted,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["model=tiny_lychee", "data.max_train_queries=16", "data.max_dev_queries=6", "data.train_group_size=4",
@@ -35,9 +42,9 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
 def _env(**extra: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HYDRA_FULL_ERROR="0", **extra)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
     env.pop("LYCHEE_FAULT", None)
-    return env
+    return {**env, **extra}
 
 
 def _command(sweep_dir: Path, *args: str, search: str = "hparams_search=lr_batch") -> list[str]:
@@ -76,7 +83,7 @@ def _write_search(tmp_path: Path, name: str, text: str) -> str:
 @pytest.mark.slow
 def test_four_trial_ddp_sweep_and_its_results(tmp_path):
     proc = _sweep(tmp_path, "parallel=ddp", "gpus=2", "hydra.sweeper.n_trials=4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     sweep = tmp_path / "sweep"
     study = _study(sweep)
     assert len(_counted_finished(study)) == 4 and len(study.trials) == 4
@@ -106,7 +113,7 @@ def test_diverging_trial_fails_and_the_sweep_goes_on(tmp_path):
     proc = _sweep(tmp_path, *SINGLE, "optimizer.lr=choice(0.001,1e30)", "optimizer.max_grad_norm=0",
                   "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler", "hydra.sweeper.n_trials=2",
                   "hydra.sweeper.max_failure_rate=0.5", "data.batch_size=2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     study = _study(tmp_path / "sweep")
     by_lr = {t.params["optimizer.lr"]: t for t in study.trials}
     assert len(_counted_finished(study)) == 2 and set(by_lr) == {0.001, 1e30}
@@ -122,9 +129,25 @@ def test_too_many_failures_stop_the_sweep(tmp_path):
     proc = _sweep(tmp_path, *SINGLE, "optimizer.lr=choice(1e30)", "optimizer.max_grad_norm=0",
                   "hydra.sweeper.n_trials=6", "hydra.sweeper.max_failure_rate=0.2", "data.batch_size=2")
     assert proc.returncode == 1
-    assert [line for line in proc.stderr.splitlines() if "error:" in line and "max_failure_rate" in line]
+    output = (proc.stdout + proc.stderr).splitlines()
+    assert [line for line in output if "error:" in line and "max_failure_rate" in line], output[-20:]
     study = _study(tmp_path / "sweep")
     assert [t.state for t in study.trials] == [TrialState.FAIL] * 2  # 2 > 0.2 x 6: no third trial
+
+
+@pytest.mark.slow
+def test_an_oom_trial_is_retried_once_with_half_the_batch(tmp_path):
+    env = _env(LYCHEE_FAULT="0:1:oom")  # every attempt runs out of memory at step 1
+    proc = subprocess.run(_command(tmp_path / "sweep", *SINGLE, "hydra.sweeper.n_trials=1",
+                                   "hydra.sweeper.oom_retry=true", "data.batch_size=2", "trainer.grad_accum_steps=1"),
+                          cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    [trial] = _study(tmp_path / "sweep").trials
+    assert trial.state == TrialState.FAIL and trial.user_attrs["fail_reason"].startswith("oom:")
+    assert trial.user_attrs["oom_retry"] == {"batch_size": 1, "grad_accum_steps": 2}
+    retried = yaml.safe_load((tmp_path / "sweep" / "0-oom-retry" / "config.yaml").read_text())
+    assert (retried["data"]["batch_size"], retried["trainer"]["grad_accum_steps"]) == (1, 2)
+    assert (tmp_path / "sweep" / "0" / "config.yaml").is_file()  # the first attempt's directory is kept
 
 
 @pytest.mark.slow
@@ -146,7 +169,7 @@ hydra:
 """)
     proc = _sweep(tmp_path, "parallel=ddp", "gpus=2", "trainer.eval_every=1", "trainer.max_steps=6", searchpath,
                   search="hparams_search=hopeless")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     [trial] = _study(tmp_path / "sweep", "hopeless").trials
     metrics = json.loads((tmp_path / "sweep" / "0" / "metrics.json").read_text())
     assert trial.state == TrialState.PRUNED and trial.user_attrs["pruned_at_step"] == 2
@@ -309,10 +332,11 @@ hydra:
 def test_a_lightning_hydra_template_search_config_ports_by_its_sweeper_name(tmp_path):
     searchpath = _write_search(tmp_path, "mnist_optuna", LIGHTNING_TEMPLATE)
     # hydra.mode=MULTIRUN in the file: no -m, as in the template
-    command = [a for a in _command(tmp_path / "sweep", *SINGLE, searchpath, search="hparams_search=mnist_optuna")
-               if a not in ("-m", "hydra.sweeper.heartbeat_interval=1")]
+    tiny = [a for a in TINY if not a.startswith("data.batch_size")]  # the file's params drive the search
+    command = [sys.executable, "-m", "lychee_exp.run", "hparams_search=mnist_optuna", *tiny, *SINGLE,
+               f"hydra.sweep.dir={tmp_path / 'sweep'}", searchpath]
     proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     study = _study(tmp_path / "sweep", name="sweep")  # study_name null: the sweep directory's name
     assert len(_counted_finished(study)) == 2
     assert all(1e-4 <= t.params["optimizer.lr"] <= 1e-2 and t.params["data.batch_size"] in (1, 2)
@@ -352,3 +376,56 @@ def test_bad_sweep_configs_get_one_line_before_any_trial(tmp_path, params, args,
     assert proc.returncode == 2, lines
     assert len(lines) == 1 and lines[0].split(" error: ", 1)[1].startswith(expected), lines
     assert not (tmp_path / "sweep").exists()  # no study, no trial
+
+
+# ------------------------------------------------------------------------------------------------- units
+def test_job_outcomes(tmp_path):
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from lychee_exp.launcher import RunFailed
+    from lychee_exp.sweep.outcome import job_outcome, oom_retry_overrides
+
+    def job(status, value):
+        ret = JobReturn()
+        ret.status, ret.return_value = status, value
+        return ret
+
+    (tmp_path / "metrics.json").write_text(json.dumps({"ndcg@10": 0.5, "steps": 3, "stopped_early": False}))
+    assert job_outcome(job(JobStatus.COMPLETED, 0.5), tmp_path, 1, None).values == [0.5]
+    nan = job_outcome(job(JobStatus.COMPLETED, float("nan")), tmp_path, 1, None)
+    assert (nan.state, nan.kind) == ("FAIL", "nan")  # a NaN never reaches optuna, nor crashes the sweep
+    oom = job_outcome(job(JobStatus.FAILED, RunFailed("rank 1 failed: out of memory", "oom")), tmp_path, 1, None)
+    assert (oom.state, oom.reason) == ("FAIL", "oom: rank 1 failed: out of memory")
+    crash = job_outcome(job(JobStatus.FAILED, KeyError("x")), tmp_path, 1, None)
+    assert crash.reason == "crashed: KeyError: 'x'"
+    two = job_outcome(job(JobStatus.COMPLETED, 0.5), tmp_path, 2, ["ndcg@10", "steps"])
+    assert (two.state, two.values) == ("COMPLETE", [0.5, 3.0])
+    (tmp_path / "metrics.json").write_text(json.dumps({"ndcg@10": 0.25, "stopped_early": True}))
+    assert job_outcome(job(JobStatus.COMPLETED, 0.25), tmp_path, 1, None).state == "PRUNED"
+    assert oom_retry_overrides(["a=1", "data.batch_size=8"], 8, 2) == ["a=1", "data.batch_size=4",
+                                                                       "trainer.grad_accum_steps=4"]
+    assert oom_retry_overrides([], 1, 1) is None
+
+
+def test_params_grammar_to_distributions():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from lychee_exp.errors import UserError
+    from lychee_exp.sweep.space import build_space, render
+
+    config = OmegaConf.create({"optimizer": {"lr": 1e-4}, "data": {"batch_size": 4, "name": "x"},
+                               "hydra": {"runtime": {"choices": {"model": "tiny"}}}})
+    space = build_space({"optimizer.lr": "tag(log, interval(1e-5, 1e-3))", "data.batch_size": "range(2, 10, 4)"},
+                        ["model=choice(a,b)", "data.name=y", "data.batch_size=choice(2,4)"], config, None,
+                        OverridesParser.create())
+    d = space.distributions
+    assert (d["optimizer.lr"].low, d["optimizer.lr"].high, d["optimizer.lr"].log) == (1e-5, 1e-3, True)
+    assert d["data.batch_size"].choices == (2, 4)  # the command line wins over params
+    assert d["model"].choices == ("a", "b") and space.fixed == ["data.name=y"]
+    assert space.overrides({"model": "a b", "x": 1e-05}) == ["data.name=y", "model='a b'", "x=1e-05"]
+    assert render({"_target_": "p.Q", "n": [1, None, True]}) == "{_target_:'p.Q',n:[1,null,true]}"
+    with pytest.raises(UserError, match="range.*has no values"):
+        build_space({"data.batch_size": "range(5, 1)"}, [], config, None, OverridesParser.create())
+    with pytest.raises(UserError, match="log interval needs low > 0"):
+        build_space({"optimizer.lr": "tag(log, interval(0, 1))"}, [], config, None, OverridesParser.create())
