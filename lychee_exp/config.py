@@ -54,6 +54,7 @@ class ModelConfig:
     dtype: str = "float32"  # dtype of the loaded weights: float32 | bfloat16 | float16
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
+    dropout: Optional[float] = None  # overrides every dropout probability in the model's config; null = keep
     lora: LoraConfig = field(default_factory=LoraConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
 
@@ -66,6 +67,7 @@ class DataConfig:
     instruction: Optional[str] = None  # overrides model.prompt.default_instruction for lines without one
     batch_size: int = 4  # queries per device per micro-step
     train_group_size: int = 8  # 1 positive + (n - 1) sampled negatives per query
+    random_negatives: int = 0  # of those negatives, how many are other queries' positives (easy negatives)
     eval_batch_size: int = 64  # (query, document) pairs per forward pass at evaluation
     max_train_queries: int = 0  # 0 = all; a prefix of the file, for quick runs
     max_dev_queries: int = 0
@@ -81,7 +83,7 @@ class LossConfig:
 @dataclass
 class OptimizerConfig:
     name: str = "adamw"
-    lr: float = 3e-5  # base learning rate, tuned at base_batch_size
+    lr: float = 1e-4  # base learning rate, tuned at base_batch_size (Lychee: 1e-4)
     base_batch_size: int = 4  # effective batch (queries) at which lr applies
     lr_scaling: str = "none"  # none | linear | sqrt: scale lr to the effective batch size
     weight_decay: float = 0.01
@@ -202,7 +204,7 @@ _POSITIVE = (
     "logger.init_timeout_s",
     "speedup.calibration_steps",
 )
-_NON_NEGATIVE = ("data.max_train_queries", "data.max_dev_queries", "data.num_workers", "trainer.eval_every",
+_NON_NEGATIVE = ("data.random_negatives", "data.max_train_queries", "data.max_dev_queries", "data.num_workers", "trainer.eval_every",
                  "trainer.max_epochs", "optimizer.weight_decay", "optimizer.max_grad_norm",
                  "trainer.checkpoint_every", "trainer.keep_checkpoints", "parallel.max_restarts",
                  "parallel.cpu_threads_per_rank")

@@ -70,8 +70,8 @@ def _parse_line(line: str, where: str, index: int) -> RankingQuery:
     return RankingQuery(query, pos, neg, instruction, str(record.get("qid", index)))
 
 
-def check_negatives(queries: list[RankingQuery], group_size: int) -> None:
-    if group_size > 1:
+def check_negatives(queries: list[RankingQuery], group_size: int, random_negatives: int = 0) -> None:
+    if group_size - 1 > random_negatives:  # some negatives must come from the file
         for q in queries:
             if not q.neg:
                 raise UserError(f"data.train_file: query {q.qid!r} has no negatives, but "
@@ -85,9 +85,13 @@ class TrainGroups(Dataset):
     sees exactly the groups a single process would.
     """
 
-    def __init__(self, queries: list[RankingQuery], group_size: int, instruction: str, seed: int):
-        check_negatives(queries, group_size)
+    def __init__(self, queries: list[RankingQuery], group_size: int, instruction: str, seed: int,
+                 random_negatives: int = 0):
+        check_negatives(queries, group_size, random_negatives)
         self.queries, self.group_size, self.instruction, self.seed = queries, group_size, instruction, seed
+        # easy negatives: other queries' positives, mixed in so that a short run learns what relevance
+        # looks like before it learns to separate the hard (retrieved) negatives
+        self.random_negatives = min(random_negatives, group_size - 1)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -99,9 +103,12 @@ class TrainGroups(Dataset):
     def __getitem__(self, index: int) -> tuple[str, str, list[str]]:
         q = self.queries[index]
         rng = random.Random(f"{self.seed}:{self.epoch}:{index}")
-        need = self.group_size - 1
+        need = self.group_size - 1 - self.random_negatives
         # Too few negatives: sample with replacement, as FlagEmbedding does.
         negatives = rng.sample(q.neg, need) if len(q.neg) >= need else rng.choices(q.neg, k=need)
+        others = [i for i in rng.sample(range(len(self.queries)), min(len(self.queries), self.random_negatives + 1))
+                  if i != index][:self.random_negatives]
+        negatives += [rng.choice(self.queries[i].pos) for i in others]
         return q.instruction or self.instruction, q.query, [rng.choice(q.pos), *negatives]
 
 

@@ -87,14 +87,19 @@ def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int) -> Rerank
     extra = {} if causal else {"num_labels": 1}
     kwargs = {"dtype": _DTYPES[cfg.dtype], "attn_implementation": cfg.attn_implementation}
     torch.manual_seed(seed)  # random_init weights and new heads are part of the seeded run
+    config = AutoConfig.from_pretrained(path, **extra)
+    if cfg.dropout is not None:
+        for key, value in config.to_dict().items():
+            if "dropout" in key and isinstance(value, float):
+                setattr(config, key, cfg.dropout)
     if cfg.random_init:
-        backbone = auto_cls.from_config(AutoConfig.from_pretrained(path, **extra), **kwargs)
+        backbone = auto_cls.from_config(config, **kwargs)
     else:
         has_weights = any(Path(path).glob("*.safetensors")) or any(Path(path).glob("*.bin"))
         if not has_weights:
             raise UserError(f"model.path={cfg.path}: no weights in {path} (set model.random_init=true to "
                             "initialise this architecture from scratch)")
-        backbone = auto_cls.from_pretrained(path, **extra, **kwargs)
+        backbone = auto_cls.from_pretrained(path, config=config, **kwargs)
     if backbone.config.pad_token_id is None:
         backbone.config.pad_token_id = encoder.pad_id
     if cfg.gradient_checkpointing:

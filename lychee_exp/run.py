@@ -49,7 +49,7 @@ OmegaConf.register_new_resolver("lychee_stamp", run_stamp, use_cache=True, repla
 def preflight(cfg: RunConfig) -> None:
     """Everything a user can get wrong, checked before any training process starts."""
     check_negatives(load_queries(cfg.data.train_file, "data.train_file", cfg.data.max_train_queries),
-                    cfg.data.train_group_size)
+                    cfg.data.train_group_size, cfg.data.random_negatives)
     load_queries(cfg.data.dev_file, "data.dev_file", cfg.data.max_dev_queries)
     encoder = build_encoder(cfg.model, load_tokenizer(cfg.model))
     if cfg.model.kind == "causal_lm":

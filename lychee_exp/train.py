@@ -70,7 +70,8 @@ class Trainer:
         instruction = cfg.data.instruction or cfg.model.prompt.default_instruction
         train_queries = load_queries(cfg.data.train_file, "data.train_file", cfg.data.max_train_queries)
         dev_queries = load_queries(cfg.data.dev_file, "data.dev_file", cfg.data.max_dev_queries)
-        self.train_set = TrainGroups(train_queries, cfg.data.train_group_size, instruction, cfg.seed)
+        self.train_set = TrainGroups(train_queries, cfg.data.train_group_size, instruction, cfg.seed,
+                                     cfg.data.random_negatives)
         self.dev_pairs = build_dev_pairs(dev_queries, self.encoder, instruction, cfg.seed)
         # One sampler for every world size: its permutation depends on (seed, epoch) only, and rank r takes
         # items r, r + world, ..., so a run on N ranks sees the same global batches as one process.
