@@ -14,7 +14,12 @@ k=${1:?usage: launch/sweep_workers.sh K [overrides...]}
 shift
 python=${PYTHON:-python3}
 log_dir=${LOG_DIR:-outputs/sweep_workers}
-num=${NUM_GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l || true)}
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && [ -z "${NUM_GPUS:-}" ]; then
+  IFS=, read -r -a visible <<< "$CUDA_VISIBLE_DEVICES"
+  num=${#visible[@]}  # nvidia-smi lists every GPU, not the visible subset
+else
+  num=${NUM_GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l || true)}
+fi
 if [ "${num:-0}" -lt "$k" ] || [ "$k" -lt 1 ]; then
   echo "error: cannot split ${num:-0} device(s) between $k worker(s) (set NUM_GPUS on a machine without GPUs)" >&2
   exit 2
@@ -27,6 +32,10 @@ pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true' INT TERM
 for ((i = 0; i < k; i++)); do
   share=$(IFS=,; echo "${devices[*]:$((i * per)):$per}")
+  if [ -z "$share" ]; then
+    echo "error: worker $i would get no device (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-unset}, NUM_GPUS=$num)" >&2
+    exit 2
+  fi
   echo "worker $i: CUDA_VISIBLE_DEVICES=$share gpus=$per, log $log_dir/worker_$i.log"
   # LYCHEE_SWEEP_WORKER shifts the sampler's seed: workers must not draw the same params
   LYCHEE_SWEEP_WORKER=$i CUDA_VISIBLE_DEVICES=$share \

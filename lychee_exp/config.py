@@ -116,7 +116,7 @@ class TrainerConfig:
 class ParallelConfig:
     strategy: str = "ddp"  # single (one device) | dp (DataParallel, one process) | ddp (one process per device)
     backend: str = "auto"  # auto (nccl on GPUs, gloo on CPU) | nccl | gloo
-    max_restarts: int = 0  # elastic restarts of all ranks after a failure (resume from the latest checkpoint)
+    max_restarts: int = 0  # elastic restarts of all ranks after a failure; they resume from the latest checkpoint
     find_unused_parameters: bool = False
     timeout_s: int = 1800  # collective timeout; dev evaluation must finish within it
     cpu_threads_per_rank: int = 0  # CPU ranks: torch threads each; 0 = an equal share of the cores

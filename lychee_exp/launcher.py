@@ -87,6 +87,9 @@ def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file
         monitor_interval=0.2, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL}),
         log_line_prefix_template="[rank${rank}] ")
+    if cfg.parallel.max_restarts > 0 and cfg.trainer.resume == "never":
+        # a restarted attempt continues from the latest checkpoint (trainer.checkpoint_every) of this run
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="auto"))
     payload = dataclasses.asdict(cfg)
     # The agent logs each failure with a full dump; the one line below (with the rank's log) replaces it.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

@@ -99,7 +99,7 @@ def run(cfg: DictConfig) -> float:
                                                                           baseline_samples_per_s=baseline))
     metrics = launch(run_cfg, plan, output_dir, _job_log_file())
     metrics["optimized_metric"] = run_cfg.optimized_metric
-    if is_main and plan.num_devices == 1 and plan.strategy != "dp":
+    if is_main and plan.num_devices == 1 and plan.strategy != "dp" and not under_torchrun():
         store_baseline(run_cfg, plan, metrics["train_samples_per_s"], f"run {output_dir}")
     if is_main:
         write_json_atomic(metrics_path, metrics)

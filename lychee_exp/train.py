@@ -84,7 +84,8 @@ class Trainer:
         loader_batch = cfg.data.batch_size * (self.num_devices if self.plan.strategy == "dp" else 1)
         self.loader = DataLoader(self.train_set, batch_size=loader_batch, sampler=self.sampler,
                                  collate_fn=GroupCollator(self.encoder), num_workers=cfg.data.num_workers,
-                                 pin_memory=self.device.type == "cuda", persistent_workers=cfg.data.num_workers > 0)
+                                 # not persistent: workers must see set_epoch's resampled negatives
+                                 pin_memory=self.device.type == "cuda")
 
         accum = cfg.trainer.grad_accum_steps
         self.steps_per_epoch = math.ceil(math.ceil(self.sampler.num_samples / loader_batch) / accum)
@@ -224,7 +225,7 @@ class Trainer:
         # the whole window, so accumulation and sharding give the gradient of one big batch.
         window_queries = min(local_queries, (first + micro_steps) * batch) - first * batch
         wait = busy = 0.0
-        stats = torch.zeros(3, dtype=torch.float64)
+        stats = torch.zeros(3, dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors only
         for micro in range(micro_steps):
             fetched = time.perf_counter()
             inputs = next(batches)
@@ -238,8 +239,8 @@ class Trainer:
                 per_query = self.loss_fn(logits, cfg.data.train_group_size, cfg.loss.temperature)
             busy += time.perf_counter() - computed
             self.scaler.scale(per_query.sum() / window_queries).backward()
-            stats += torch.tensor([per_query.detach().sum().item(), inputs["attention_mask"].sum().item(),
-                                   len(per_query)], dtype=torch.float64)
+            stats += torch.stack([per_query.detach().sum().double(),
+                                  inputs["attention_mask"].sum().to(stats), torch.tensor(len(per_query)).to(stats)])
         return env.all_reduce_sum(stats), wait, busy + wait
 
     def _baselines(self) -> dict[str, float]:
@@ -279,6 +280,7 @@ class Trainer:
         self._log_eval(metrics, step)
         # Callbacks decide on the main rank; every rank must then stop at the same step, or DDP would hang.
         stop = any([callback(step, metrics) for callback in self.eval_callbacks]) if self.env.is_main else False
+        stop = stop and step < self.total_steps  # a run that trained to the end is complete, never pruned
         self.stopped = self.env.gather_objects(stop)[0]
         if self.stopped and self.env.is_main:
             log.info("stopping after the evaluation at step %d (an evaluation callback asked to)", step)

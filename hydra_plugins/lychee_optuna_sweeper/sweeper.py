@@ -20,6 +20,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
+STORAGE_ENV = "LYCHEE_TRIAL_STORAGE"
 
 
 def _plain(node: Any) -> Any:
@@ -221,7 +222,10 @@ class LycheeOptunaSweeper(Sweeper):
 
         trial = [f"trial.number={number}"]
         if len(self.directions) == 1:  # optuna prunes single-objective studies only
-            trial += [f"trial.storage={render(self.url)}", f"trial.study_name={render(self.study.study_name)}",
+            # the URL may hold a password: it travels in the environment (inherited by the ranks), so that
+            # configs, logs and W&B only ever see the variable's name
+            os.environ[STORAGE_ENV] = self.url
+            trial += [f"trial.storage=env:{STORAGE_ENV}", f"trial.study_name={render(self.study.study_name)}",
                       # ++: a dict merged into the schema's empty one needs force-add
                       f"trial.id={trial_id}", f"++trial.pruner={render(self.pruner_spec)}"]
         return [*trial, f"hydra.sweep.dir={render(str(self.sweep_dir))}"]

@@ -6,6 +6,7 @@ then records the trial PRUNED with its last reported value (metrics.json says st
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,10 @@ def pruning_callback(trial_cfg: Any, metric: str) -> Callable[[int, dict], bool]
 
     from lychee_exp.sweep.storage import open_storage
 
-    study = optuna.load_study(study_name=trial_cfg.study_name, storage=open_storage(trial_cfg.storage),
+    url = trial_cfg.storage
+    if url.startswith("env:"):  # the sweeper passes the URL (maybe with a password) in the environment
+        url = os.environ[url[len("env:"):]]
+    study = optuna.load_study(study_name=trial_cfg.study_name, storage=open_storage(url),
                               pruner=build_pruner(trial_cfg.pruner))
     trial = optuna.trial.Trial(study, trial_cfg.id)
 
