@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 
@@ -14,6 +15,8 @@ def inject_fault(rank: int, step: int) -> None:
     fault_rank, fault_step, action = fault.split(":")
     if int(fault_rank) != rank or int(fault_step) != step:
         return
+    # the moment the fault fires, so that tests time the job's reaction from here, not from its start-up
+    print(f"LYCHEE_FAULT {action} fired at {time.time():.3f}", file=sys.stderr, flush=True)
     if action == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
     if action == "kill":

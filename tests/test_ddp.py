@@ -91,12 +91,15 @@ def test_two_runs_at_the_same_moment(tmp_path):
 
 @pytest.mark.parametrize("action", ["raise", "kill"])
 def test_failing_rank_ends_the_job_quickly(tmp_path, action):
-    start = time.monotonic()
     proc = _cli([*TINY_DDP, "parallel=ddp", "gpus=2", f"hydra.run.dir={tmp_path}"], tmp_path,
                 env={"LYCHEE_FAULT": f"1:2:{action}"})
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=180)
+    ended = time.time()
     assert proc.returncode == 1
-    assert time.monotonic() - start < 60  # includes ~10 s of start-up; the failure itself ends it in seconds
+    # the acceptance bound: the job ends within 30 s of the fault (timed from the rank's own log line)
+    fired = [line for log in tmp_path.glob("logs/**/1/stderr.log") for line in log.read_text().splitlines()
+             if line.startswith("LYCHEE_FAULT")]
+    assert len(fired) == 1 and ended - float(fired[0].split()[-1]) < 30, fired
     errors = [line for line in (out + err).splitlines() if "error:" in line]
     assert len(errors) == 1 and "rank 1 failed" in errors[0] and "stderr.log" in errors[0], errors
     assert ("injected fault" if action == "raise" else "SIGKILL") in errors[0]
