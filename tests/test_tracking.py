@@ -118,3 +118,24 @@ def test_bench_prints_table_csv_and_plot(tmp_path, no_wandb_key):
     assert (out / "bench.png").stat().st_size > 1000
     (bench_run,) = find_run_files(out)
     assert read_run(bench_run)["run"]["job_type"] == "bench"
+
+
+def test_sweep_trials_are_one_wandb_run_each_in_one_group(tmp_path, no_wandb_key):
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lychee_exp.run", "-m", "hparams_search=lr_batch", *TINY, "parallel=single",
+         "gpus=1", "logger=wandb", "hydra.sweeper.n_trials=3", "data.batch_size=choice(1,2)",
+         f"hydra.sweep.dir={sweep_dir}", _baseline_file(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=400,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [read_run(path) for path in find_run_files(sweep_dir)]
+    assert len(runs) == 3
+    assert {r["run"]["group"] for r in runs} == {"lr_batch"} and {r["run"]["job_type"] for r in runs} == {"trial"}
+    with (sweep_dir / "trials.csv").open() as handle:
+        trials = {row["number"]: row for row in csv.DictReader(handle)}
+    for r in runs:
+        number = r["run"]["name"].rsplit("trial", 1)[1]
+        assert r["config"]["optimizer"]["lr"] == pytest.approx(float(trials[number]["lr"]))
+        assert r["config"]["data"]["batch_size"] == int(trials[number]["per_device_batch_size"])
+        assert "env:" in r["config"]["trial"]["storage"]  # the storage URL itself stays out of W&B
