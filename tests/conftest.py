@@ -37,6 +37,7 @@ TINY_OVERRIDES = [
     "data.max_dev_queries=3",
     "data.batch_size=2",
     "data.train_group_size=4",
+    "data.random_negatives=0",  # the file's negatives only, as the expectations below were measured
     "data.eval_batch_size=32",
     "trainer.max_steps=4",
     "trainer.log_every=1",
