@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import sys
+import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -91,6 +93,7 @@ def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file
         # a restarted attempt continues from the latest checkpoint (trainer.checkpoint_every) of this run
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="auto"))
     payload = dataclasses.asdict(cfg)
+    shutil.rmtree(output_dir / FAILURE_NOTES, ignore_errors=True)  # notes of an earlier attempt in this dir
     # The agent logs each failure with a full dump; the one line below (with the rank's log) replaces it.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
@@ -102,8 +105,8 @@ def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file
             raise KeyboardInterrupt from None
         raise SystemExit(128 + int(err.sigval)) from None
     except ChildFailedError as err:
-        rank, failure, message = _root_cause(err.failures)
-        logs = sorted(log_dir.glob(f"**/attempt_*/{failure.local_rank}/stderr.log"))
+        rank, message = _root_cause(err.failures, output_dir / FAILURE_NOTES)
+        logs = sorted(log_dir.glob(f"**/attempt_*/{rank}/stderr.log"))
         where = f" (log: {logs[-1]})" if logs else ""
         raise RunFailed(f"rank {rank} failed: {message}{where}", failure_kind(message)) from None
     return results[0]
@@ -114,17 +117,23 @@ _COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken 
                "gloo", "Gloo", "ProcessGroup")
 
 
-def _root_cause(failures: dict) -> tuple[int, object, str]:
-    """The failure to report: the earliest one that is not a consequence of another rank's failure."""
-    described = []
+def _root_cause(failures: dict, notes: Path) -> tuple[int, str]:
+    """The failure to report: the earliest one that is not a consequence of another rank's failure. The ranks'
+    own notes (written as they fail) come first; the agent's view (which exits it saw) fills the gaps, e.g. a
+    rank killed by a signal writes no note."""
+    described = {}
     for rank, failure in failures.items():
         message = failure.message  # a dict when the worker's @record wrote an error file
         message = str(message.get("message", message) if isinstance(message, dict) else message).strip()
         message = message.splitlines()[-1] if message else f"exit code {failure.exitcode}"
-        collateral = any(marker in message for marker in _COLLATERAL)
-        described.append((collateral, failure.timestamp, rank, failure, message))
-    collateral, _, rank, failure, message = min(described, key=lambda d: d[:3])
-    return rank, failure, message
+        described[rank] = (float(failure.timestamp), message)
+    for note in notes.glob("rank*.txt"):
+        stamp, _, message = note.read_text().strip().partition("\t")
+        described[int(note.stem[len("rank"):])] = (float(stamp), message)
+    ranked = sorted((any(m in message for m in _COLLATERAL), stamp, rank, message)
+                    for rank, (stamp, message) in described.items())
+    _, _, rank, message = ranked[0]
+    return rank, message
 
 
 def _as_rank(cfg: RunConfig, plan: DevicePlan, output_dir: Path) -> dict:
@@ -192,6 +201,21 @@ def _worker(payload: dict, output_dir: str, threads: int, device_type: str, log_
     plan = DevicePlan("ddp", device_type, int(os.environ["WORLD_SIZE"]), threads)
     env = init_distributed(device_type, cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
-        return run_training(cfg, env, plan, Path(output_dir))
-    finally:
-        dist.destroy_process_group()
+        result = run_training(cfg, env, plan, Path(output_dir))
+    except BaseException as err:
+        _note_failure(Path(output_dir), rank, err)
+        raise  # no destroy_process_group: with a peer gone it can block, and this process ends anyway
+    dist.destroy_process_group()
+    return result
+
+
+FAILURE_NOTES = "logs/failures"
+
+
+def _note_failure(output_dir: Path, rank: int, err: BaseException) -> None:
+    """Each failing rank writes when and why at once, before any teardown: the launcher then names the rank
+    that failed first, not one that the agent happened to see exit first."""
+    notes = output_dir / FAILURE_NOTES
+    notes.mkdir(parents=True, exist_ok=True)
+    message = (f"{type(err).__name__}: {err}".strip().splitlines() or [type(err).__name__])[-1]
+    (notes / f"rank{rank}.txt").write_text(f"{time.time():.6f}\t{message}\n")
