@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 
 from lychee_exp.errors import UserError
-from lychee_exp.launcher import RunFailed
+from lychee_exp.errors import RunFailed
 
 log = logging.getLogger("lychee_exp.bench")
 

@@ -1,5 +1,17 @@
-"""The one exception type for user mistakes: it is reported as one line, never as a traceback."""
+"""The project's exceptions, in a module that imports nothing heavy, so that any layer can raise or catch them."""
 
 
 class UserError(Exception):
     """Bad configuration or input data; the message names the key, or the file and line."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or inf."""
+
+
+class RunFailed(RuntimeError):
+    """A training job failed; `kind` is diverged | oom | crashed, for sweepers to record."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind

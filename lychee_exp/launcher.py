@@ -27,19 +27,12 @@ from omegaconf import OmegaConf
 from lychee_exp.config import RunConfig
 from lychee_exp.devices import DevicePlan
 from lychee_exp.distributed import DistEnv
+from lychee_exp.errors import RunFailed, TrainingDiverged
 from lychee_exp.train import run_training
 
 log = logging.getLogger(__name__)
 
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-
-
-class RunFailed(RuntimeError):
-    """A training job failed; `kind` is diverged | oom | crashed, for sweepers to record."""
-
-    def __init__(self, message: str, kind: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 def failure_kind(message: str) -> str:
@@ -66,8 +59,6 @@ def launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | N
 
 
 def _in_process(cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path) -> dict:
-    from lychee_exp.train import TrainingDiverged
-
     try:
         return run_training(cfg, env, plan, output_dir)
     except TrainingDiverged as err:

@@ -21,8 +21,8 @@ from omegaconf.errors import OmegaConfBaseException
 from lychee_exp.config import RunConfig, register_schema, to_run_config
 from lychee_exp.data import check_negatives, load_queries
 from lychee_exp.devices import plan_devices
-from lychee_exp.errors import UserError
-from lychee_exp.launcher import RunFailed, launch, under_torchrun
+from lychee_exp.errors import RunFailed, UserError
+from lychee_exp.launcher import launch, under_torchrun
 from lychee_exp.model import build_encoder, load_tokenizer
 from lychee_exp.speedup import resolve_baseline, store_baseline
 

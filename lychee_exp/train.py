@@ -25,6 +25,7 @@ from lychee_exp.config import RunConfig
 from lychee_exp.data import GroupCollator, ResumableSampler, TrainGroups, build_dev_pairs, load_queries
 from lychee_exp.devices import DevicePlan, resolve_precision
 from lychee_exp.distributed import DistEnv, device_name, wrap_for_training
+from lychee_exp.errors import TrainingDiverged
 from lychee_exp.loggers import run_logger
 from lychee_exp.losses import LOSSES
 from lychee_exp.faults import inject_fault
@@ -36,10 +37,6 @@ from lychee_exp.throughput import StepTimer, log_hints, summarize
 log = logging.getLogger(__name__)
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or inf."""
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

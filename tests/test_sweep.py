@@ -382,7 +382,7 @@ def test_bad_sweep_configs_get_one_line_before_any_trial(tmp_path, params, args,
 def test_job_outcomes(tmp_path):
     from hydra.core.utils import JobReturn, JobStatus
 
-    from lychee_exp.launcher import RunFailed
+    from lychee_exp.errors import RunFailed
     from lychee_exp.sweep.outcome import job_outcome, oom_retry_overrides
 
     def job(status, value):

@@ -37,8 +37,7 @@ def read_metrics(run_dir: Path) -> dict[str, Any]:
 def job_outcome(job_return: Any, run_dir: Path, n_objectives: int, objectives: Sequence[str] | None) -> Outcome:
     from hydra.core.utils import JobStatus
 
-    from lychee_exp.errors import UserError
-    from lychee_exp.launcher import RunFailed
+    from lychee_exp.errors import RunFailed, UserError
 
     metrics = read_metrics(run_dir)
     if job_return.status != JobStatus.COMPLETED:
