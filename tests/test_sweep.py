@@ -382,8 +382,11 @@ def test_bad_sweep_configs_get_one_line_before_any_trial(tmp_path, params, args,
 def test_job_outcomes(tmp_path):
     from hydra.core.utils import JobReturn, JobStatus
 
+    from omegaconf import OmegaConf
+
     from lychee_exp.errors import RunFailed
-    from lychee_exp.sweep.outcome import job_outcome, oom_retry_overrides
+    from lychee_exp.sweep.lychee_job import oom_retry_overrides
+    from lychee_exp.sweep.outcome import job_outcome
 
     def job(status, value):
         ret = JobReturn()
@@ -402,9 +405,11 @@ def test_job_outcomes(tmp_path):
     assert (two.state, two.values) == ("COMPLETE", [0.5, 3.0])
     (tmp_path / "metrics.json").write_text(json.dumps({"ndcg@10": 0.25, "stopped_early": True}))
     assert job_outcome(job(JobStatus.COMPLETED, 0.25), tmp_path, 1, None).state == "PRUNED"
-    assert oom_retry_overrides(["a=1", "data.batch_size=8"], 8, 2) == ["a=1", "data.batch_size=4",
-                                                                       "trainer.grad_accum_steps=4"]
-    assert oom_retry_overrides([], 1, 1) is None
+    job = OmegaConf.create({"data": {"batch_size": 8}, "trainer": {"grad_accum_steps": 2}})
+    assert oom_retry_overrides(["a=1", "data.batch_size=8"], job) == (
+        ["a=1", "data.batch_size=4", "trainer.grad_accum_steps=4"], {"batch_size": 4, "grad_accum_steps": 4})
+    job.data.batch_size = 1
+    assert oom_retry_overrides([], job) is None
 
 
 def test_params_grammar_to_distributions():
@@ -422,10 +427,10 @@ def test_params_grammar_to_distributions():
     d = space.distributions
     assert (d["optimizer.lr"].low, d["optimizer.lr"].high, d["optimizer.lr"].log) == (1e-5, 1e-3, True)
     assert d["data.batch_size"].choices == (2, 4)  # the command line wins over params
-    assert d["model"].choices == ("a", "b") and space.fixed == ["data.name=y"]
+    assert d["model"].choices == ("a", "b") and space.fixed == {"data.name": "data.name=y"}
     assert space.overrides({"model": "a b", "x": 1e-05}) == ["data.name=y", "model='a b'", "x=1e-05"]
     assert render({"_target_": "p.Q", "n": [1, None, True]}) == "{_target_:'p.Q',n:[1,null,true]}"
-    with pytest.raises(UserError, match="range.*has no values"):
+    with pytest.raises(UserError, match="range.*needs start <= stop"):
         build_space({"data.batch_size": "range(5, 1)"}, [], config, None, OverridesParser.create())
     with pytest.raises(UserError, match="log interval needs low > 0"):
         build_space({"optimizer.lr": "tag(log, interval(0, 1))"}, [], config, None, OverridesParser.create())

@@ -12,19 +12,11 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 
-def build_pruner(spec: dict | None) -> Any:
-    import optuna
-    from hydra.utils import instantiate
-
-    if not spec:
-        return optuna.pruners.NopPruner()
-    return instantiate(dict(spec))
-
-
 def pruning_callback(trial_cfg: Any, metric: str) -> Callable[[int, dict], bool]:
     """(step, dev metrics) -> True to stop, for trial_cfg.id of study trial_cfg.study_name."""
     import optuna
 
+    from lychee_exp.sweep.samplers import build_pruner
     from lychee_exp.sweep.storage import open_storage
 
     url = trial_cfg.storage

@@ -1,5 +1,7 @@
 """The sweep directory's summary, rewritten after every trial from the study itself (so any worker can write
-it, and it is right after a resume): optimization_results.yaml, trials.csv and optuna's plots as HTML.
+it, and it is right after a resume): optimization_results.yaml (hydra-optuna-sweeper's keys first: name,
+best_params and best_value, or solutions for several objectives; then this project's), trials.csv, and
+optuna's plots as HTML (these at the end, and at most once a minute during the sweep: they take a while).
 
 Every file is replaced atomically: a reader (or a second worker writing too) never sees half a file.
 """
@@ -23,10 +25,13 @@ CSV_COLUMNS = ["number", "state", "lr", "per_device_batch_size", "effective_batc
                "reason", "steps", "train_time_s", "eval_time_s", "speedup", "scaling_efficiency", "run_dir"]
 
 
-def write_results(study: Any, sweep_dir: Path, n_trials: int, metric: str | Sequence[str], storage_url: str) -> None:
+def write_results(study: Any, sweep_dir: Path, n_trials: int, metric: str | Sequence[str], storage_url: str,
+                  plots: bool = True) -> None:
     trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(SURPLUS)]
     _write_atomic(sweep_dir / "optimization_results.yaml", _summary(study, trials, n_trials, metric, storage_url))
     _write_atomic(sweep_dir / "trials.csv", _table(trials))
+    if not plots:
+        return
     try:
         _write_plots(study, sweep_dir)
     except Exception as err:  # a plot must never end a sweep
@@ -37,19 +42,19 @@ def _summary(study: Any, trials: list, n_trials: int, metric: Any, storage_url: 
     from optuna.trial import TrialState
 
     counts = tally(study)
-    summary: dict[str, Any] = {"name": "lychee_optuna", "study_name": study.study_name, "storage": storage_url,
-                               "metric": metric, "direction": [d.name.lower() for d in study.directions]}
+    summary: dict[str, Any] = {"name": "optuna"}  # hydra-optuna-sweeper's file: tools read this name
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     if len(study.directions) == 1 and complete:
         best = study.best_trial
         summary.update(best_params=dict(best.params), best_value=best.value, best_trial=best.number,
                        best_run_dir=best.user_attrs.get(RUN_DIR))
-    elif complete:
-        summary["best_trials"] = [{"number": t.number, "values": list(t.values), "params": dict(t.params)}
-                                  for t in study.best_trials]
-    summary.update(n_trials=n_trials, finished=counts.finished, complete=counts.complete, pruned=counts.pruned,
-                   failed=counts.failed, interrupted=counts.interrupted, running=counts.running,
-                   queued=counts.waiting)
+    elif complete:  # the Pareto front
+        summary["solutions"] = [{"params": dict(t.params), "values": list(t.values), "number": t.number,
+                                 "run_dir": t.user_attrs.get(RUN_DIR)} for t in study.best_trials]
+    summary.update(sweeper="lychee_optuna", study_name=study.study_name, storage=storage_url, metric=metric,
+                   direction=[d.name.lower() for d in study.directions], n_trials=n_trials, finished=counts.finished,
+                   complete=counts.complete, pruned=counts.pruned, failed=counts.failed,
+                   interrupted=counts.interrupted, running=counts.running, queued=counts.waiting)
     return yaml.safe_dump(summary, sort_keys=False)
 
 
