@@ -159,6 +159,7 @@ defaults:
 hydra:
   sweeper:
     study_name: hopeless
+    direction: maximize
     n_trials: 1
     pruner:
       _target_: optuna.pruners.ThresholdPruner
@@ -349,6 +350,7 @@ defaults:
   - override /hydra/sweeper: lychee_optuna
 hydra:
   sweeper:
+    direction: maximize
     params:
       {params}
 """

@@ -104,9 +104,10 @@ class LycheeOptunaSweeperImpl(Sweeper):
         self._check_settings()
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         self.space = build_space(self.params, arguments, self.config, self.custom_search_space, parser)
-        self.lychee = lychee_job.is_lychee_job(self._compose_sample())
+        job_cfg = self._compose_sample()
+        self.lychee = lychee_job.is_lychee_job(job_cfg)
         if self.lychee:
-            lychee_job.check(list(self.space.distributions), self.directions, self.objectives)
+            lychee_job.check(job_cfg, list(self.space.distributions), self.directions, self.objectives)
         elif self.objectives:
             raise UserError("hydra.sweeper.objectives names metrics.json keys of lychee_exp jobs; this app's task "
                             "function returns its values (a tuple for several directions): remove objectives")

@@ -64,7 +64,7 @@ class LycheeOptunaSweeperConf:
     # dotted path of a function (cfg: DictConfig, trial: optuna.Trial) -> None suggesting more params
     custom_search_space: Optional[str] = None
     # hydra-optuna-sweeper < 1.2's search space format, removed upstream: the sweeper says how to write params
-    search_space: Optional[Dict[str, Any]] = None
+    search_space: Any = None
 
     # lychee_exp jobs: rank 0 reports the dev metric after every evaluation; null or NopPruner: never prune
     pruner: Optional[Dict[str, Any]] = field(default_factory=lambda: {"_target_": "optuna.pruners.MedianPruner"})

@@ -22,7 +22,11 @@ def is_lychee_job(job_cfg: DictConfig) -> bool:
     return OmegaConf.is_dict(trial) and _TRIAL_KEYS <= set(trial.keys()) and "optimized_metric" in job_cfg
 
 
-def check(space_keys: Sequence[str], directions: Sequence[str], objectives: Sequence[str] | None) -> None:
+def check(job_cfg: DictConfig, space_keys: Sequence[str], directions: Sequence[str],
+          objectives: Sequence[str] | None) -> None:
+    if not objectives and directions[0] == "minimize":  # every lychee_exp metric is better higher
+        raise UserError(f"hydra.sweeper.direction=minimize would minimise optimized_metric={job_cfg.optimized_metric}: "
+                        "set hydra.sweeper.direction=maximize (as conf/hparams_search/lr_batch.yaml does)")
     searched = [key for key in space_keys if key.lstrip("+").startswith("trial.")]
     if searched:
         raise UserError(f"hydra.sweeper.params: {searched[0]} is set by the sweeper for each trial and cannot be "

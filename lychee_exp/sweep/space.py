@@ -58,7 +58,7 @@ def build_space(params: Mapping[str, Any] | None, arguments: Sequence[str], conf
     lines += [("", argument) for argument in arguments]  # the command line
     for where, line in lines:
         try:
-            override = parser.parse_override(line)
+            [override] = parser.parse_overrides([line])  # (parse_override leaves out the config loader)
         except Exception as err:  # Hydra's grammar errors: keep their first line, which says what is wrong
             raise UserError(f"{where or 'command line'}: {line!r}: {str(err).splitlines()[0]}") from None
         if override.is_delete():  # ~key: every trial drops the key
