@@ -4,6 +4,7 @@ distribution tests, with the sweeper's name changed only, plus a lightning-hydra
 mnist_optuna.yaml. The apps in tests/sweep_apps are plain Hydra apps (no `trial` key) that return their
 objective; each sweep is a short subprocess (trials run in it through Hydra's basic launcher).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,14 @@ APPS = Path(__file__).resolve().parent / "sweep_apps"
 
 def _run(tmp_path: Path, app: str, *args: str, multirun: bool = True, timeout: float = 180):
     flags = [a for a in args if a.startswith("--")]  # argparse wants them before the overrides
-    command = [sys.executable, str(APPS / f"{app}.py"), *(["-m"] if multirun else []), *flags,
-               f"hydra.sweep.dir={tmp_path / 'sweep'}", *(a for a in args if a not in flags)]
+    command = [
+        sys.executable,
+        str(APPS / f"{app}.py"),
+        *(["-m"] if multirun else []),
+        *flags,
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        *(a for a in args if a not in flags),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
     return subprocess.run(command, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=timeout)
 
@@ -57,7 +64,7 @@ def _sampler(proc: subprocess.CompletedProcess) -> str:
 
 
 def _dominates(a: list[float], b: list[float]) -> bool:
-    return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
+    return all(x <= y for x, y in zip(a, b, strict=True)) and any(x < y for x, y in zip(a, b, strict=True))
 
 
 # ------------------------------------------------------------------------------- distributions (in-process)
@@ -93,8 +100,9 @@ class _Loader:
 
 
 def _space(*arguments: str, params: dict | None = None, custom: str | None = None):
-    config = OmegaConf.create({"key": 0, "key1": 0, "key2": 0, "z": 0, "hydra": {"runtime": {"choices": {
-        "group": "a"}}}})
+    config = OmegaConf.create(
+        {"key": 0, "key1": 0, "key2": 0, "z": 0, "hydra": {"runtime": {"choices": {"group": "a"}}}}
+    )
     return build_space(params, list(arguments), config, custom, OverridesParser.create(config_loader=_Loader()))
 
 
@@ -115,15 +123,18 @@ def test_fixed_values_and_deletions_go_to_every_trial_and_the_command_line_wins(
     assert space.overrides({"key1": 2}) == ["key=4", "key2=5", "~z", "+w=3", "key1=2"]
 
 
-@pytest.mark.parametrize("line, message", [
-    ("key=range(1, 5, step=0)", "needs start <= stop and step > 0"),
-    ("key=range(5, 1, step=-1)", "needs start <= stop and step > 0"),
-    ("key=glob(*)", "has no values"),
-    ("key=choice([1, 2], [3])", "is not a number, string, bool or null"),
-    ("key=interval(5, 1)", "needs low < high"),
-    ("key=tag(log, interval(0, 1))", "a log interval needs low > 0"),
-    ("nokey=choice(1, 2)", "'nokey' is not a key of the composed config"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("key=range(1, 5, step=0)", "needs start <= stop and step > 0"),
+        ("key=range(5, 1, step=-1)", "needs start <= stop and step > 0"),
+        ("key=glob(*)", "has no values"),
+        ("key=choice([1, 2], [3])", "is not a number, string, bool or null"),
+        ("key=interval(5, 1)", "needs low < high"),
+        ("key=tag(log, interval(0, 1))", "a log interval needs low > 0"),
+        ("nokey=choice(1, 2)", "'nokey' is not a key of the composed config"),
+    ],
+)
 def test_bad_search_spaces_are_user_errors(line, message):
     with pytest.raises(UserError, match=message):
         _space(line)
@@ -137,10 +148,12 @@ def test_the_grid_holds_every_value_of_each_distribution():
 
 
 def test_the_plugin_shell_is_cheap_and_the_sweeper_does_not_import_the_training_stack():
-    code = ("import sys, hydra_plugins.lychee_optuna_sweeper.sweeper; shell = 'optuna' in sys.modules; "
-            "import hydra_plugins.lychee_optuna_sweeper._impl; "
-            "print(shell, [m for m in ('torch', 'lychee_exp.config', 'lychee_exp.train', 'lychee_exp.run') "
-            "if m in sys.modules])")
+    code = (
+        "import sys, hydra_plugins.lychee_optuna_sweeper.sweeper; shell = 'optuna' in sys.modules; "
+        "import hydra_plugins.lychee_optuna_sweeper._impl; "
+        "print(shell, [m for m in ('torch', 'lychee_exp.config', 'lychee_exp.train', 'lychee_exp.run') "
+        "if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, check=True).stdout
     assert out.split() == ["False", "[]"]
 
@@ -156,8 +169,13 @@ def test_hydra_discovers_the_sweeper():
 # ------------------------------------------------------------------------------------ the examples, ported
 @pytest.mark.parametrize("with_commandline", [True, False])
 def test_sphere_example(tmp_path, with_commandline):
-    args = ["hydra.job.chdir=True", "hydra.sweeper.n_trials=20", "hydra/sweeper/sampler=tpe",
-            "hydra.sweeper.sampler.seed=123", "~z"]
+    args = [
+        "hydra.job.chdir=True",
+        "hydra.sweeper.n_trials=20",
+        "hydra/sweeper/sampler=tpe",
+        "hydra.sweeper.sampler.seed=123",
+        "~z",
+    ]
     if with_commandline:
         args += ["x=choice(0, 1, 2)", "y=0"]  # y: a fixed value
     _ok(_run(tmp_path, "sphere", *args))
@@ -213,8 +231,12 @@ def test_grid_example(tmp_path, n_trials):
 
 @pytest.mark.parametrize("sampler, with_commandline", [("random", True), ("random", False), ("nsgaii", False)])
 def test_multi_objective_example(tmp_path, sampler, with_commandline):
-    args = ["hydra.job.chdir=True", "hydra.sweeper.n_trials=10", f"hydra/sweeper/sampler={sampler}",
-            "hydra.sweeper.sampler.seed=123"]
+    args = [
+        "hydra.job.chdir=True",
+        "hydra.sweeper.n_trials=10",
+        f"hydra/sweeper/sampler={sampler}",
+        "hydra.sweeper.sampler.seed=123",
+    ]
     if with_commandline:
         args += ["x=range(0, 5)", "y=range(0, 3)"]
     proc = _run(tmp_path, "multi_objective", *args)
@@ -232,16 +254,31 @@ def test_multi_objective_example(tmp_path, sampler, with_commandline):
 
 
 def test_custom_search_space_example(tmp_path):
-    _ok(_run(tmp_path, "custom_search_space", "hydra.job.chdir=True", "hydra/sweeper/sampler=random",
-             "hydra.sweeper.sampler.seed=123", "max_z_difference_from_x=0.3"))
+    _ok(
+        _run(
+            tmp_path,
+            "custom_search_space",
+            "hydra.job.chdir=True",
+            "hydra/sweeper/sampler=random",
+            "hydra.sweeper.sampler.seed=123",
+            "max_z_difference_from_x=0.3",
+        )
+    )
     best = _results(tmp_path)["best_params"]
     assert abs(best["x"] - best["z"]) <= 0.3 and 0 <= best["+w"] <= 1
 
 
 @pytest.mark.parametrize("max_failure_rate", [0.5, 1.0])
 def test_failure_rate(tmp_path, max_failure_rate):
-    proc = _run(tmp_path, "sphere", "hydra.sweeper.n_trials=10", "hydra.sweeper.n_jobs=2", "error=true",
-                "hydra/sweeper/sampler=random", f"hydra.sweeper.max_failure_rate={max_failure_rate}")
+    proc = _run(
+        tmp_path,
+        "sphere",
+        "hydra.sweeper.n_trials=10",
+        "hydra.sweeper.n_jobs=2",
+        "error=true",
+        "hydra/sweeper/sampler=random",
+        f"hydra.sweeper.max_failure_rate={max_failure_rate}",
+    )
     trials = _study(tmp_path, "sphere").trials
     assert all(t.state == TrialState.FAIL for t in trials)
     assert all(t.user_attrs["fail_reason"] == "crashed: RuntimeError: cfg.error is True" for t in trials)
@@ -255,8 +292,14 @@ def test_failure_rate(tmp_path, max_failure_rate):
 
 
 def test_nan_and_exceptions_fail_their_trial_and_the_sweep_goes_on(tmp_path):
-    proc = _run(tmp_path, "sphere", "hydra.sweeper.n_trials=8", "hydra/sweeper/sampler=random",
-                "hydra.sweeper.max_failure_rate=1.0", "nan_below=0")
+    proc = _run(
+        tmp_path,
+        "sphere",
+        "hydra.sweeper.n_trials=8",
+        "hydra/sweeper/sampler=random",
+        "hydra.sweeper.max_failure_rate=1.0",
+        "nan_below=0",
+    )
     _ok(proc)
     trials = _study(tmp_path, "sphere").trials
     assert len(trials) == 8
@@ -268,8 +311,14 @@ def test_nan_and_exceptions_fail_their_trial_and_the_sweep_goes_on(tmp_path):
 
 @pytest.mark.parametrize("sampler", ["tpe", "random", "cmaes", "nsgaii", "grid", "gp", "qmc"])
 def test_every_sampler_of_the_group_runs(tmp_path, sampler):
-    proc = _run(tmp_path, "sphere", f"hydra/sweeper/sampler={sampler}", "hydra.sweeper.n_trials=3",
-                "x=range(-2, 2)", "y=choice(-1, 0, 1)")
+    proc = _run(
+        tmp_path,
+        "sphere",
+        f"hydra/sweeper/sampler={sampler}",
+        "hydra.sweeper.n_trials=3",
+        "x=range(-2, 2)",
+        "y=choice(-1, 0, 1)",
+    )
     _ok(proc)
     study = _study(tmp_path, "sphere")
     assert _sampler(proc).lower().startswith(sampler.replace("nsgaii", "nsga"))
@@ -298,26 +347,55 @@ BAD = [
     ("sphere", ["x=range(1,5,step=0)"], "x (command line): range(1, 5, step=0) needs start <= stop and step > 0"),
     ("sphere", ["x=glob(*)"], "x (command line): 'glob(*)' has no values"),
     ("sphere", ["hydra.sweeper.direction=up"], "hydra.sweeper.direction=['up']: use maximize or minimize"),
-    ("sphere", ["hydra.sweeper.sampler._target_=optuna.samplers.Nope"],
-     "hydra.sweeper.sampler._target_=optuna.samplers.Nope: no such class"),
-    ("sphere", ["hydra/sweeper/sampler=grid", "x=interval(0, 1)"],
-     "hydra.sweeper.params.x: the grid sampler needs a finite set of values"),
+    (
+        "sphere",
+        ["hydra.sweeper.sampler._target_=optuna.samplers.Nope"],
+        "hydra.sweeper.sampler._target_=optuna.samplers.Nope: no such class",
+    ),
+    (
+        "sphere",
+        ["hydra/sweeper/sampler=grid", "x=interval(0, 1)"],
+        "hydra.sweeper.params.x: the grid sampler needs a finite set of values",
+    ),
     ("sphere", ["hydra.sweeper.objectives=[a]"], "hydra.sweeper.objectives names metrics.json keys"),
     ("sphere", ["nokey=choice(1,2)"], "nokey (command line): 'nokey' is not a key of the composed config"),
-    ("sphere", ["hydra.sweeper.search_space={x: {type: float, low: -1, high: 1}, y: {type: categorical, "
-                "choices: [0, 5]}}"],
-     "hydra.sweeper.search_space was removed from hydra-optuna-sweeper (1.2 deprecated it); write it as "
-     "hydra.sweeper.params: x: interval(-1, 1); y: choice(0, 5)"),
-    ("custom_search_space", ["z=1"], "hydra.sweeper.custom_search_space=custom_search_space.configure suggests "
-                                     "['z'], which the command line or params fix"),
-    ("multi_objective", ["--config-name=motpe"], "hydra.sweeper.sampler: motpe (MOTPESampler) was removed in "
-                                                 "Optuna 4.0; use hydra/sweeper/sampler=tpe"),
+    (
+        "sphere",
+        ["hydra.sweeper.search_space={x: {type: float, low: -1, high: 1}, y: {type: categorical, choices: [0, 5]}}"],
+        "hydra.sweeper.search_space was removed from hydra-optuna-sweeper (1.2 deprecated it); write it as "
+        "hydra.sweeper.params: x: interval(-1, 1); y: choice(0, 5)",
+    ),
+    (
+        "custom_search_space",
+        ["z=1"],
+        "hydra.sweeper.custom_search_space=custom_search_space.configure suggests "
+        "['z'], which the command line or params fix",
+    ),
+    (
+        "multi_objective",
+        ["--config-name=motpe"],
+        "hydra.sweeper.sampler: motpe (MOTPESampler) was removed in Optuna 4.0; use hydra/sweeper/sampler=tpe",
+    ),
 ]
 
 
-@pytest.mark.parametrize("app, args, expected", BAD, ids=[
-    "failure-rate", "range-step-0", "glob", "direction", "sampler", "grid-interval", "objectives", "unknown-key",
-    "legacy-search-space", "custom-overlap", "motpe"])
+@pytest.mark.parametrize(
+    "app, args, expected",
+    BAD,
+    ids=[
+        "failure-rate",
+        "range-step-0",
+        "glob",
+        "direction",
+        "sampler",
+        "grid-interval",
+        "objectives",
+        "unknown-key",
+        "legacy-search-space",
+        "custom-overlap",
+        "motpe",
+    ],
+)
 def test_every_bad_sweep_input_is_one_line_and_exit_2(tmp_path, app, args, expected):
     proc = _run(tmp_path, app, *args)
     lines = _lines(proc)

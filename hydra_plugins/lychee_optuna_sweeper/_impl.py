@@ -7,6 +7,7 @@ or machines) sharing the storage make more trials run at once, and none waits fo
 are lychee_exp jobs (recognised by their config), each also learns its place in the study, so that rank 0 can
 report dev metrics and be pruned, and an out-of-memory trial can be retried with half the batch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,7 +19,6 @@ import warnings
 from pathlib import Path
 from typing import Any, List, Optional
 
-import optuna
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
@@ -33,7 +33,7 @@ from lychee_exp.sweep import storage as st
 from lychee_exp.sweep.outcome import Outcome, job_outcome
 from lychee_exp.sweep.results import write_results
 from lychee_exp.sweep.samplers import GRID, build_pruner, build_sampler
-from lychee_exp.sweep.space import build_space, render
+from lychee_exp.sweep.space import build_space, legacy_as_params, render
 
 log = logging.getLogger(__name__)
 PLOT_EVERY_S = 60  # plots cost seconds (plotly, param importances): at most this often during a sweep
@@ -44,10 +44,24 @@ def _plain(node: Any) -> Any:
 
 
 class LycheeOptunaSweeperImpl(Sweeper):
-    def __init__(self, sampler: Any, direction: Any, storage: Optional[str], study_name: Optional[str],
-                 n_trials: int, n_jobs: int, max_failure_rate: float, params: Any, custom_search_space: Optional[str],
-                 search_space: Any, pruner: Any, oom_retry: bool, heartbeat_interval: int,
-                 grace_period: Optional[int], objectives: Any) -> None:
+    def __init__(
+        self,
+        sampler: Any,
+        direction: Any,
+        storage: Optional[str],
+        study_name: Optional[str],
+        n_trials: int,
+        n_jobs: int,
+        max_failure_rate: float,
+        params: Any,
+        custom_search_space: Optional[str],
+        search_space: Any,
+        pruner: Any,
+        oom_retry: bool,
+        heartbeat_interval: int,
+        grace_period: Optional[int],
+        objectives: Any,
+    ) -> None:
         # checked in sweep(), where a mistake can be one line and exit code 2
         self.sampler_spec, self.pruner_spec = _plain(sampler) or {}, _plain(pruner) or {}
         directions = _plain(direction)
@@ -61,8 +75,9 @@ class LycheeOptunaSweeperImpl(Sweeper):
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.hydra_context, self.config = hydra_context, config
-        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
-                                                                task_function=task_function, config=config)
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
 
     # --------------------------------------------------------------------------------------------- sweep
     def sweep(self, arguments: List[str]) -> Any:
@@ -80,9 +95,15 @@ class LycheeOptunaSweeperImpl(Sweeper):
                 break
             if counts.failed > self.max_failure_rate * self.n_trials:
                 self._write_results(plots=True)
-                log.error("error: %d trials failed, more than max_failure_rate=%g x n_trials=%d (last: %s); see "
-                          "%s/trials.csv (raise hydra.sweeper.max_failure_rate to go on)", counts.failed,
-                          self.max_failure_rate, self.n_trials, self._last_failure(), self.sweep_dir)
+                log.error(
+                    "error: %d trials failed, more than max_failure_rate=%g x n_trials=%d (last: %s); see "
+                    "%s/trials.csv (raise hydra.sweeper.max_failure_rate to go on)",
+                    counts.failed,
+                    self.max_failure_rate,
+                    self.n_trials,
+                    self._last_failure(),
+                    self.sweep_dir,
+                )
                 sys.exit(1)
             if not counts.may_ask(self.n_trials):  # the last trials run elsewhere; they may still die
                 if not waiting_logged:
@@ -94,9 +115,17 @@ class LycheeOptunaSweeperImpl(Sweeper):
             done += self._run_next()
         self._write_results(plots=True)
         counts = st.tally(self.study)
-        log.info("study %s: %d/%d trials finished (%d complete, %d pruned, %d failed); this worker ran %d; "
-                 "results in %s", self.study.study_name, counts.finished, self.n_trials, counts.complete,
-                 counts.pruned, counts.failed, done, self.sweep_dir)
+        log.info(
+            "study %s: %d/%d trials finished (%d complete, %d pruned, %d failed); this worker ran %d; results in %s",
+            self.study.study_name,
+            counts.finished,
+            self.n_trials,
+            counts.complete,
+            counts.pruned,
+            counts.failed,
+            done,
+            self.sweep_dir,
+        )
         return self.study
 
     def _prepare(self, arguments: List[str]) -> None:
@@ -109,9 +138,11 @@ class LycheeOptunaSweeperImpl(Sweeper):
         if self.lychee:
             lychee_job.check(job_cfg, list(self.space.distributions), self.directions, self.objectives)
         elif self.objectives:
-            raise UserError("hydra.sweeper.objectives names metrics.json keys of lychee_exp jobs; this app's task "
-                            "function returns its values (a tuple for several directions): remove objectives")
-        self._check_custom_search_space()
+            raise UserError(
+                "hydra.sweeper.objectives names metrics.json keys of lychee_exp jobs; this app's task "
+                "function returns its values (a tuple for several directions): remove objectives"
+            )
+        self.space.try_custom(self.config, self.directions)
         sampler = build_sampler(self.sampler_spec, self.space.grid)
         if self.sampler_spec.get("_target_") == GRID:
             size = math.prod(len(values) for values in self.space.grid().values())
@@ -120,8 +151,11 @@ class LycheeOptunaSweeperImpl(Sweeper):
                 self.n_trials = size
         pruner = build_pruner(self.pruner_spec)
         if self.n_jobs > 1:
-            log.warning("hydra.sweeper.n_jobs=%d: this worker runs one trial at a time; start more workers for "
-                        "concurrent trials (launch/sweep_workers.sh)", self.n_jobs)
+            log.warning(
+                "hydra.sweeper.n_jobs=%d: this worker runs one trial at a time; start more workers for "
+                "concurrent trials (launch/sweep_workers.sh)",
+                self.n_jobs,
+            )
 
         self.sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -136,14 +170,21 @@ class LycheeOptunaSweeperImpl(Sweeper):
         if shift and self.sampler_spec.get("seed") is not None:
             self.study.sampler = build_sampler(self.sampler_spec, self.space.grid, seed_shift=shift)
         OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
-        log.info("study %s in %s (%s): %d of %d trials finished", name, st.masked(self.url),
-                 type(self.study.sampler).__name__,
-                 sum(1 for t in self.study.get_trials(deepcopy=False) if t.state.is_finished()), self.n_trials)
+        log.info(
+            "study %s in %s (%s): %d of %d trials finished",
+            name,
+            st.masked(self.url),
+            type(self.study.sampler).__name__,
+            sum(1 for t in self.study.get_trials(deepcopy=False) if t.state.is_finished()),
+            self.n_trials,
+        )
 
     def _check_settings(self) -> None:
         if self.legacy_search_space:
-            raise UserError("hydra.sweeper.search_space was removed from hydra-optuna-sweeper (1.2 deprecated it); "
-                            f"write it as hydra.sweeper.params: {_legacy_as_params(self.legacy_search_space)}")
+            raise UserError(
+                "hydra.sweeper.search_space was removed from hydra-optuna-sweeper (1.2 deprecated it); "
+                f"write it as hydra.sweeper.params: {legacy_as_params(self.legacy_search_space)}"
+            )
         if not self.directions or any(d not in ("maximize", "minimize") for d in self.directions):
             raise UserError(f"hydra.sweeper.direction={self.directions}: use maximize or minimize (or a list)")
         if not 0.0 <= self.max_failure_rate <= 1.0:
@@ -158,31 +199,16 @@ class LycheeOptunaSweeperImpl(Sweeper):
     def _compose_sample(self) -> DictConfig:
         """One job config with a value from every distribution, composed as a trial would be: a wrong type
         (e.g. a string for an int key) fails here rather than in every trial."""
-        sample = {key: d.choices[0] if isinstance(d, CategoricalDistribution) else d.low
-                  for key, d in self.space.distributions.items()}
+        sample = {
+            key: d.choices[0] if isinstance(d, CategoricalDistribution) else d.low
+            for key, d in self.space.distributions.items()
+        }
         try:
             return self.hydra_context.config_loader.load_sweep_config(self.config, self.space.overrides(sample))
         except Exception as err:
-            raise UserError(f"hydra.sweeper.params: a trial's config does not compose: "
-                            f"{str(err).splitlines()[0]}") from None
-
-    def _check_custom_search_space(self) -> None:
-        """custom_search_space runs once on a throwaway trial: a broken function, or a suggestion that a fixed
-        override would silently replace, stops the sweep here, not in its first trial."""
-        if self.space.custom is None:
-            return
-        verbosity = optuna.logging.get_verbosity()
-        optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "new study created in memory" line
-        try:
-            study = optuna.create_study(directions=self.directions, sampler=optuna.samplers.RandomSampler())
-            self.space.params(study.ask(self.space.distributions), self.config)
-        except UserError:
-            raise
-        except Exception as err:
-            raise UserError(f"hydra.sweeper.custom_search_space={self.space.custom_path}: "
-                            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
-        finally:
-            optuna.logging.set_verbosity(verbosity)
+            raise UserError(
+                f"hydra.sweeper.params: a trial's config does not compose: {str(err).splitlines()[0]}"
+            ) from None
 
     # --------------------------------------------------------------------------------------------- trials
     def _run_next(self) -> int:
@@ -198,23 +224,37 @@ class LycheeOptunaSweeperImpl(Sweeper):
         trial_id = st.trial_id(self.storage, self.study.study_name, trial.number)
         with st.Heartbeat(self.storage, trial_id, self.heartbeat_interval):
             trial.set_user_attr(st.WORKER, self.me)
-            params = self.space.params(trial, self.config)
-            overrides = self.space.overrides(params) + [f"hydra.sweep.dir={render(str(self.sweep_dir))}"]
-            if self.lychee:
-                overrides += lychee_job.trial_overrides(trial.number, trial_id, self.url, self.study.study_name,
-                                                        self.pruner_spec, len(self.directions) > 1)
-            log.info("trial %d: %s", trial.number, ", ".join(f"{k}={v}" for k, v in params.items()))
-            outcome = self._launch(trial, overrides, str(trial.number))
-            if outcome.kind == "oom" and self.oom_retry and self.lychee:
-                outcome = self._retry_oom(trial, overrides, outcome)
+            outcome = self._run_trial(trial, trial_id)
             trial.set_user_attr(st.METRICS, outcome.metrics)
             if outcome.reason:
                 trial.set_user_attr(st.REASON, outcome.reason)
             self._tell(trial, values=outcome.values, state=TrialState[outcome.state])
-        log.info("trial %d: %s%s", trial.number, outcome.state,
-                 f" {outcome.values}" if outcome.values else f" ({outcome.reason})" if outcome.reason else "")
+        log.info(
+            "trial %d: %s%s",
+            trial.number,
+            outcome.state,
+            f" {outcome.values}" if outcome.values else f" ({outcome.reason})" if outcome.reason else "",
+        )
         self._write_results(plots=time.monotonic() - self.last_plots > PLOT_EVERY_S)
         return 1
+
+    def _run_trial(self, trial: Any, trial_id: int) -> Outcome:
+        try:
+            params = self.space.params(trial, self.config)
+        except Exception as err:  # custom_search_space failed for this trial only (its first run passed)
+            return Outcome(
+                "FAIL", reason=f"config: custom_search_space: {str(err).strip().splitlines()[0]}"[:500], kind="config"
+            )
+        overrides = self.space.overrides(params) + [f"hydra.sweep.dir={render(str(self.sweep_dir))}"]
+        if self.lychee:
+            overrides += lychee_job.trial_overrides(
+                trial.number, trial_id, self.url, self.study.study_name, self.pruner_spec, len(self.directions) > 1
+            )
+        log.info("trial %d: %s", trial.number, ", ".join(f"{k}={v}" for k, v in params.items()))
+        outcome = self._launch(trial, overrides, str(trial.number))
+        if outcome.kind == "oom" and self.oom_retry and self.lychee:
+            outcome = self._retry_oom(trial, overrides, outcome)
+        return outcome
 
     def _tell(self, trial: Any, **outcome: Any) -> None:
         try:
@@ -229,20 +269,26 @@ class LycheeOptunaSweeperImpl(Sweeper):
         name = _fresh_name(self.sweep_dir, name)
         trial.set_user_attr(st.RUN_DIR, str(self.sweep_dir / name))
         try:
-            [job_return] = self.launcher.launch([[*overrides, f"hydra.sweep.subdir={name}"]],
-                                                initial_job_idx=trial.number)
+            [job_return] = self.launcher.launch(
+                [[*overrides, f"hydra.sweep.subdir={name}"]], initial_job_idx=trial.number
+            )
         except Exception as err:  # the job's config did not compose (e.g. a key from custom_search_space)
             return Outcome("FAIL", reason=f"config: {str(err).strip().splitlines()[0]}"[:500], kind="config")
         return job_outcome(job_return, self.sweep_dir / name, len(self.directions), self.objectives)
 
     def _retry_oom(self, trial: Any, overrides: list[str], outcome: Outcome) -> Outcome:
-        retry = lychee_job.oom_retry_overrides(overrides, self.hydra_context.config_loader.load_sweep_config(
-            self.config, overrides))
+        retry = lychee_job.oom_retry_overrides(
+            overrides, self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        )
         if retry is None:
             return outcome
         overrides, halved = retry
-        log.warning("trial %d ran out of memory: retrying once with data.batch_size=%d, trainer.grad_accum_steps=%d",
-                    trial.number, halved["batch_size"], halved["grad_accum_steps"])
+        log.warning(
+            "trial %d ran out of memory: retrying once with data.batch_size=%d, trainer.grad_accum_steps=%d",
+            trial.number,
+            halved["batch_size"],
+            halved["grad_accum_steps"],
+        )
         trial.set_user_attr("oom_retry", halved)
         return self._launch(trial, overrides, f"{trial.number}-oom-retry")
 
@@ -264,21 +310,3 @@ def _fresh_name(sweep_dir: Path, name: str) -> str:
         k += 1
         candidate = f"{name}-{k}"
     return candidate
-
-
-def _legacy_as_params(search_space: dict) -> str:
-    """The old `search_space` entries ({type, choices | low, high, step, log}) in the params grammar."""
-    lines = []
-    for key, spec in search_space.items():
-        spec = spec if isinstance(spec, dict) else {}
-        if spec.get("type") == "categorical":
-            value = f"choice({', '.join(render(c) for c in spec.get('choices', []))})"
-        else:
-            bounds = f"{spec.get('low')}, {spec.get('high')}"
-            if spec.get("step") and not spec.get("log"):
-                value = f"range({bounds}, step={spec['step']})"
-            else:
-                value = f"interval({bounds})" if spec.get("type") == "float" else f"int(interval({bounds}))"
-                value = f"tag(log, {value})" if spec.get("log") else value
-        lines.append(f"{key}: {value}")
-    return "; ".join(lines)

@@ -6,6 +6,7 @@ n_jobs, max_failure_rate, params, custom_search_space), so its users' YAML ports
 the rest (pruner, oom_retry, heartbeat_interval, grace_period, objectives) is this project's. Differences, with
 their reasons, are listed in docs/sweeps.md.
 """
+
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -16,22 +17,61 @@ from omegaconf import MISSING
 # not passed (so `sampler._target_=` can switch to a class without some of them). Plain dicts, not typed
 # nodes: a file may give any argument of the class it names, and the class itself checks them.
 SAMPLERS: Dict[str, Dict[str, Any]] = {
-    "tpe": {"_target_": "optuna.samplers.TPESampler", "seed": None, "consider_prior": None, "prior_weight": None,
-            "consider_magic_clip": None, "consider_endpoints": None, "n_startup_trials": None,
-            "n_ei_candidates": None, "multivariate": None, "warn_independent_sampling": None},
+    "tpe": {
+        "_target_": "optuna.samplers.TPESampler",
+        "seed": None,
+        "consider_prior": None,
+        "prior_weight": None,
+        "consider_magic_clip": None,
+        "consider_endpoints": None,
+        "n_startup_trials": None,
+        "n_ei_candidates": None,
+        "multivariate": None,
+        "warn_independent_sampling": None,
+    },
     "random": {"_target_": "optuna.samplers.RandomSampler", "seed": None},
-    "cmaes": {"_target_": "optuna.samplers.CmaEsSampler", "seed": None, "x0": None, "sigma0": None,
-              "independent_sampler": None, "warn_independent_sampling": None, "consider_pruned_trials": None,
-              "restart_strategy": None, "inc_popsize": None, "use_separable_cma": None, "source_trials": None},
-    "nsgaii": {"_target_": "optuna.samplers.NSGAIISampler", "seed": None, "population_size": None,
-               "mutation_prob": None, "crossover_prob": None, "swapping_prob": None, "constraints_func": None},
+    "cmaes": {
+        "_target_": "optuna.samplers.CmaEsSampler",
+        "seed": None,
+        "x0": None,
+        "sigma0": None,
+        "independent_sampler": None,
+        "warn_independent_sampling": None,
+        "consider_pruned_trials": None,
+        "restart_strategy": None,
+        "inc_popsize": None,
+        "use_separable_cma": None,
+        "source_trials": None,
+    },
+    "nsgaii": {
+        "_target_": "optuna.samplers.NSGAIISampler",
+        "seed": None,
+        "population_size": None,
+        "mutation_prob": None,
+        "crossover_prob": None,
+        "swapping_prob": None,
+        "constraints_func": None,
+    },
     # search_space: built from params when the sweep starts
     "grid": {"_target_": "optuna.samplers.GridSampler", "seed": None},
-    "gp": {"_target_": "optuna.samplers.GPSampler", "seed": None, "independent_sampler": None,
-           "n_startup_trials": None, "deterministic_objective": None, "constraints_func": None,
-           "warn_independent_sampling": None},
-    "qmc": {"_target_": "optuna.samplers.QMCSampler", "seed": None, "qmc_type": None, "scramble": None,
-            "independent_sampler": None, "warn_asynchronous_seeding": None, "warn_independent_sampling": None},
+    "gp": {
+        "_target_": "optuna.samplers.GPSampler",
+        "seed": None,
+        "independent_sampler": None,
+        "n_startup_trials": None,
+        "deterministic_objective": None,
+        "constraints_func": None,
+        "warn_independent_sampling": None,
+    },
+    "qmc": {
+        "_target_": "optuna.samplers.QMCSampler",
+        "seed": None,
+        "qmc_type": None,
+        "scramble": None,
+        "independent_sampler": None,
+        "warn_asynchronous_seeding": None,
+        "warn_independent_sampling": None,
+    },
     # removed from Optuna 4: the sweeper stops with one line pointing to tpe
     "motpe": {"_target_": "optuna.samplers.MOTPESampler"},
 }

@@ -3,6 +3,7 @@
 Hydra imports every module of the hydra_plugins package on each start, sweep or not, so this one stays cheap:
 the implementation (optuna, the study, the trials) is imported once, when a sweep actually builds the sweeper.
 """
+
 import importlib.machinery
 import importlib.util
 import logging
@@ -43,8 +44,10 @@ def _answer_for_the_old_plugin() -> None:
 
     class OptunaSweeper(LycheeOptunaSweeper):
         def __init__(self, **config: Any) -> None:
-            log.info("hydra.sweeper._target_ names hydra-optuna-sweeper's OptunaSweeper (not installed): "
-                     "lychee_optuna runs the sweep")
+            log.info(
+                "hydra.sweeper._target_ names hydra-optuna-sweeper's OptunaSweeper (not installed): "
+                "lychee_optuna runs the sweep"
+            )
             super().__init__(**config)
 
     OptunaSweeper.__module__, OptunaSweeper.__qualname__ = name, "OptunaSweeper"

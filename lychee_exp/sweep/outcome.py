@@ -3,6 +3,7 @@
 A NaN metric, a diverged loss, an out-of-memory rank or a crash fail the trial; none of them stops the sweep
 (hydra-optuna-sweeper crashes on a NaN return, Hydra issue 2237).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,22 @@ from hydra.core.utils import JobStatus
 from lychee_exp.errors import RunFailed, UserError
 
 # metrics.json facts kept on the trial (trials.csv columns; speedup and scaling_efficiency once runs have them)
-KEPT_METRICS = ("ndcg@10", "mrr@10", "steps", "effective_batch_size", "per_device_batch_size", "world_size",
-                "grad_accum_steps", "lr", "base_lr", "train_time_s", "eval_time_s", "stopped_early", "speedup",
-                "scaling_efficiency")
+KEPT_METRICS = (
+    "ndcg@10",
+    "mrr@10",
+    "steps",
+    "effective_batch_size",
+    "per_device_batch_size",
+    "world_size",
+    "grad_accum_steps",
+    "lr",
+    "base_lr",
+    "train_time_s",
+    "eval_time_s",
+    "stopped_early",
+    "speedup",
+    "scaling_efficiency",
+)
 
 
 @dataclass

@@ -4,6 +4,7 @@ A null argument means "the class's own default" and is not passed, so that the s
 (hydra/sweeper/sampler: tpe, random, cmaes, ...) can list every argument and `sampler._target_=` can still
 switch to a class that lacks some of them.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -23,8 +24,10 @@ def build_sampler(spec: Mapping[str, Any], grid_space: Any, seed_shift: int = 0)
     """grid_space: a callable giving GridSampler's search space from `params` (unless the spec has one)."""
     spec = _given(spec)
     if spec.get("_target_") in MOTPE or str(spec.get("_target_", "")).endswith("motpe_removed"):
-        raise UserError("hydra.sweeper.sampler: motpe (MOTPESampler) was removed in Optuna 4.0; use "
-                        "hydra/sweeper/sampler=tpe, whose TPESampler handles multi-objective studies")
+        raise UserError(
+            "hydra.sweeper.sampler: motpe (MOTPESampler) was removed in Optuna 4.0; use "
+            "hydra/sweeper/sampler=tpe, whose TPESampler handles multi-objective studies"
+        )
     if spec.get("_target_") == GRID and "search_space" not in spec:
         spec["search_space"] = grid_space()
     if seed_shift and spec.get("seed") is not None:

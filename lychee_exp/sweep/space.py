@@ -7,13 +7,16 @@ when a bound or the step is a float; interval is float, or int when both bounds 
 tag(log, ...) samples on a log scale. Added here: tag(int, interval) is an int interval and glob over a config
 group is a choice among its options.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+import optuna
 from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
+from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
@@ -35,9 +38,31 @@ class SearchSpace:
             self.custom(config, trial)
             overlap = sorted(_bare(key) for key in trial.params if _bare(key) in map(_bare, self.fixed))
             if overlap:  # a fixed override would be silently replaced: hydra-optuna-sweeper refuses it too
-                raise UserError(f"hydra.sweeper.custom_search_space={self.custom_path} suggests {overlap}, which "
-                                "the command line or params fix: drop the fixed value or the suggestion")
+                raise UserError(
+                    f"hydra.sweeper.custom_search_space={self.custom_path} suggests {overlap}, which "
+                    "the command line or params fix: drop the fixed value or the suggestion"
+                )
         return dict(trial.params)
+
+    def try_custom(self, config: DictConfig, directions: list[str]) -> None:
+        """custom_search_space runs once on a throwaway trial: a broken function, or a suggestion that a fixed
+        override would silently replace, stops the sweep before its first trial."""
+        if self.custom is None:
+            return
+        verbosity = optuna.logging.get_verbosity()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "new study created in memory" line
+        try:
+            study = optuna.create_study(directions=directions, sampler=optuna.samplers.RandomSampler())
+            self.params(study.ask(self.distributions), config)
+        except UserError:
+            raise
+        except Exception as err:
+            message = str(err).splitlines()[0] if str(err) else ""
+            raise UserError(
+                f"hydra.sweeper.custom_search_space={self.custom_path}: {type(err).__name__}: {message}"
+            ) from None
+        finally:
+            optuna.logging.set_verbosity(verbosity)
 
     def overrides(self, params: Mapping[str, Any]) -> list[str]:
         return [*self.fixed.values(), *(f"{key}={render(value)}" for key, value in params.items())]
@@ -47,8 +72,13 @@ class SearchSpace:
         return {key: _grid_values(key, d) for key, d in self.distributions.items()}
 
 
-def build_space(params: Mapping[str, Any] | None, arguments: Sequence[str], config: DictConfig,
-                custom_search_space: str | None, parser: Any) -> SearchSpace:
+def build_space(
+    params: Mapping[str, Any] | None,
+    arguments: Sequence[str],
+    config: DictConfig,
+    custom_search_space: str | None,
+    parser: Any,
+) -> SearchSpace:
     """params (hydra.sweeper.params) and the command line's sweep overrides -> SearchSpace; the command
     line's other overrides are fixed and go to every trial, as with Hydra's basic sweeper. For a key given
     twice the command line wins (over params), as in hydra-optuna-sweeper."""
@@ -58,7 +88,8 @@ def build_space(params: Mapping[str, Any] | None, arguments: Sequence[str], conf
     lines += [("", argument) for argument in arguments]  # the command line
     for where, line in lines:
         try:
-            [override] = parser.parse_overrides([line])  # (parse_override leaves out the config loader)
+            override = parser.parse_override(line)
+            override.config_loader = parser.config_loader  # for glob (parse_override leaves it out)
         except Exception as err:  # Hydra's grammar errors: keep their first line, which says what is wrong
             raise UserError(f"{where or 'command line'}: {line!r}: {str(err).splitlines()[0]}") from None
         if override.is_delete():  # ~key: every trial drops the key
@@ -78,8 +109,10 @@ def build_space(params: Mapping[str, Any] | None, arguments: Sequence[str], conf
     if custom_search_space:
         space.custom, space.custom_path = _import_function(custom_search_space), custom_search_space
     if not space.distributions and space.custom is None:
-        raise UserError("hydra.sweeper.params: nothing to search (give params, sweep overrides such as "
-                        "x='interval(-5, 5)', or custom_search_space)")
+        raise UserError(
+            "hydra.sweeper.params: nothing to search (give params, sweep overrides such as "
+            "x='interval(-5, 5)', or custom_search_space)"
+        )
     return space
 
 
@@ -112,8 +145,10 @@ def _interval(where: str, value: IntervalSweep) -> Any:
 def _range(where: str, value: RangeSweep) -> Any:
     start, stop, step = value.start, value.stop, value.step
     if not step or step <= 0 or start > stop:
-        raise UserError(f"{where}: range({start}, {stop}, step={step}) needs start <= stop and step > 0 "
-                        "(the stop is included, as in hydra-optuna-sweeper)")
+        raise UserError(
+            f"{where}: range({start}, {stop}, step={step}) needs start <= stop and step > 0 "
+            "(the stop is included, as in hydra-optuna-sweeper)"
+        )
     if any(isinstance(v, float) for v in (start, stop, step)):
         return FloatDistribution(float(start), float(stop), step=float(step), log="log" in value.tags)
     return IntDistribution(int(start), int(stop), step=int(step), log="log" in value.tags)
@@ -136,8 +171,10 @@ def _grid_values(key: str, d: Any) -> list:
     if isinstance(d, FloatDistribution) and d.step is not None:
         count = int(round((d.high - d.low) / d.step)) + 1
         return [d.low + i * d.step for i in range(count)]
-    raise UserError(f"hydra.sweeper.params.{key}: the grid sampler needs a finite set of values (choice or "
-                    "range), not a continuous interval")
+    raise UserError(
+        f"hydra.sweeper.params.{key}: the grid sampler needs a finite set of values (choice or "
+        "range), not a continuous interval"
+    )
 
 
 def render(value: Any) -> str:
@@ -172,9 +209,25 @@ def _check_key(key: str, config: DictConfig, where: str) -> None:
 
 
 def _import_function(path: str) -> Callable:
-    from hydra.utils import get_method
-
     try:
         return get_method(path)
     except Exception as err:
         raise UserError(f"hydra.sweeper.custom_search_space={path}: {str(err).splitlines()[0]}") from None
+
+
+def legacy_as_params(search_space: dict) -> str:
+    """The old `search_space` entries ({type, choices | low, high, step, log}) in the params grammar."""
+    lines = []
+    for key, spec in search_space.items():
+        spec = spec if isinstance(spec, dict) else {}
+        if spec.get("type") == "categorical":
+            value = f"choice({', '.join(render(c) for c in spec.get('choices', []))})"
+        else:
+            bounds = f"{spec.get('low')}, {spec.get('high')}"
+            if spec.get("step") and not spec.get("log"):
+                value = f"range({bounds}, step={spec['step']})"
+            else:
+                value = f"interval({bounds})" if spec.get("type") == "float" else f"int(interval({bounds}))"
+                value = f"tag(log, {value})" if spec.get("log") else value
+        lines.append(f"{key}: {value}")
+    return "; ".join(lines)

@@ -1,5 +1,6 @@
 """A plain Hydra app whose search space is extended in Python (custom_search_space), as in
 hydra-optuna-sweeper's custom-search-space example: z is drawn near x, and w is a new key (+w)."""
+
 import hydra
 from omegaconf import DictConfig
 from optuna.trial import Trial

@@ -1,6 +1,7 @@
 """A small app of lightning-hydra-template's shape (train.yaml with an optional hparams_search group, the
 task returning the metric named by `optimized_metric`), to run its mnist_optuna.yaml search config.
 The "accuracy" is a smooth function of the hyperparameters, best near lr 0.01, batch 64 and wide layers."""
+
 import math
 
 import hydra

@@ -1,5 +1,6 @@
 """A plain Hydra app returning a tuple, one value per direction: Binh and Korn's two objectives, as in
 hydra-optuna-sweeper's multi-objective example."""
+
 from typing import Tuple
 
 import hydra

@@ -1,5 +1,6 @@
 """A plain Hydra app (no `trial` key) returning one float: the sphere function of hydra-optuna-sweeper's
 example, for the conformance tests. `error=true` raises; `nan_below=v` returns NaN for x < v."""
+
 import hydra
 from omegaconf import DictConfig
 
