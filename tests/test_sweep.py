@@ -491,8 +491,27 @@ hydra:
             ["data.batch_size=choice(a,b)"],
             "hydra.sweeper.params: a trial's config does not compose: Error merging override data.batch_size='a'",
         ),
+        (
+            "optimizer.lr: interval(1e-5, 1e-3)",
+            ["hydra.sweeper.direction=minimize"],
+            "hydra.sweeper.direction=minimize would minimise optimized_metric=ndcg@10",
+        ),
+        (
+            "trial.number: choice(1, 2)",
+            [],
+            "hydra.sweeper.params: trial.number is set by the sweeper for each trial and cannot be searched",
+        ),
     ],
-    ids=["unknown-key", "empty-choice", "low-above-high", "unknown-sampler", "unknown-pruner", "wrong-type"],
+    ids=[
+        "unknown-key",
+        "empty-choice",
+        "low-above-high",
+        "unknown-sampler",
+        "unknown-pruner",
+        "wrong-type",
+        "minimize",
+        "trial-key",
+    ],
 )
 def test_bad_sweep_configs_get_one_line_before_any_trial(tmp_path, params, args, expected):
     searchpath = _write_search(tmp_path, "bad", BAD_PARAMS.format(params=params))
