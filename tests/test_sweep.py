@@ -3,6 +3,7 @@ two workers sharing PostgreSQL, a ported lightning-hydra-template search config,
 
 Every sweep is the real CLI (`python -m lychee_exp.run -m ...`) in a scratch directory, on the tiny model.
 """
+
 from __future__ import annotations
 
 import csv
@@ -33,9 +34,20 @@ from lychee_exp.sweep.storage import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["model=tiny_lychee", "data.max_train_queries=16", "data.max_dev_queries=6", "data.train_group_size=4",
-        "trainer.max_steps=4", "trainer.log_every=1", "trainer.progress_bar=false", "trainer.precision=fp32",
-        "trainer.save_model=false", "logger=csv", "optimizer.lr_scaling=none", "data.batch_size=choice(1,2)"]
+TINY = [
+    "model=tiny_lychee",
+    "data.max_train_queries=16",
+    "data.max_dev_queries=6",
+    "data.train_group_size=4",
+    "trainer.max_steps=4",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+    "trainer.precision=fp32",
+    "trainer.save_model=false",
+    "logger=csv",
+    "optimizer.lr_scaling=none",
+    "data.batch_size=choice(1,2)",
+]
 SINGLE = ["parallel=single", "gpus=1"]
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -48,13 +60,28 @@ def _env(**extra: str) -> dict:
 
 
 def _command(sweep_dir: Path, *args: str, search: str = "hparams_search=lr_batch") -> list[str]:
-    return [sys.executable, "-m", "lychee_exp.run", "-m", search, *TINY, f"hydra.sweep.dir={sweep_dir}",
-            "hydra.sweeper.heartbeat_interval=1", *args]
+    return [
+        sys.executable,
+        "-m",
+        "lychee_exp.run",
+        "-m",
+        search,
+        *TINY,
+        f"hydra.sweep.dir={sweep_dir}",
+        "hydra.sweeper.heartbeat_interval=1",
+        *args,
+    ]
 
 
 def _sweep(tmp_path: Path, *args: str, timeout: float = 400, **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_command(tmp_path / "sweep", *args, **kw), cwd=tmp_path, env=_env(), text=True,
-                          capture_output=True, timeout=timeout)
+    proc = subprocess.run(
+        _command(tmp_path / "sweep", *args, **kw),
+        cwd=tmp_path,
+        env=_env(),
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
     return proc
 
 
@@ -68,8 +95,11 @@ def _rows(sweep_dir: Path) -> list[dict]:
 
 
 def _counted_finished(study: optuna.Study) -> list:
-    return [t for t in study.trials if t.state.is_finished() and not t.user_attrs.get(INTERRUPTED)
-            and not t.user_attrs.get(SURPLUS)]
+    return [
+        t
+        for t in study.trials
+        if t.state.is_finished() and not t.user_attrs.get(INTERRUPTED) and not t.user_attrs.get(SURPLUS)
+    ]
 
 
 def _write_search(tmp_path: Path, name: str, text: str) -> str:
@@ -101,8 +131,12 @@ def test_four_trial_ddp_sweep_and_its_results(tmp_path):
     assert summary["complete"] + summary["pruned"] + summary["failed"] == 4
     rows = _rows(sweep)
     assert len(rows) == 4 and [int(r["number"]) for r in rows] == [0, 1, 2, 3]
-    assert all(r["state"] in ("COMPLETE", "PRUNED") and int(r["effective_batch_size"]) == 2 *
-               int(r["per_device_batch_size"]) and float(r["duration_s"]) > 0 for r in rows)
+    assert all(
+        r["state"] in ("COMPLETE", "PRUNED")
+        and int(r["effective_batch_size"]) == 2 * int(r["per_device_batch_size"])
+        and float(r["duration_s"]) > 0
+        for r in rows
+    )
     for plot in ("optimization_history.html", "param_importances.html", "contour_lr_batch.html"):
         html = (sweep / plot).read_text()
         assert "plotly" in html and len(html) > 1_000_000, plot  # plotly.js inside: opens offline
@@ -110,9 +144,16 @@ def test_four_trial_ddp_sweep_and_its_results(tmp_path):
 
 @pytest.mark.slow
 def test_diverging_trial_fails_and_the_sweep_goes_on(tmp_path):
-    proc = _sweep(tmp_path, *SINGLE, "optimizer.lr=choice(0.001,1e30)", "optimizer.max_grad_norm=0",
-                  "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler", "hydra.sweeper.n_trials=2",
-                  "hydra.sweeper.max_failure_rate=0.5", "data.batch_size=2")
+    proc = _sweep(
+        tmp_path,
+        *SINGLE,
+        "optimizer.lr=choice(0.001,1e30)",
+        "optimizer.max_grad_norm=0",
+        "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.max_failure_rate=0.5",
+        "data.batch_size=2",
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     study = _study(tmp_path / "sweep")
     by_lr = {t.params["optimizer.lr"]: t for t in study.trials}
@@ -126,8 +167,15 @@ def test_diverging_trial_fails_and_the_sweep_goes_on(tmp_path):
 
 @pytest.mark.slow
 def test_too_many_failures_stop_the_sweep(tmp_path):
-    proc = _sweep(tmp_path, *SINGLE, "optimizer.lr=choice(1e30)", "optimizer.max_grad_norm=0",
-                  "hydra.sweeper.n_trials=6", "hydra.sweeper.max_failure_rate=0.2", "data.batch_size=2")
+    proc = _sweep(
+        tmp_path,
+        *SINGLE,
+        "optimizer.lr=choice(1e30)",
+        "optimizer.max_grad_norm=0",
+        "hydra.sweeper.n_trials=6",
+        "hydra.sweeper.max_failure_rate=0.2",
+        "data.batch_size=2",
+    )
     assert proc.returncode == 1
     output = (proc.stdout + proc.stderr).splitlines()
     assert [line for line in output if "error:" in line and "max_failure_rate" in line], output[-20:]
@@ -138,9 +186,21 @@ def test_too_many_failures_stop_the_sweep(tmp_path):
 @pytest.mark.slow
 def test_an_oom_trial_is_retried_once_with_half_the_batch(tmp_path):
     env = _env(LYCHEE_FAULT="0:1:oom")  # every attempt runs out of memory at step 1
-    proc = subprocess.run(_command(tmp_path / "sweep", *SINGLE, "hydra.sweeper.n_trials=1",
-                                   "hydra.sweeper.oom_retry=true", "data.batch_size=2", "trainer.grad_accum_steps=1"),
-                          cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300)
+    proc = subprocess.run(
+        _command(
+            tmp_path / "sweep",
+            *SINGLE,
+            "hydra.sweeper.n_trials=1",
+            "hydra.sweeper.oom_retry=true",
+            "data.batch_size=2",
+            "trainer.grad_accum_steps=1",
+        ),
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     [trial] = _study(tmp_path / "sweep").trials
     assert trial.state == TrialState.FAIL and trial.user_attrs["fail_reason"].startswith("oom:")
@@ -153,12 +213,16 @@ def test_an_oom_trial_is_retried_once_with_half_the_batch(tmp_path):
 @pytest.mark.slow
 def test_pruning_stops_a_hopeless_trial_on_every_rank(tmp_path):
     # ndcg@10 never reaches 2: the pruner condemns the trial at its first evaluation after warm-up (step 2)
-    searchpath = _write_search(tmp_path, "hopeless", """# @package _global_
+    searchpath = _write_search(
+        tmp_path,
+        "hopeless",
+        """# @package _global_
 defaults:
   - override /hydra/sweeper: lychee_optuna
 hydra:
   sweeper:
     study_name: hopeless
+    direction: maximize
     n_trials: 1
     pruner:
       _target_: optuna.pruners.ThresholdPruner
@@ -166,9 +230,17 @@ hydra:
       n_warmup_steps: 2
     params:
       optimizer.lr: tag(log, interval(1e-4, 1e-3))
-""")
-    proc = _sweep(tmp_path, "parallel=ddp", "gpus=2", "trainer.eval_every=1", "trainer.max_steps=6", searchpath,
-                  search="hparams_search=hopeless")
+""",
+    )
+    proc = _sweep(
+        tmp_path,
+        "parallel=ddp",
+        "gpus=2",
+        "trainer.eval_every=1",
+        "trainer.max_steps=6",
+        searchpath,
+        search="hparams_search=hopeless",
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     [trial] = _study(tmp_path / "sweep", "hopeless").trials
     metrics = json.loads((tmp_path / "sweep" / "0" / "metrics.json").read_text())
@@ -183,8 +255,7 @@ hydra:
 def test_sigkill_mid_trial_then_the_same_command_finishes_the_study(tmp_path):
     sweep = tmp_path / "sweep"
     command = _command(sweep, *SINGLE, "hydra.sweeper.n_trials=3", "trainer.max_steps=8")
-    proc = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while not (sweep / "1" / "run.log").exists():  # trial 1 has started its job
         assert proc.poll() is None and time.monotonic() < deadline, "trial 1 never started"
@@ -255,29 +326,57 @@ def postgres_url():
         shutil.chown(root, "postgres")
         shutil.chown(data, "postgres")
     port = _free_port()
-    subprocess.run([*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
-                   check=True, capture_output=True)
-    subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"), "-w",
-                    "-o", f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [
+            *as_user,
+            str(bindir / "pg_ctl"),
+            "-D",
+            str(data),
+            "-l",
+            str(root / "server.log"),
+            "-w",
+            "-o",
+            f"-p {port} -k {root} -c listen_addresses=127.0.0.1",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+    )
     try:
-        subprocess.run([*as_user, str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres",
-                        "optuna"], check=True, capture_output=True)
+        subprocess.run(
+            [*as_user, str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "optuna"],
+            check=True,
+            capture_output=True,
+        )
         yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/optuna"
     finally:
-        subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
-                       capture_output=True)
+        subprocess.run(
+            [*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"], capture_output=True
+        )
         shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.slow
 def test_two_workers_share_one_postgres_study(tmp_path, postgres_url):
     sweep = tmp_path / "sweep"
-    args = [a for a in _command(sweep, *SINGLE, "hydra.sweeper.n_trials=4", f"hydra.sweeper.storage={postgres_url}")
-            if a not in (sys.executable, "-m", "lychee_exp.run")]
-    proc = subprocess.run(["bash", str(REPO / "launch" / "sweep_workers.sh"), "2", *args], cwd=tmp_path,
-                          env=_env(PYTHON=sys.executable, NUM_GPUS="2", LOG_DIR=str(tmp_path / "logs"),
-                                   STAGGER_S="0.5"), text=True, capture_output=True, timeout=400)
+    args = [
+        a
+        for a in _command(sweep, *SINGLE, "hydra.sweeper.n_trials=4", f"hydra.sweeper.storage={postgres_url}")
+        if a not in (sys.executable, "-m", "lychee_exp.run")
+    ]
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch" / "sweep_workers.sh"), "2", *args],
+        cwd=tmp_path,
+        env=_env(PYTHON=sys.executable, NUM_GPUS="2", LOG_DIR=str(tmp_path / "logs"), STAGGER_S="0.5"),
+        text=True,
+        capture_output=True,
+        timeout=400,
+    )
     logs = {p.name: p.read_text() for p in (tmp_path / "logs").glob("*.log")}
     assert proc.returncode == 0, (proc.stdout, {k: v[-2000:] for k, v in logs.items()})
     assert "CUDA_VISIBLE_DEVICES=0 gpus=1" in proc.stdout and "CUDA_VISIBLE_DEVICES=1 gpus=1" in proc.stdout
@@ -333,14 +432,21 @@ def test_a_lightning_hydra_template_search_config_ports_by_its_sweeper_name(tmp_
     searchpath = _write_search(tmp_path, "mnist_optuna", LIGHTNING_TEMPLATE)
     # hydra.mode=MULTIRUN in the file: no -m, as in the template
     tiny = [a for a in TINY if not a.startswith("data.batch_size")]  # the file's params drive the search
-    command = [sys.executable, "-m", "lychee_exp.run", "hparams_search=mnist_optuna", *tiny, *SINGLE,
-               f"hydra.sweep.dir={tmp_path / 'sweep'}", searchpath]
+    command = [
+        sys.executable,
+        "-m",
+        "lychee_exp.run",
+        "hparams_search=mnist_optuna",
+        *tiny,
+        *SINGLE,
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        searchpath,
+    ]
     proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     study = _study(tmp_path / "sweep", name="sweep")  # study_name null: the sweep directory's name
     assert len(_counted_finished(study)) == 2
-    assert all(1e-4 <= t.params["optimizer.lr"] <= 1e-2 and t.params["data.batch_size"] in (1, 2)
-               for t in study.trials)
+    assert all(1e-4 <= t.params["optimizer.lr"] <= 1e-2 and t.params["data.batch_size"] in (1, 2) for t in study.trials)
     assert yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())["n_trials"] == 2
 
 
@@ -349,28 +455,77 @@ defaults:
   - override /hydra/sweeper: lychee_optuna
 hydra:
   sweeper:
+    direction: maximize
     params:
       {params}
 """
 
 
-@pytest.mark.parametrize("params, args, expected", [
-    ("optimizer.lrr: interval(1e-5, 1e-3)", [], "hydra.sweeper.params.optimizer.lrr: 'optimizer.lrr' is not a key"),
-    ("data.batch_size: choice()", [], "hydra.sweeper.params.data.batch_size: 'data.batch_size=choice()': "
-                                      "ValueError while evaluating 'choice()': empty choice is not legal"),
-    ("optimizer.lr: interval(1e-3, 1e-5)", [], "hydra.sweeper.params.optimizer.lr: interval(0.001, 1e-05) needs "
-                                               "low < high"),
-    ("optimizer.lr: interval(1e-5, 1e-3)", ["hydra.sweeper.sampler._target_=optuna.samplers.NoSuchSampler"],
-     "hydra.sweeper.sampler._target_=optuna.samplers.NoSuchSampler: no such class"),
-    ("optimizer.lr: interval(1e-5, 1e-3)", ["hydra.sweeper.pruner._target_=optuna.pruners.Nope"],
-     "hydra.sweeper.pruner._target_=optuna.pruners.Nope: no such class"),
-    ("optimizer.lr: interval(1e-5, 1e-3)", ["data.batch_size=choice(a,b)"],
-     "hydra.sweeper.params: a trial's config does not compose: Error merging override data.batch_size='a'"),
-], ids=["unknown-key", "empty-choice", "low-above-high", "unknown-sampler", "unknown-pruner", "wrong-type"])
+@pytest.mark.parametrize(
+    "params, args, expected",
+    [
+        ("optimizer.lrr: interval(1e-5, 1e-3)", [], "hydra.sweeper.params.optimizer.lrr: 'optimizer.lrr' is not a key"),
+        (
+            "data.batch_size: choice()",
+            [],
+            "hydra.sweeper.params.data.batch_size: 'data.batch_size=choice()': "
+            "ValueError while evaluating 'choice()': empty choice is not legal",
+        ),
+        (
+            "optimizer.lr: interval(1e-3, 1e-5)",
+            [],
+            "hydra.sweeper.params.optimizer.lr: interval(0.001, 1e-05) needs low < high",
+        ),
+        (
+            "optimizer.lr: interval(1e-5, 1e-3)",
+            ["hydra.sweeper.sampler._target_=optuna.samplers.NoSuchSampler"],
+            "hydra.sweeper.sampler._target_=optuna.samplers.NoSuchSampler: no such class",
+        ),
+        (
+            "optimizer.lr: interval(1e-5, 1e-3)",
+            ["hydra.sweeper.pruner._target_=optuna.pruners.Nope"],
+            "hydra.sweeper.pruner._target_=optuna.pruners.Nope: no such class",
+        ),
+        (
+            "optimizer.lr: interval(1e-5, 1e-3)",
+            ["data.batch_size=choice(a,b)"],
+            "hydra.sweeper.params: a trial's config does not compose: Error merging override data.batch_size='a'",
+        ),
+        (
+            "optimizer.lr: interval(1e-5, 1e-3)",
+            ["hydra.sweeper.direction=minimize"],
+            "hydra.sweeper.direction=minimize would minimise optimized_metric=ndcg@10",
+        ),
+        (
+            "trial.number: choice(1, 2)",
+            [],
+            "hydra.sweeper.params: trial.number is set by the sweeper for each trial and cannot be searched",
+        ),
+    ],
+    ids=[
+        "unknown-key",
+        "empty-choice",
+        "low-above-high",
+        "unknown-sampler",
+        "unknown-pruner",
+        "wrong-type",
+        "minimize",
+        "trial-key",
+    ],
+)
 def test_bad_sweep_configs_get_one_line_before_any_trial(tmp_path, params, args, expected):
     searchpath = _write_search(tmp_path, "bad", BAD_PARAMS.format(params=params))
-    command = [sys.executable, "-m", "lychee_exp.run", "-m", "hparams_search=bad", "model=tiny_lychee",
-               f"hydra.sweep.dir={tmp_path / 'sweep'}", searchpath, *args]
+    command = [
+        sys.executable,
+        "-m",
+        "lychee_exp.run",
+        "-m",
+        "hparams_search=bad",
+        "model=tiny_lychee",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        searchpath,
+        *args,
+    ]
     proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=120)
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert proc.returncode == 2, lines
@@ -381,9 +536,11 @@ def test_bad_sweep_configs_get_one_line_before_any_trial(tmp_path, params, args,
 # ------------------------------------------------------------------------------------------------- units
 def test_job_outcomes(tmp_path):
     from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
 
     from lychee_exp.errors import RunFailed
-    from lychee_exp.sweep.outcome import job_outcome, oom_retry_overrides
+    from lychee_exp.sweep.lychee_job import oom_retry_overrides
+    from lychee_exp.sweep.outcome import job_outcome
 
     def job(status, value):
         ret = JobReturn()
@@ -402,9 +559,13 @@ def test_job_outcomes(tmp_path):
     assert (two.state, two.values) == ("COMPLETE", [0.5, 3.0])
     (tmp_path / "metrics.json").write_text(json.dumps({"ndcg@10": 0.25, "stopped_early": True}))
     assert job_outcome(job(JobStatus.COMPLETED, 0.25), tmp_path, 1, None).state == "PRUNED"
-    assert oom_retry_overrides(["a=1", "data.batch_size=8"], 8, 2) == ["a=1", "data.batch_size=4",
-                                                                       "trainer.grad_accum_steps=4"]
-    assert oom_retry_overrides([], 1, 1) is None
+    job = OmegaConf.create({"data": {"batch_size": 8}, "trainer": {"grad_accum_steps": 2}})
+    assert oom_retry_overrides(["a=1", "data.batch_size=8"], job) == (
+        ["a=1", "data.batch_size=4", "trainer.grad_accum_steps=4"],
+        {"batch_size": 4, "grad_accum_steps": 4},
+    )
+    job.data.batch_size = 1
+    assert oom_retry_overrides([], job) is None
 
 
 def test_params_grammar_to_distributions():
@@ -414,18 +575,27 @@ def test_params_grammar_to_distributions():
     from lychee_exp.errors import UserError
     from lychee_exp.sweep.space import build_space, render
 
-    config = OmegaConf.create({"optimizer": {"lr": 1e-4}, "data": {"batch_size": 4, "name": "x"},
-                               "hydra": {"runtime": {"choices": {"model": "tiny"}}}})
-    space = build_space({"optimizer.lr": "tag(log, interval(1e-5, 1e-3))", "data.batch_size": "range(2, 10, 4)"},
-                        ["model=choice(a,b)", "data.name=y", "data.batch_size=choice(2,4)"], config, None,
-                        OverridesParser.create())
+    config = OmegaConf.create(
+        {
+            "optimizer": {"lr": 1e-4},
+            "data": {"batch_size": 4, "name": "x"},
+            "hydra": {"runtime": {"choices": {"model": "tiny"}}},
+        }
+    )
+    space = build_space(
+        {"optimizer.lr": "tag(log, interval(1e-5, 1e-3))", "data.batch_size": "range(2, 10, 4)"},
+        ["model=choice(a,b)", "data.name=y", "data.batch_size=choice(2,4)"],
+        config,
+        None,
+        OverridesParser.create(),
+    )
     d = space.distributions
     assert (d["optimizer.lr"].low, d["optimizer.lr"].high, d["optimizer.lr"].log) == (1e-5, 1e-3, True)
     assert d["data.batch_size"].choices == (2, 4)  # the command line wins over params
-    assert d["model"].choices == ("a", "b") and space.fixed == ["data.name=y"]
+    assert d["model"].choices == ("a", "b") and space.fixed == {"data.name": "data.name=y"}
     assert space.overrides({"model": "a b", "x": 1e-05}) == ["data.name=y", "model='a b'", "x=1e-05"]
     assert render({"_target_": "p.Q", "n": [1, None, True]}) == "{_target_:'p.Q',n:[1,null,true]}"
-    with pytest.raises(UserError, match="range.*has no values"):
+    with pytest.raises(UserError, match="range.*needs start <= stop"):
         build_space({"data.batch_size": "range(5, 1)"}, [], config, None, OverridesParser.create())
     with pytest.raises(UserError, match="log interval needs low > 0"):
         build_space({"optimizer.lr": "tag(log, interval(0, 1))"}, [], config, None, OverridesParser.create())

@@ -3,6 +3,7 @@
 A NaN metric, a diverged loss, an out-of-memory rank or a crash fail the trial; none of them stops the sweep
 (hydra-optuna-sweeper crashes on a NaN return, Hydra issue 2237).
 """
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from hydra.core.utils import JobStatus
+
+from lychee_exp.errors import RunFailed, UserError
+
 # metrics.json facts kept on the trial (trials.csv columns; speedup and scaling_efficiency once runs have them)
-KEPT_METRICS = ("ndcg@10", "mrr@10", "steps", "effective_batch_size", "per_device_batch_size", "world_size",
-                "grad_accum_steps", "lr", "base_lr", "train_time_s", "eval_time_s", "stopped_early", "speedup",
-                "scaling_efficiency")
+KEPT_METRICS = (
+    "ndcg@10",
+    "mrr@10",
+    "steps",
+    "effective_batch_size",
+    "per_device_batch_size",
+    "world_size",
+    "grad_accum_steps",
+    "lr",
+    "base_lr",
+    "train_time_s",
+    "eval_time_s",
+    "stopped_early",
+    "speedup",
+    "scaling_efficiency",
+)
 
 
 @dataclass
@@ -35,10 +53,6 @@ def read_metrics(run_dir: Path) -> dict[str, Any]:
 
 
 def job_outcome(job_return: Any, run_dir: Path, n_objectives: int, objectives: Sequence[str] | None) -> Outcome:
-    from hydra.core.utils import JobStatus
-
-    from lychee_exp.errors import RunFailed, UserError
-
     metrics = read_metrics(run_dir)
     if job_return.status != JobStatus.COMPLETED:
         try:
@@ -50,14 +64,18 @@ def job_outcome(job_return: Any, run_dir: Path, n_objectives: int, objectives: S
         except Exception as err:
             return _failed("crashed", f"{type(err).__name__}: {err}", metrics)
     if objectives:
-        full = json.loads((run_dir / "metrics.json").read_text())
+        try:
+            full = json.loads((run_dir / "metrics.json").read_text())
+        except (OSError, ValueError):
+            full = {}
         missing = [key for key in objectives if key not in full]
         if missing:
             return _failed("config", f"metrics.json has no {missing} (hydra.sweeper.objectives)", metrics)
         values = [full[key] for key in objectives]
     else:
-        value = job_return.return_value
-        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        value = job_return.return_value  # a number, or a sequence of them (multi-objective), as upstream
+        single = isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or getattr(value, "ndim", 1) == 0
+        values = [value] if single else list(value)
     if len(values) != n_objectives:
         return _failed("config", f"the job gave {len(values)} value(s) for {n_objectives} direction(s)", metrics)
     try:
@@ -74,13 +92,3 @@ def job_outcome(job_return: Any, run_dir: Path, n_objectives: int, objectives: S
 def _failed(kind: str, message: str, metrics: dict) -> Outcome:
     first = message.strip().splitlines()[0] if message.strip() else "no message"
     return Outcome("FAIL", None, f"{kind}: {first}"[:500], kind, metrics)
-
-
-def oom_retry_overrides(overrides: list[str], batch_size: int, grad_accum_steps: int) -> list[str] | None:
-    """Half the per-device batch, twice the accumulation: the same effective batch in less memory.
-    None when the batch cannot be halved."""
-    if batch_size < 2:
-        return None
-    changed = {"data.batch_size": batch_size // 2, "trainer.grad_accum_steps": grad_accum_steps * 2}
-    kept = [line for line in overrides if line.split("=", 1)[0].lstrip("+") not in changed]
-    return [*kept, *(f"{key}={value}" for key, value in changed.items())]

@@ -1,8 +1,11 @@
 """The sweep directory's summary, rewritten after every trial from the study itself (so any worker can write
-it, and it is right after a resume): optimization_results.yaml, trials.csv and optuna's plots as HTML.
+it, and it is right after a resume): optimization_results.yaml (hydra-optuna-sweeper's keys first: name,
+best_params and best_value, or solutions for several objectives; then this project's), trials.csv, and
+optuna's plots as HTML (these at the end, and at most once a minute during the sweep: they take a while).
 
 Every file is replaced atomically: a reader (or a second worker writing too) never sees half a file.
 """
+
 from __future__ import annotations
 
 import csv
@@ -13,20 +16,40 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+import optuna.visualization as vis
 import yaml
+from optuna.trial import TrialState
 
 from lychee_exp.sweep.storage import METRICS, REASON, RUN_DIR, SURPLUS, tally
 
 log = logging.getLogger(__name__)
 
-CSV_COLUMNS = ["number", "state", "lr", "per_device_batch_size", "effective_batch_size", "metric", "duration_s",
-               "reason", "steps", "train_time_s", "eval_time_s", "speedup", "scaling_efficiency", "run_dir"]
+CSV_COLUMNS = [
+    "number",
+    "state",
+    "lr",
+    "per_device_batch_size",
+    "effective_batch_size",
+    "metric",
+    "duration_s",
+    "reason",
+    "steps",
+    "train_time_s",
+    "eval_time_s",
+    "speedup",
+    "scaling_efficiency",
+    "run_dir",
+]
 
 
-def write_results(study: Any, sweep_dir: Path, n_trials: int, metric: str | Sequence[str], storage_url: str) -> None:
+def write_results(
+    study: Any, sweep_dir: Path, n_trials: int, metric: str | Sequence[str], storage_url: str, plots: bool = True
+) -> None:
     trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(SURPLUS)]
     _write_atomic(sweep_dir / "optimization_results.yaml", _summary(study, trials, n_trials, metric, storage_url))
     _write_atomic(sweep_dir / "trials.csv", _table(trials))
+    if not plots:
+        return
     try:
         _write_plots(study, sweep_dir)
     except Exception as err:  # a plot must never end a sweep
@@ -34,28 +57,46 @@ def write_results(study: Any, sweep_dir: Path, n_trials: int, metric: str | Sequ
 
 
 def _summary(study: Any, trials: list, n_trials: int, metric: Any, storage_url: str) -> str:
-    from optuna.trial import TrialState
-
     counts = tally(study)
-    summary: dict[str, Any] = {"name": "lychee_optuna", "study_name": study.study_name, "storage": storage_url,
-                               "metric": metric, "direction": [d.name.lower() for d in study.directions]}
+    summary: dict[str, Any] = {"name": "optuna"}  # hydra-optuna-sweeper's file: tools read this name
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     if len(study.directions) == 1 and complete:
         best = study.best_trial
-        summary.update(best_params=dict(best.params), best_value=best.value, best_trial=best.number,
-                       best_run_dir=best.user_attrs.get(RUN_DIR))
-    elif complete:
-        summary["best_trials"] = [{"number": t.number, "values": list(t.values), "params": dict(t.params)}
-                                  for t in study.best_trials]
-    summary.update(n_trials=n_trials, finished=counts.finished, complete=counts.complete, pruned=counts.pruned,
-                   failed=counts.failed, interrupted=counts.interrupted, running=counts.running,
-                   queued=counts.waiting)
+        summary.update(
+            best_params=dict(best.params),
+            best_value=best.value,
+            best_trial=best.number,
+            best_run_dir=best.user_attrs.get(RUN_DIR),
+        )
+    elif complete:  # the Pareto front
+        summary["solutions"] = [
+            {
+                "params": dict(t.params),
+                "values": list(t.values),
+                "number": t.number,
+                "run_dir": t.user_attrs.get(RUN_DIR),
+            }
+            for t in study.best_trials
+        ]
+    summary.update(
+        sweeper="lychee_optuna",
+        study_name=study.study_name,
+        storage=storage_url,
+        metric=metric,
+        direction=[d.name.lower() for d in study.directions],
+        n_trials=n_trials,
+        finished=counts.finished,
+        complete=counts.complete,
+        pruned=counts.pruned,
+        failed=counts.failed,
+        interrupted=counts.interrupted,
+        running=counts.running,
+        queued=counts.waiting,
+    )
     return yaml.safe_dump(summary, sort_keys=False)
 
 
 def _table(trials: list) -> str:
-    from optuna.trial import TrialState
-
     param_keys = sorted({key for t in trials for key in t.params})
     lr_key = next((k for k in param_keys if k.endswith(".lr") or k == "lr"), None)
     batch_key = next((k for k in param_keys if k.endswith("batch_size")), None)
@@ -67,14 +108,21 @@ def _table(trials: list) -> str:
         if t.state == TrialState.WAITING:
             continue
         m = t.user_attrs.get(METRICS) or {}
-        duration = (t.datetime_complete - t.datetime_start).total_seconds() \
-            if t.datetime_complete and t.datetime_start else ""
+        duration = (
+            (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and t.datetime_start else ""
+        )
         value = t.values[0] if t.values else (t.value if t.state == TrialState.PRUNED and t.value is not None else "")
-        row = {"number": t.number, "state": t.state.name, "lr": t.params.get(lr_key, m.get("base_lr", "")),
-               "per_device_batch_size": m.get("per_device_batch_size", t.params.get(batch_key, "")),
-               "effective_batch_size": m.get("effective_batch_size", ""), "metric": value,
-               "duration_s": f"{duration:.1f}" if duration != "" else "", "reason": t.user_attrs.get(REASON, ""),
-               "run_dir": t.user_attrs.get(RUN_DIR, "")}
+        row = {
+            "number": t.number,
+            "state": t.state.name,
+            "lr": t.params.get(lr_key, m.get("base_lr", "")),
+            "per_device_batch_size": m.get("per_device_batch_size", t.params.get(batch_key, "")),
+            "effective_batch_size": m.get("effective_batch_size", ""),
+            "metric": value,
+            "duration_s": f"{duration:.1f}" if duration != "" else "",
+            "reason": t.user_attrs.get(REASON, ""),
+            "run_dir": t.user_attrs.get(RUN_DIR, ""),
+        }
         for key in ("steps", "train_time_s", "eval_time_s", "speedup", "scaling_efficiency"):
             row[key] = m.get(key, "")
         writer.writerow([*(row[c] for c in CSV_COLUMNS), *(t.params.get(k, "") for k in other)])
@@ -82,27 +130,25 @@ def _table(trials: list) -> str:
 
 
 def _write_plots(study: Any, sweep_dir: Path) -> None:
-    import optuna.visualization as vis
-    from optuna.trial import TrialState
-
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if not complete:
         return
     # multi-objective: plots follow the first objective
     target = (lambda t: t.values[0]) if len(study.directions) > 1 else None
     name = "objective 0" if target else "value"
-    figures = {"optimization_history.html": lambda: vis.plot_optimization_history(study, target=target,
-                                                                                   target_name=name)}
+    figures = {
+        "optimization_history.html": lambda: vis.plot_optimization_history(study, target=target, target_name=name)
+    }
     keys = sorted({key for t in complete for key in t.params})
     if len(complete) >= 2 and keys:
-        figures["param_importances.html"] = lambda: vis.plot_param_importances(study, target=target,
-                                                                               target_name=name)
+        figures["param_importances.html"] = lambda: vis.plot_param_importances(study, target=target, target_name=name)
     lr_key = next((k for k in keys if k.endswith(".lr") or k == "lr"), None)
     batch_key = next((k for k in keys if k.endswith("batch_size")), None)
     pair = [lr_key, batch_key] if lr_key and batch_key else keys[:2]
     if len(complete) >= 2 and len(pair) == 2:
-        figures["contour_lr_batch.html" if lr_key and batch_key else "contour.html"] = \
-            lambda: vis.plot_contour(study, params=pair, target=target, target_name=name)
+        figures["contour_lr_batch.html" if lr_key and batch_key else "contour.html"] = lambda: vis.plot_contour(
+            study, params=pair, target=target, target_name=name
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # optuna's experimental-API warnings, once per trial, add nothing
         for filename, make in figures.items():

@@ -5,6 +5,7 @@ heartbeat stopped, or its process is gone from this machine) is failed with the 
 queued again; such "interrupted" trials, and "surplus" ones (asked by two workers for the last slot), do not
 count, so the study ends with exactly n_trials finished trials.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,6 +17,12 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import optuna
+import psutil
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.trial import TrialState
+from sqlalchemy.engine import make_url
 
 from lychee_exp.errors import UserError
 
@@ -37,8 +44,6 @@ def default_url(sweep_dir: Path) -> str:
 
 def masked(url: str) -> str:
     try:
-        from sqlalchemy.engine import make_url
-
         return make_url(url).render_as_string(hide_password=True)
     except Exception:
         return url
@@ -46,8 +51,6 @@ def masked(url: str) -> str:
 
 def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: int | None = None) -> Any:
     """An RDBStorage for any SQLAlchemy URL; a bad URL or an unreachable server is a UserError."""
-    import optuna
-
     # sqlite: wait for the writer instead of failing with "database is locked" (rank 0 reports while the
     # sweeper beats); servers: drop connections that died while a long trial ran.
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
@@ -56,8 +59,9 @@ def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: 
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=heartbeat_interval,
-                                                  grace_period=grace_period)
+                return optuna.storages.RDBStorage(
+                    url, engine_kwargs=engine, heartbeat_interval=heartbeat_interval, grace_period=grace_period
+                )
         except Exception as err:
             last = err
             time.sleep(1 + attempt)
@@ -65,14 +69,15 @@ def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: 
 
 
 def open_study(storage: Any, name: str, directions: list[str], sampler: Any, pruner: Any) -> Any:
-    import optuna
-
-    study = optuna.create_study(storage=storage, study_name=name, sampler=sampler, pruner=pruner,
-                                directions=directions, load_if_exists=True)
+    study = optuna.create_study(
+        storage=storage, study_name=name, sampler=sampler, pruner=pruner, directions=directions, load_if_exists=True
+    )
     stored = [d.name.lower() for d in study.directions]
     if stored != directions:
-        raise UserError(f"hydra.sweeper.direction={directions}: study {name!r} in this storage has {stored}; "
-                        "use another study_name (or storage) for another objective")
+        raise UserError(
+            f"hydra.sweeper.direction={directions}: study {name!r} in this storage has {stored}; "
+            "use another study_name (or storage) for another objective"
+        )
     return study
 
 
@@ -83,8 +88,6 @@ def trial_id(storage: Any, study_name: str, number: int) -> int:
 # ------------------------------------------------------------------------------------------------ workers
 def worker_identity() -> list:
     """[machine, pid, start time]: enough to tell, on the same machine, that the worker is gone."""
-    import psutil
-
     try:  # hostnames repeat across containers; a PID namespace does not
         machine = f"{socket.gethostname()}:{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
@@ -93,8 +96,6 @@ def worker_identity() -> list:
 
 
 def _dead_here(worker: Any, me: list) -> bool:
-    import psutil
-
     if not isinstance(worker, list) or len(worker) != 3 or worker[0] != me[0]:
         return False  # another machine: only its heartbeat can tell
     try:
@@ -135,9 +136,6 @@ def recover_interrupted(study: Any, storage: Any, me: list) -> list[int]:
     Heartbeat-stale trials come from optuna's RDBStorage (grace_period); a trial whose worker process is gone
     from this machine is recovered at once, so that re-running a killed sweep does not wait for the grace.
     """
-    from optuna.exceptions import UpdateFinishedTrialError
-    from optuna.trial import TrialState
-
     # optuna's public fail_stale_trials fails the trial before any hook could record why; this private
     # query (stable since optuna 2) lets the reason be set while the trial is still RUNNING.
     study_id = storage.get_study_id_from_name(study.study_name)
@@ -185,8 +183,6 @@ class Tally:
 
 
 def tally(study: Any) -> Tally:
-    from optuna.trial import TrialState
-
     result = Tally()
     for trial in study.get_trials(deepcopy=False):
         if trial.user_attrs.get(SURPLUS):
@@ -194,8 +190,13 @@ def tally(study: Any) -> Tally:
         if trial.user_attrs.get(INTERRUPTED):
             result.interrupted += 1
             continue
-        key = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed",
-               TrialState.RUNNING: "running", TrialState.WAITING: "waiting"}[trial.state]
+        key = {
+            TrialState.COMPLETE: "complete",
+            TrialState.PRUNED: "pruned",
+            TrialState.FAIL: "failed",
+            TrialState.RUNNING: "running",
+            TrialState.WAITING: "waiting",
+        }[trial.state]
         setattr(result, key, getattr(result, key) + 1)
     return result
 

@@ -1,0 +1,404 @@
+"""Conformance of `hydra/sweeper=lychee_optuna` with hydra-optuna-sweeper: the upstream plugin's examples
+(sphere, grid, multi-objective, custom search space, failures, the removed motpe sampler) and its
+distribution tests, with the sweeper's name changed only, plus a lightning-hydra-template-shaped
+mnist_optuna.yaml. The apps in tests/sweep_apps are plain Hydra apps (no `trial` key) that return their
+objective; each sweep is a short subprocess (trials run in it through Hydra's basic launcher).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import TrialState
+
+from lychee_exp.errors import UserError
+from lychee_exp.sweep.space import build_space
+
+APPS = Path(__file__).resolve().parent / "sweep_apps"
+
+
+def _run(tmp_path: Path, app: str, *args: str, multirun: bool = True, timeout: float = 180):
+    flags = [a for a in args if a.startswith("--")]  # argparse wants them before the overrides
+    command = [
+        sys.executable,
+        str(APPS / f"{app}.py"),
+        *(["-m"] if multirun else []),
+        *flags,
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        *(a for a in args if a not in flags),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
+    return subprocess.run(command, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=timeout)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+def _results(tmp_path: Path) -> dict:
+    return yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())
+
+
+def _study(tmp_path: Path, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
+
+
+def _lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+
+
+def _sampler(proc: subprocess.CompletedProcess) -> str:
+    """The sampler class the sweeper built, from its start line (a loaded study does not keep its sampler)."""
+    [sampler] = [m[1] for line in _lines(proc) if (m := re.search(r"\] study \S+ in .* \((\w+)\): \d+ of", line))]
+    return sampler
+
+
+def _dominates(a: list[float], b: list[float]) -> bool:
+    return all(x <= y for x, y in zip(a, b, strict=True)) and any(x < y for x, y in zip(a, b, strict=True))
+
+
+# ------------------------------------------------------------------------------- distributions (in-process)
+DISTRIBUTIONS = [
+    # upstream's own table
+    ("key=choice(1,2)", CategoricalDistribution([1, 2])),
+    ("key=choice(true, false)", CategoricalDistribution([True, False])),
+    ("key=choice('hello', 'world')", CategoricalDistribution(["hello", "world"])),
+    ("key=shuffle(range(1,3))", CategoricalDistribution([1, 2])),
+    ("key=range(1,3)", IntDistribution(1, 3)),
+    ("key=interval(1, 5)", FloatDistribution(1, 5)),
+    ("key=int(interval(1, 5))", IntDistribution(1, 5)),
+    ("key=tag(log, interval(1, 5))", FloatDistribution(1, 5, log=True)),
+    ("key=tag(log, int(interval(1, 5)))", IntDistribution(1, 5, log=True)),
+    ("key=range(0.5, 5.5, step=1)", FloatDistribution(0.5, 5.5, step=1)),
+    # the other forms of the grammar
+    ("key=int(interval(-5.0, 5.0))", IntDistribution(-5, 5)),
+    ("key=range(1, 5, step=2)", IntDistribution(1, 5, step=2)),
+    ("key=float(range(1, 3))", FloatDistribution(1.0, 3.0, step=1.0)),
+    ("key=str(choice(1, 2))", CategoricalDistribution(["1", "2"])),
+    ("key=1,2,3", CategoricalDistribution([1, 2, 3])),
+    ("key=sort(choice(3, 1, 2))", CategoricalDistribution([1, 2, 3])),
+    ("key=tag(int, interval(1, 5))", IntDistribution(1, 5)),  # added here (upstream: a float interval)
+    ("group=glob(*)", CategoricalDistribution(["a", "b"])),  # added here (upstream: NotImplementedError)
+]
+
+
+class _Loader:
+    """The one call the parser makes to the config loader, for glob over a config group."""
+
+    def get_group_options(self, group, results_filter=None):
+        return ["a", "b", "c"][:2] if group == "group" else []
+
+
+def _space(*arguments: str, params: dict | None = None, custom: str | None = None):
+    config = OmegaConf.create(
+        {"key": 0, "key1": 0, "key2": 0, "z": 0, "hydra": {"runtime": {"choices": {"group": "a"}}}}
+    )
+    return build_space(params, list(arguments), config, custom, OverridesParser.create(config_loader=_Loader()))
+
+
+@pytest.mark.parametrize("line, expected", DISTRIBUTIONS, ids=[line for line, _ in DISTRIBUTIONS])
+def test_every_grammar_form_gives_upstreams_distribution(line, expected):
+    [(key, actual)] = _space(line).distributions.items()
+    assert key == line.split("=")[0] and type(actual) is type(expected)
+    if "shuffle" in line:  # shuffle() randomises the order of the choices
+        assert set(actual.choices) == set(expected.choices)
+    else:
+        assert actual == expected
+
+
+def test_fixed_values_and_deletions_go_to_every_trial_and_the_command_line_wins():
+    space = _space("key1=choice(1,2)", "key2=5", "~z", "+w=3", params={"key2": "choice(7, 8)", "key": 4})
+    assert space.distributions == {"key1": CategoricalDistribution([1, 2])}
+    assert space.fixed == {"key": "key=4", "key2": "key2=5", "~z": "~z", "+w": "+w=3"}
+    assert space.overrides({"key1": 2}) == ["key=4", "key2=5", "~z", "+w=3", "key1=2"]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("key=range(1, 5, step=0)", "needs start <= stop and step > 0"),
+        ("key=range(5, 1, step=-1)", "needs start <= stop and step > 0"),
+        ("key=glob(*)", "has no values"),
+        ("key=choice([1, 2], [3])", "is not a number, string, bool or null"),
+        ("key=interval(5, 1)", "needs low < high"),
+        ("key=tag(log, interval(0, 1))", "a log interval needs low > 0"),
+        ("nokey=choice(1, 2)", "'nokey' is not a key of the composed config"),
+    ],
+)
+def test_bad_search_spaces_are_user_errors(line, message):
+    with pytest.raises(UserError, match=message):
+        _space(line)
+
+
+def test_the_grid_holds_every_value_of_each_distribution():
+    space = _space("key=range(1, 3)", "key1=range(-1.0, 1.0, step=1)", "key2=choice('a', 'b')")
+    assert space.grid() == {"key": [1, 2, 3], "key1": [-1.0, 0.0, 1.0], "key2": ["a", "b"]}
+    with pytest.raises(UserError, match="grid sampler needs a finite set"):
+        _space("key=interval(0, 1)").grid()
+
+
+def test_the_plugin_shell_is_cheap_and_the_sweeper_does_not_import_the_training_stack():
+    code = (
+        "import sys, hydra_plugins.lychee_optuna_sweeper.sweeper; shell = 'optuna' in sys.modules; "
+        "import hydra_plugins.lychee_optuna_sweeper._impl; "
+        "print(shell, [m for m in ('torch', 'lychee_exp.config', 'lychee_exp.train', 'lychee_exp.run') "
+        "if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, check=True).stdout
+    assert out.split() == ["False", "[]"]
+
+
+def test_hydra_discovers_the_sweeper():
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.sweeper import Sweeper
+
+    names = {f"{c.__module__}.{c.__name__}" for c in Plugins.instance().discover(Sweeper)}
+    assert "hydra_plugins.lychee_optuna_sweeper.sweeper.LycheeOptunaSweeper" in names
+
+
+# ------------------------------------------------------------------------------------ the examples, ported
+@pytest.mark.parametrize("with_commandline", [True, False])
+def test_sphere_example(tmp_path, with_commandline):
+    args = [
+        "hydra.job.chdir=True",
+        "hydra.sweeper.n_trials=20",
+        "hydra/sweeper/sampler=tpe",
+        "hydra.sweeper.sampler.seed=123",
+        "~z",
+    ]
+    if with_commandline:
+        args += ["x=choice(0, 1, 2)", "y=0"]  # y: a fixed value
+    _ok(_run(tmp_path, "sphere", *args))
+    results, best = _results(tmp_path), _study(tmp_path, "sphere").best_trial
+    assert results["name"] == "optuna" and results["best_value"] == best.value
+    assert results["best_params"]["x"] == best.params["x"]
+    if with_commandline:
+        assert "y" not in results["best_params"] and "y" not in best.params
+    else:
+        assert results["best_params"]["y"] == best.params["y"]
+    assert results["best_value"] <= 2.27  # upstream's bound for TPE on this function
+
+
+def test_a_plain_app_gets_ten_tpe_trials_with_integer_values(tmp_path):
+    proc = _run(tmp_path, "sphere", "hydra.sweeper.n_trials=10", "x=int(interval(-5.0, 5.0))")
+    _ok(proc)
+    study = _study(tmp_path, "sphere")
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 10
+    assert all(type(t.params["x"]) is int for t in study.trials)
+    for trial in study.trials:  # each job got an int on its command line, and returned x**2 + y**2
+        overrides = yaml.safe_load((tmp_path / "sweep" / str(trial.number) / ".hydra" / "overrides.yaml").read_text())
+        assert f"x={trial.params['x']}" in overrides
+        assert trial.value == trial.params["x"] ** 2 + trial.params["y"] ** 2
+    results = _results(tmp_path)
+    assert results["name"] == "optuna" and results["best_value"] == min(t.value for t in study.trials)
+    assert results["best_params"] == study.best_trial.params
+    assert (tmp_path / "sweep" / "optimization_history.html").is_file()
+
+
+def test_range_includes_its_stop(tmp_path):
+    _ok(_run(tmp_path, "sphere", "hydra/sweeper/sampler=grid", "x=range(1,3)", "y=0"))
+    assert sorted(t.params["x"] for t in _study(tmp_path, "sphere").trials) == [1, 2, 3]
+
+
+def test_n_jobs_above_one_runs_every_trial(tmp_path):
+    proc = _run(tmp_path, "sphere", "hydra.sweeper.n_trials=5", "hydra.sweeper.n_jobs=3")
+    _ok(proc)
+    assert len(_study(tmp_path, "sphere").get_trials(states=(TrialState.COMPLETE,))) == 5
+
+
+@pytest.mark.parametrize("n_trials", [20, 1])
+def test_grid_example(tmp_path, n_trials):
+    _ok(_run(tmp_path, "sphere", "--config-name=grid", f"hydra.sweeper.n_trials={n_trials}"))
+    results = _results(tmp_path)
+    x, y, z = (results["best_params"][k] for k in "xyz")
+    trials = _study(tmp_path, "sphere").trials
+    assert len(trials) == min(n_trials, 12)  # the grid: 2 x 3 x 2 points, each at most once
+    assert len({tuple(t.params.values()) for t in trials}) == len(trials)
+    if n_trials >= 12:
+        assert results["best_value"] == 1 and abs(x) == 1 and y == 0
+    assert x in (-1, 1) and y in (-1.0, 0.0, 1.0) and z in ("foo", "bar")
+
+
+@pytest.mark.parametrize("sampler, with_commandline", [("random", True), ("random", False), ("nsgaii", False)])
+def test_multi_objective_example(tmp_path, sampler, with_commandline):
+    args = [
+        "hydra.job.chdir=True",
+        "hydra.sweeper.n_trials=10",
+        f"hydra/sweeper/sampler={sampler}",
+        "hydra.sweeper.sampler.seed=123",
+    ]
+    if with_commandline:
+        args += ["x=range(0, 5)", "y=range(0, 3)"]
+    proc = _run(tmp_path, "multi_objective", *args)
+    _ok(proc)
+    results = _results(tmp_path)
+    assert results["name"] == "optuna" and "best_value" not in results and results["solutions"]
+    study = _study(tmp_path, "multi-objective")
+    assert _sampler(proc) == {"random": "RandomSampler", "nsgaii": "NSGAIISampler"}[sampler]
+    assert len(study.trials) == 10
+    for a in results["solutions"]:
+        x, y = a["params"]["x"], a["params"]["y"]
+        assert a["values"] == [4 * x**2 + 4 * y**2, (x - 5) ** 2 + (y - 5) ** 2]  # the returned tuple
+        assert (x % 1, y % 1) == (0, 0) if with_commandline else {x % 1, y % 1} <= {0, 0.5}
+        assert not any(_dominates(b["values"], a["values"]) for b in results["solutions"])
+
+
+def test_custom_search_space_example(tmp_path):
+    _ok(
+        _run(
+            tmp_path,
+            "custom_search_space",
+            "hydra.job.chdir=True",
+            "hydra/sweeper/sampler=random",
+            "hydra.sweeper.sampler.seed=123",
+            "max_z_difference_from_x=0.3",
+        )
+    )
+    best = _results(tmp_path)["best_params"]
+    assert abs(best["x"] - best["z"]) <= 0.3 and 0 <= best["+w"] <= 1
+
+
+@pytest.mark.parametrize("max_failure_rate", [0.5, 1.0])
+def test_failure_rate(tmp_path, max_failure_rate):
+    proc = _run(
+        tmp_path,
+        "sphere",
+        "hydra.sweeper.n_trials=10",
+        "hydra.sweeper.n_jobs=2",
+        "error=true",
+        "hydra/sweeper/sampler=random",
+        f"hydra.sweeper.max_failure_rate={max_failure_rate}",
+    )
+    trials = _study(tmp_path, "sphere").trials
+    assert all(t.state == TrialState.FAIL for t in trials)
+    assert all(t.user_attrs["fail_reason"] == "crashed: RuntimeError: cfg.error is True" for t in trials)
+    if max_failure_rate < 1.0:  # stops once failures exceed the rate x n_trials: one line, exit 1
+        assert proc.returncode == 1 and len(trials) == 6
+        [error] = [line for line in _lines(proc) if " error: " in line]
+        assert "max_failure_rate=0.5" in error and "RuntimeError: cfg.error is True" in error
+    else:
+        _ok(proc)
+        assert len(trials) == 10 and "best_value" not in _results(tmp_path)
+
+
+def test_nan_and_exceptions_fail_their_trial_and_the_sweep_goes_on(tmp_path):
+    proc = _run(
+        tmp_path,
+        "sphere",
+        "hydra.sweeper.n_trials=8",
+        "hydra/sweeper/sampler=random",
+        "hydra.sweeper.max_failure_rate=1.0",
+        "nan_below=0",
+    )
+    _ok(proc)
+    trials = _study(tmp_path, "sphere").trials
+    assert len(trials) == 8
+    for t in trials:
+        assert (t.state == TrialState.FAIL) == (t.params["x"] < 0)
+        assert t.state == TrialState.COMPLETE or t.user_attrs["fail_reason"] == "nan: the metric is [nan]"
+    assert _results(tmp_path)["best_value"] == min(t.value for t in trials if t.state == TrialState.COMPLETE)
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random", "cmaes", "nsgaii", "grid", "gp", "qmc"])
+def test_every_sampler_of_the_group_runs(tmp_path, sampler):
+    proc = _run(
+        tmp_path,
+        "sphere",
+        f"hydra/sweeper/sampler={sampler}",
+        "hydra.sweeper.n_trials=3",
+        "x=range(-2, 2)",
+        "y=choice(-1, 0, 1)",
+    )
+    _ok(proc)
+    study = _study(tmp_path, "sphere")
+    assert _sampler(proc).lower().startswith(sampler.replace("nsgaii", "nsga"))
+    assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 3
+
+
+def test_lightning_hydra_template_config_drives_an_app_of_its_shape(tmp_path):
+    # conf/mnist_like/hparams_search/mnist_optuna.yaml: the template's file with the sweeper name changed and
+    # its old `_target_` line kept; hydra.mode MULTIRUN in the file, so no -m
+    proc = _run(tmp_path, "mnist_like", "hparams_search=mnist_optuna", multirun=False)
+    _ok(proc)
+    assert any("names hydra-optuna-sweeper's OptunaSweeper" in line for line in _lines(proc))
+    study = _study(tmp_path, "sweep")  # study_name null: the sweep directory's name
+    values = [t.value for t in study.trials]
+    assert len(values) == 20 and all(t.state == TrialState.COMPLETE for t in study.trials)
+    assert study.directions == [optuna.study.StudyDirection.MAXIMIZE]
+    assert {t.params["datamodule.batch_size"] for t in study.trials} <= {32, 64, 128, 256}
+    assert all(1e-4 <= t.params["model.optimizer.lr"] <= 0.1 for t in study.trials)
+    results = _results(tmp_path)
+    assert results["best_value"] == max(values) and results["best_params"] == study.best_trial.params
+
+
+# ------------------------------------------------------------------------------------------- bad inputs
+BAD = [
+    ("sphere", ["hydra.sweeper.max_failure_rate=2.0"], "hydra.sweeper.max_failure_rate=2.0: must be in [0, 1]"),
+    ("sphere", ["x=range(1,5,step=0)"], "x (command line): range(1, 5, step=0) needs start <= stop and step > 0"),
+    ("sphere", ["x=glob(*)"], "x (command line): 'glob(*)' has no values"),
+    ("sphere", ["hydra.sweeper.direction=up"], "hydra.sweeper.direction=['up']: use maximize or minimize"),
+    (
+        "sphere",
+        ["hydra.sweeper.sampler._target_=optuna.samplers.Nope"],
+        "hydra.sweeper.sampler._target_=optuna.samplers.Nope: no such class",
+    ),
+    (
+        "sphere",
+        ["hydra/sweeper/sampler=grid", "x=interval(0, 1)"],
+        "hydra.sweeper.params.x: the grid sampler needs a finite set of values",
+    ),
+    ("sphere", ["hydra.sweeper.objectives=[a]"], "hydra.sweeper.objectives names metrics.json keys"),
+    ("sphere", ["nokey=choice(1,2)"], "nokey (command line): 'nokey' is not a key of the composed config"),
+    (
+        "sphere",
+        ["hydra.sweeper.search_space={x: {type: float, low: -1, high: 1}, y: {type: categorical, choices: [0, 5]}}"],
+        "hydra.sweeper.search_space was removed from hydra-optuna-sweeper (1.2 deprecated it); write it as "
+        "hydra.sweeper.params: x: interval(-1, 1); y: choice(0, 5)",
+    ),
+    (
+        "custom_search_space",
+        ["z=1"],
+        "hydra.sweeper.custom_search_space=custom_search_space.configure suggests "
+        "['z'], which the command line or params fix",
+    ),
+    (
+        "multi_objective",
+        ["--config-name=motpe"],
+        "hydra.sweeper.sampler: motpe (MOTPESampler) was removed in Optuna 4.0; use hydra/sweeper/sampler=tpe",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "app, args, expected",
+    BAD,
+    ids=[
+        "failure-rate",
+        "range-step-0",
+        "glob",
+        "direction",
+        "sampler",
+        "grid-interval",
+        "objectives",
+        "unknown-key",
+        "legacy-search-space",
+        "custom-overlap",
+        "motpe",
+    ],
+)
+def test_every_bad_sweep_input_is_one_line_and_exit_2(tmp_path, app, args, expected):
+    proc = _run(tmp_path, app, *args)
+    lines = _lines(proc)
+    assert proc.returncode == 2, lines
+    assert len(lines) == 1 and lines[0].split(" error: ", 1)[1].startswith(expected), lines
+    assert not (tmp_path / "sweep" / "optuna.db").exists()  # no study, no trial
