@@ -180,7 +180,7 @@ def test_damaged_latest_checkpoint_resumes_from_the_previous_one(tmp_path, caplo
 
 def test_signal_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*TINY_MULTI, "parallel=ddp", "gpus=2", "trainer.max_steps=60", "speedup.calibrate=false",
+    args = [*TINY_MULTI, "parallel=ddp", "gpus=2", "trainer.max_steps=30", "speedup.calibrate=false",
             f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen([sys.executable, "-m", "lychee_exp.run", *args], cwd=tmp_path, env=_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -193,12 +193,12 @@ def test_signal_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
     errors = [line for line in out.splitlines() if "error:" in line]
     assert proc.returncode == 1 and len(errors) == 1 and "trainer.resume=auto" in errors[0], out[-3000:]
     stopped = torch.load(sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "state.pt", weights_only=True)
-    assert 2 <= stopped["step"] < 60 and not (run_dir / "metrics.json").exists()
+    assert 2 <= stopped["step"] < 30 and not (run_dir / "metrics.json").exists()
     resumed = subprocess.run([sys.executable, "-m", "lychee_exp.run", *args, "trainer.resume=auto"], cwd=tmp_path,
                              env=_env(), text=True, capture_output=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {stopped['step']} " in resumed.stdout + resumed.stderr
-    assert _metrics(run_dir)["steps"] == 60
+    assert _metrics(run_dir)["steps"] == 30
 
 
 @pytest.mark.slow
