@@ -224,3 +224,22 @@ def test_slurm_local_job_is_requeued_and_finishes_the_same_run(tmp_path):
     job_log = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_log.*"))
     assert "Requeued job" in job_log and "resumed from" in (sweep / "0" / "run.log").read_text()
     assert _metrics(sweep / "0")["steps"] == 60
+
+
+@pytest.mark.slow
+def test_sweep_trials_as_submitit_jobs(tmp_path):
+    """The acceptance command of issue 12 (on the tiny model): each trial a submitit job of 2 DDP ranks."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    import yaml
+
+    sweep = tmp_path / "sweep"
+    tiny = [a for a in TINY_MULTI if not a.startswith(("optimizer.lr=", "data.batch_size="))]  # the swept keys
+    proc = subprocess.run([sys.executable, "-m", "lychee_exp.run", "-m", "hydra/launcher=slurm_local",
+                           "hparams_search=lr_batch", "hydra.sweeper.n_trials=2", "parallel=ddp", "gpus=2",
+                           "trainer.max_steps=4", *tiny, f"hydra.sweep.dir={sweep}"],
+                          cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.parent.name for p in sweep.glob("*/metrics.json")) == ["0", "1"]
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["finished"] == results["complete"] == 2
+    assert len(list((sweep / ".submitit").iterdir())) >= 2  # two jobs, each with its own submitit folder
