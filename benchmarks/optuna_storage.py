@@ -9,6 +9,7 @@ followed by should_prune, tell, and a read of all trials (the results files are 
 Prints trials/s and the median/p95 seconds per trial for each K. The figure is the storage's ceiling: real
 trials last minutes, so K workers load it with K / trial_seconds trials/s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,29 +47,47 @@ def local_postgres():
         shutil.chown(root, "postgres")
         shutil.chown(data, "postgres")
     port = _free_port()
-    run = lambda *cmd: subprocess.run([*as_user, *cmd], check=True, capture_output=True)  # noqa: E731
+    run = lambda *cmd: subprocess.run([*as_user, *cmd], check=True, capture_output=True)
     run(str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres")
-    run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"), "-w", "-o",
-        f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c max_connections=300", "start")
+    run(
+        str(bindir / "pg_ctl"),
+        "-D",
+        str(data),
+        "-l",
+        str(root / "server.log"),
+        "-w",
+        "-o",
+        f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c max_connections=300",
+        "start",
+    )
     try:
         run(str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "optuna")
         yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/optuna", bindir.parent.name
     finally:
-        subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
-                       capture_output=True)
+        subprocess.run(
+            [*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
+            check=False,
+            capture_output=True,
+        )
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _worker(url: str, study_name: str, seconds: float, seed: int, out: "mp.Queue") -> None:
+def _worker(url: str, study_name: str, seconds: float, seed: int, out: mp.Queue) -> None:
     import optuna
 
     warnings.simplefilter("ignore")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True}, heartbeat_interval=60)
-    study = optuna.load_study(study_name=study_name, storage=storage, sampler=optuna.samplers.TPESampler(seed=seed),
-                              pruner=optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1))
-    space = {"optimizer.lr": optuna.distributions.FloatDistribution(1e-5, 1e-3, log=True),
-             "data.batch_size": optuna.distributions.CategoricalDistribution([2, 4, 8])}
+    study = optuna.load_study(
+        study_name=study_name,
+        storage=storage,
+        sampler=optuna.samplers.TPESampler(seed=seed),
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1),
+    )
+    space = {
+        "optimizer.lr": optuna.distributions.FloatDistribution(1e-5, 1e-3, log=True),
+        "data.batch_size": optuna.distributions.CategoricalDistribution([2, 4, 8]),
+    }
     durations = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -101,8 +120,13 @@ def measure(url: str, workers: int, seconds: float) -> dict:
     for proc in procs:
         proc.join()
     durations.sort()
-    return {"workers": workers, "trials": len(durations), "trials_per_s": len(durations) / seconds,
-            "median_s": statistics.median(durations), "p95_s": durations[int(0.95 * (len(durations) - 1))]}
+    return {
+        "workers": workers,
+        "trials": len(durations),
+        "trials_per_s": len(durations) / seconds,
+        "median_s": statistics.median(durations),
+        "p95_s": durations[int(0.95 * (len(durations) - 1))],
+    }
 
 
 def main() -> None:
@@ -117,8 +141,11 @@ def main() -> None:
         print(f"{'K':>4} {'trials':>7} {'trials/s':>9} {'median s':>9} {'p95 s':>7}")
         for k in args.workers:
             r = measure(url, k, args.seconds)
-            print(f"{r['workers']:>4} {r['trials']:>7} {r['trials_per_s']:>9.1f} {r['median_s']:>9.3f} "
-                  f"{r['p95_s']:>7.3f}", flush=True)
+            print(
+                f"{r['workers']:>4} {r['trials']:>7} {r['trials_per_s']:>9.1f} {r['median_s']:>9.3f} "
+                f"{r['p95_s']:>7.3f}",
+                flush=True,
+            )
 
     if args.url:
         run(args.url, "given URL")

@@ -6,13 +6,14 @@ the agents rendezvous (c10d) at the first host of SLURM_JOB_NODELIST, on a port 
 user never writes a torchrun line, each node has one Hydra job (one log, one preflight), and a rank that dies
 takes its node's agent, and through the collectives the whole job, down (README: "Scaling out").
 """
+
 from __future__ import annotations
 
 import os
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from lychee_exp.errors import UserError
 
@@ -61,8 +62,10 @@ def slurm_nodes(environ: Mapping[str, str] = os.environ) -> NodeSpec | None:
     nnodes = int(environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or 1)
     tasks = int(environ.get("SLURM_NTASKS") or nnodes)
     if tasks > nnodes:
-        raise UserError(f"this SLURM step runs {tasks} tasks on {nnodes} node(s): lychee_exp starts each node's ranks "
-                        "itself; run one task per node (srun --ntasks-per-node=1, hydra.launcher.tasks_per_node=1)")
+        raise UserError(
+            f"this SLURM step runs {tasks} tasks on {nnodes} node(s): lychee_exp starts each node's ranks "
+            "itself; run one task per node (srun --ntasks-per-node=1, hydra.launcher.tasks_per_node=1)"
+        )
     if nnodes == 1:
         return None
     hosts = tuple(expand_nodelist(environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or ""))

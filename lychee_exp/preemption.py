@@ -8,6 +8,7 @@ signal to the handler it replaced: submitit's, which calls the launcher's `check
 the same run directory, trainer.resume=auto) and requeues the job. Without submitit the run ends with a
 one-line `Preempted` error, and the same command with trainer.resume=auto continues it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,7 +59,7 @@ class PreemptionWatch:
         self.previous = None
         self.signum: int | None = None
 
-    def __enter__(self) -> "PreemptionWatch":
+    def __enter__(self) -> PreemptionWatch:
         (self.output_dir / REQUEST_FILE).unlink(missing_ok=True)  # a request of an earlier attempt is done
         if threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(PREEMPT_SIGNAL, self._on_signal)
@@ -78,8 +79,14 @@ class PreemptionWatch:
         exits) runs now; otherwise the run ends with Preempted."""
         (self.output_dir / REQUEST_FILE).unlink(missing_ok=True)
         if callable(self.previous) and self.signum is not None:
-            log.info("checkpoint at step %d written: handing %s to the job's handler (submitit requeues the job)",
-                     step, signal.Signals(self.signum).name)
+            log.info(
+                "checkpoint at step %d written: handing %s to the job's handler (submitit requeues the job)",
+                step,
+                signal.Signals(self.signum).name,
+            )
             self.previous(self.signum, None)
-        raise Preempted(f"stopped on request after step {step}, checkpoint in {self.output_dir / 'checkpoints'}; "
-                        "the same command with trainer.resume=auto continues the run", "preempted")
+        raise Preempted(
+            f"stopped on request after step {step}, checkpoint in {self.output_dir / 'checkpoints'}; "
+            "the same command with trainer.resume=auto continues the run",
+            "preempted",
+        )

@@ -1,5 +1,6 @@
 """Beyond one process tree: SLURM variables, two "nodes" on 127.0.0.1 (torchrun agents, faked SLURM nodes),
 a node that dies, preemption (signal -> checkpoint -> requeue -> same run) and damaged checkpoints."""
+
 from __future__ import annotations
 
 import csv
@@ -22,10 +23,22 @@ from lychee_exp.jobs import run_job
 
 REPO = Path(__file__).resolve().parent.parent
 # The tiny Lychee model, fp32, as tests/test_ddp.py: 2 ranks x batch 2 on any launch path must agree.
-TINY_MULTI = ["model=tiny_lychee", "data.max_train_queries=16", "data.max_dev_queries=6", "data.train_group_size=4",
-              "data.random_negatives=0", "data.batch_size=2", "trainer.max_steps=4", "trainer.log_every=1",
-              "trainer.progress_bar=false", "trainer.precision=fp32", "optimizer.lr=1e-3",
-              "optimizer.lr_scaling=none", "logger=csv", "trainer.save_model=false"]
+TINY_MULTI = [
+    "model=tiny_lychee",
+    "data.max_train_queries=16",
+    "data.max_dev_queries=6",
+    "data.train_group_size=4",
+    "data.random_negatives=0",
+    "data.batch_size=2",
+    "trainer.max_steps=4",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+    "trainer.precision=fp32",
+    "optimizer.lr=1e-3",
+    "optimizer.lr_scaling=none",
+    "logger=csv",
+    "trainer.save_model=false",
+]
 
 
 def _free_port() -> int:
@@ -51,11 +64,25 @@ def _env(**extra: str) -> dict:
 
 def _slurm_node(node: int, port: int, args: list[str], cwd: Path) -> subprocess.Popen:
     """One task of a faked 2-node SLURM step: the variables srun would set, both "hosts" being 127.0.0.1."""
-    env = _env(SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2", SLURM_NTASKS="2",
-               SLURM_NODEID=str(node), SLURM_PROCID=str(node), SLURM_LOCALID="0",
-               SLURM_JOB_NODELIST="127.0.0.1,127.0.0.1", MASTER_PORT=str(port))
-    return subprocess.Popen([sys.executable, "-m", "lychee_exp.run", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = _env(
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_NNODES="2",
+        SLURM_NTASKS="2",
+        SLURM_NODEID=str(node),
+        SLURM_PROCID=str(node),
+        SLURM_LOCALID="0",
+        SLURM_JOB_NODELIST="127.0.0.1,127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "lychee_exp.run", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +108,13 @@ def test_nodelist_expansion():
 
 
 def test_slurm_variables_give_the_node_spec():
-    env = {"SLURM_JOB_ID": "123", "SLURM_JOB_NUM_NODES": "4", "SLURM_NTASKS": "4", "SLURM_NODEID": "2",
-           "SLURM_JOB_NODELIST": "gpu[10-13]"}
+    env = {
+        "SLURM_JOB_ID": "123",
+        "SLURM_JOB_NUM_NODES": "4",
+        "SLURM_NTASKS": "4",
+        "SLURM_NODEID": "2",
+        "SLURM_JOB_NODELIST": "gpu[10-13]",
+    }
     spec = slurm_nodes(env)
     assert (spec.nnodes, spec.node_rank, spec.endpoint) == (4, 2, "gpu10:20123")
     assert spec.run_id == "slurm-123-0" and spec.node_name(1) == "node 1 (gpu11)"
@@ -114,11 +146,24 @@ def test_requeue_pins_the_run_directory():
 def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp):
     run_dir, port = tmp_path / "run", _free_port()
     args = [*TINY_MULTI, f"hydra.run.dir={run_dir}", f"speedup.baseline_file={tmp_path / 'none.json'}"]
-    agents = [subprocess.Popen(["bash", str(REPO / "launch/torchrun.sh"), *args], cwd=tmp_path, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               env=_env(NNODES="2", NODE_RANK=str(k), GPUS_PER_NODE="1", RUN_ID="two-agents",
-                                        MASTER_PORT=str(port), PYTHON=sys.executable))
-              for k in range(2)]
+    agents = [
+        subprocess.Popen(
+            ["bash", str(REPO / "launch/torchrun.sh"), *args],
+            cwd=tmp_path,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=_env(
+                NNODES="2",
+                NODE_RANK=str(k),
+                GPUS_PER_NODE="1",
+                RUN_ID="two-agents",
+                MASTER_PORT=str(port),
+                PYTHON=sys.executable,
+            ),
+        )
+        for k in range(2)
+    ]
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
     assert [a.returncode for a in agents] == [0, 0], [out[-3000:] for out in outputs]
     _assert_same_training(run_dir, in_process_ddp)
@@ -132,8 +177,14 @@ def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp):
 
 def test_faked_slurm_nodes_match_in_process_ddp(tmp_path, in_process_ddp):
     run_dir, port = tmp_path / "run", _free_port()
-    args = [*TINY_MULTI, "parallel=ddp", "gpus=1", "parallel.cpu_threads_per_rank=1", f"hydra.run.dir={run_dir}",
-            "speedup.baseline_samples_per_s=10"]
+    args = [
+        *TINY_MULTI,
+        "parallel=ddp",
+        "gpus=1",
+        "parallel.cpu_threads_per_rank=1",
+        f"hydra.run.dir={run_dir}",
+        "speedup.baseline_samples_per_s=10",
+    ]
     nodes = [_slurm_node(k, port, args, tmp_path) for k in range(2)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [n.returncode for n in nodes] == [0, 0], [out[-3000:] for out in outputs]
@@ -145,8 +196,16 @@ def test_faked_slurm_nodes_match_in_process_ddp(tmp_path, in_process_ddp):
 
 def test_a_killed_node_ends_the_other_with_one_line(tmp_path):
     run_dir, port = tmp_path / "run", _free_port()
-    args = [*TINY_MULTI, "parallel=ddp", "gpus=1", "parallel.cpu_threads_per_rank=1", "trainer.max_steps=100000",
-            "trainer.evaluate=false", "speedup.calibrate=false", f"hydra.run.dir={run_dir}"]
+    args = [
+        *TINY_MULTI,
+        "parallel=ddp",
+        "gpus=1",
+        "parallel.cpu_threads_per_rank=1",
+        "trainer.max_steps=100000",
+        "trainer.evaluate=false",
+        "speedup.calibrate=false",
+        f"hydra.run.dir={run_dir}",
+    ]
     nodes = [_slurm_node(k, port, args, tmp_path) for k in range(2)]
     deadline = time.monotonic() + 240
     log = run_dir / "logs"
@@ -165,8 +224,13 @@ def test_a_killed_node_ends_the_other_with_one_line(tmp_path):
 
 # ------------------------------------------------------------------------------ preemption and checkpoints
 def test_damaged_latest_checkpoint_resumes_from_the_previous_one(tmp_path, caplog):
-    args = [*TINY_MULTI, "parallel=single", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3",
-            "speedup.calibrate=false"]
+    args = [
+        *TINY_MULTI,
+        "parallel=single",
+        "trainer.checkpoint_every=2",
+        "trainer.keep_checkpoints=3",
+        "speedup.calibrate=false",
+    ]
     run_job([*args, "trainer.max_steps=4"], tmp_path)
     state = tmp_path / "checkpoints" / "step_000004" / "state.pt"
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # truncated, as by a dying node
@@ -180,10 +244,22 @@ def test_damaged_latest_checkpoint_resumes_from_the_previous_one(tmp_path, caplo
 
 def test_signal_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*TINY_MULTI, "parallel=ddp", "gpus=2", "trainer.max_steps=30", "speedup.calibrate=false",
-            f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen([sys.executable, "-m", "lychee_exp.run", *args], cwd=tmp_path, env=_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    args = [
+        *TINY_MULTI,
+        "parallel=ddp",
+        "gpus=2",
+        "trainer.max_steps=30",
+        "speedup.calibrate=false",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lychee_exp.run", *args],
+        cwd=tmp_path,
+        env=_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 180
     while not any("step 2/" in p.read_text() for p in run_dir.glob("logs/**/0/stderr.log")):
         assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
@@ -192,10 +268,17 @@ def test_signal_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
     out, _ = proc.communicate(timeout=120)
     errors = [line for line in out.splitlines() if "error:" in line]
     assert proc.returncode == 1 and len(errors) == 1 and "trainer.resume=auto" in errors[0], out[-3000:]
-    stopped = torch.load(sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "state.pt", weights_only=True)
+    stopped = torch.load(max((run_dir / "checkpoints").glob("step_*")) / "state.pt", weights_only=True)
     assert 2 <= stopped["step"] < 30 and not (run_dir / "metrics.json").exists()
-    resumed = subprocess.run([sys.executable, "-m", "lychee_exp.run", *args, "trainer.resume=auto"], cwd=tmp_path,
-                             env=_env(), text=True, capture_output=True, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "lychee_exp.run", *args, "trainer.resume=auto"],
+        cwd=tmp_path,
+        env=_env(),
+        text=True,
+        capture_output=True,
+        timeout=300,
+        check=False,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {stopped['step']} " in resumed.stdout + resumed.stderr
     assert _metrics(run_dir)["steps"] == 30
@@ -208,10 +291,26 @@ def test_slurm_local_job_is_requeued_and_finishes_the_same_run(tmp_path):
     psutil = pytest.importorskip("psutil")
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep = tmp_path / "sweep"
-    proc = subprocess.Popen([sys.executable, "-m", "lychee_exp.run", "-m", "hydra/launcher=slurm_local",
-                             *TINY_MULTI, "parallel=ddp", "gpus=2", "trainer.max_steps=60", "speedup.calibrate=false",
-                             f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lychee_exp.run",
+            "-m",
+            "hydra/launcher=slurm_local",
+            *TINY_MULTI,
+            "parallel=ddp",
+            "gpus=2",
+            "trainer.max_steps=60",
+            "speedup.calibrate=false",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 240
     while not any("step 2/" in p.read_text() for p in sweep.glob("0/logs/**/0/stderr.log")):
         assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
@@ -234,10 +333,28 @@ def test_sweep_trials_as_submitit_jobs(tmp_path):
 
     sweep = tmp_path / "sweep"
     tiny = [a for a in TINY_MULTI if not a.startswith(("optimizer.lr=", "data.batch_size="))]  # the swept keys
-    proc = subprocess.run([sys.executable, "-m", "lychee_exp.run", "-m", "hydra/launcher=slurm_local",
-                           "hparams_search=lr_batch", "hydra.sweeper.n_trials=2", "parallel=ddp", "gpus=2",
-                           "trainer.max_steps=4", *tiny, f"hydra.sweep.dir={sweep}"],
-                          cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lychee_exp.run",
+            "-m",
+            "hydra/launcher=slurm_local",
+            "hparams_search=lr_batch",
+            "hydra.sweeper.n_trials=2",
+            "parallel=ddp",
+            "gpus=2",
+            "trainer.max_steps=4",
+            *tiny,
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        text=True,
+        capture_output=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.parent.name for p in sweep.glob("*/metrics.json")) == ["0", "1"]
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())

@@ -5,6 +5,7 @@ When a job is signalled before its time limit or preempted, lychee_exp checkpoin
 upstream launcher resubmits the job's overrides as they were; these also pin the run directory the job used (a
 timestamped sweep directory would resolve anew in the requeued job) and set trainer.resume=auto.
 """
+
 from __future__ import annotations
 
 from typing import Any
