@@ -4,9 +4,9 @@ SLURM (through submitit) sends USR2 (SUBMITIT_PREEMPT_SIGNAL) some time before a
 preempted. Whoever receives it (the job's main process, and on some clusters the ranks too) leaves a request
 file in the run directory; after every optimizer step rank 0 looks for it and one all-reduce shares the answer,
 so all ranks write one collective checkpoint after the same step and stop. The main process then hands the
-signal to the handler it replaced: submitit's, which calls the launcher's `checkpoint()` (hydra_plugins.lychee_submitit_launcher:
-the same run directory, trainer.resume=auto) and requeues the job. Without submitit the run ends with a
-one-line `Preempted` error, and the same command with trainer.resume=auto continues it.
+signal to the handler it replaced: submitit's, which calls the launcher's `checkpoint()` (the same run
+directory and trainer.resume=auto: hydra_plugins/lychee_submitit_launcher) and requeues the job. Without
+submitit the run ends with a one-line `Preempted` error; the same command with trainer.resume=auto continues it.
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ def run(cfg: DictConfig) -> float:
 
     if is_main:
         # ranks started elsewhere (torchrun, other nodes) cannot wait for a calibration here: cache or given only
-        speedup = dataclasses.replace(run_cfg.speedup, calibrate=run_cfg.speedup.calibrate and not launched_externally())
+        calibrate = run_cfg.speedup.calibrate and not launched_externally()
+        speedup = dataclasses.replace(run_cfg.speedup, calibrate=calibrate)
         baseline = resolve_baseline(dataclasses.replace(run_cfg, speedup=speedup), plan, output_dir)
         run_cfg = dataclasses.replace(run_cfg, speedup=dataclasses.replace(run_cfg.speedup,
                                                                           baseline_samples_per_s=baseline))

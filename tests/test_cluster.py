@@ -215,7 +215,9 @@ def test_a_killed_node_ends_the_other_with_one_line(tmp_path):
     nodes[1].send_signal(signal.SIGKILL)  # node 1's agent; its rank dies with it
     killed = time.monotonic()
     out, _ = nodes[0].communicate(timeout=120)
-    assert time.monotonic() - killed < 60
+    elapsed = time.monotonic() - killed
+    print(f"node 0 ended {elapsed:.1f} s after node 1's agent was killed")  # the figure, with pytest -s
+    assert elapsed < 60
     assert nodes[0].returncode == 1
     errors = [line for line in out.splitlines() if "error:" in line]
     assert len(errors) == 1 and "lost node 1 (127.0.0.1)" in errors[0], out[-3000:]
@@ -242,6 +244,7 @@ def test_damaged_latest_checkpoint_resumes_from_the_previous_one(tmp_path, caplo
     assert _metrics(tmp_path)["steps"] == 6
 
 
+@pytest.mark.slow
 def test_signal_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
     run_dir = tmp_path / "run"
     args = [
