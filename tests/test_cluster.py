@@ -363,3 +363,38 @@ def test_sweep_trials_as_submitit_jobs(tmp_path):
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert results["finished"] == results["complete"] == 2
     assert len(list((sweep / ".submitit").iterdir())) >= 2  # two jobs, each with its own submitit folder
+
+
+@pytest.mark.slow
+def test_a_failed_submitit_trial_is_recorded_with_its_reason(tmp_path):
+    """A rank's failure inside a submitit job travels back to the sweeper (pickled) with its kind."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    tiny = [a for a in TINY_MULTI if not a.startswith(("optimizer.lr=", "data.batch_size="))]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lychee_exp.run",
+            "-m",
+            "hydra/launcher=slurm_local",
+            "hparams_search=lr_batch",
+            "hydra.sweeper.n_trials=1",
+            "hydra.sweeper.max_failure_rate=1",
+            "parallel=ddp",
+            "gpus=2",
+            *tiny,
+            "speedup.calibrate=false",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env=_env(LYCHEE_FAULT="1:2:raise"),
+        text=True,
+        capture_output=True,
+        timeout=600,
+        check=False,
+    )
+    with (sweep / "trials.csv").open() as handle:
+        [row] = list(csv.DictReader(handle))
+    assert row["state"] == "FAIL", proc.stderr[-3000:]
+    assert row["reason"].startswith("crashed: rank 1 failed") and "injected fault" in row["reason"]
