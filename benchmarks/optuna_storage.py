@@ -47,7 +47,10 @@ def local_postgres():
         shutil.chown(root, "postgres")
         shutil.chown(data, "postgres")
     port = _free_port()
-    run = lambda *cmd: subprocess.run([*as_user, *cmd], check=True, capture_output=True)
+
+    def run(*cmd: str) -> None:
+        subprocess.run([*as_user, *cmd], check=True, capture_output=True)
+
     run(str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres")
     run(
         str(bindir / "pg_ctl"),
