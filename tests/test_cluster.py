@@ -398,3 +398,50 @@ def test_a_failed_submitit_trial_is_recorded_with_its_reason(tmp_path):
         [row] = list(csv.DictReader(handle))
     assert row["state"] == "FAIL", proc.stderr[-3000:]
     assert row["reason"].startswith("crashed: rank 1 failed") and "injected fault" in row["reason"]
+
+
+@pytest.mark.slow
+def test_sweep_array_script_runs_a_worker(tmp_path):
+    """launch/slurm/sweep_array.sbatch as one array task, with a stand-in srun that runs its command here."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "srun").chmod(0o755)
+    sweep = tmp_path / "sweep"
+    tiny = [a for a in TINY_MULTI if not a.startswith(("optimizer.lr=", "data.batch_size="))]
+    env = _env(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        PYTHON=sys.executable,
+        SLURM_ARRAY_TASK_ID="0",
+        SLURM_ARRAY_TASK_MIN="0",
+        LYCHEE_STORAGE=f"sqlite:///{tmp_path / 'study.db'}",
+    )
+    proc = subprocess.run(
+        [
+            "bash",
+            str(REPO / "launch/slurm/sweep_array.sbatch"),
+            "hparams_search=lr_batch",
+            "hydra.sweeper.n_trials=1",
+            "gpus=2",
+            *tiny,
+            "speedup.calibrate=false",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (sweep / "0" / "metrics.json").is_file() and _metrics(sweep / "0")["world_size"] == 2
+    refused = subprocess.run(
+        ["bash", str(REPO / "launch/slurm/sweep_array.sbatch")],
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        check=False,
+        env={**env, "LYCHEE_STORAGE": "postgresql+psycopg2://u:secret@db/optuna"},
+    )
+    assert refused.returncode == 2 and "password" in refused.stderr and "secret" not in refused.stderr
