@@ -9,6 +9,7 @@ scheduler, scaler, progress and RNG states as tensors and plain containers, read
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -17,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
@@ -70,23 +73,38 @@ def save_checkpoint(output_dir: Path, step: int, model: torch.nn.Module, state: 
     return final
 
 
+def _complete(path: Path) -> bool:
+    return (path / "state.pt").is_file() and (path / "model.safetensors").is_file()
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
-    pointer = checkpoint_root(output_dir) / LATEST
-    if not pointer.is_file():
-        return None
-    path = checkpoint_root(output_dir) / pointer.read_text().strip()
-    return path if (path / "state.pt").is_file() and (path / "model.safetensors").is_file() else None
+    """The checkpoint `latest` names; if that pointer is missing or stale, the newest complete step directory."""
+    root = checkpoint_root(output_dir)
+    pointer = root / LATEST
+    named = root / pointer.read_text().strip() if pointer.is_file() else None
+    if named is not None and named.name and _complete(named):
+        return named
+    steps = [path for path in sorted(root.glob("step_*"), reverse=True) if _complete(path)]
+    return steps[0] if steps else None
+
+
+def older_checkpoints(path: Path) -> list[Path]:
+    """Complete checkpoints of the same run older than path, newest first."""
+    return [other for other in sorted(path.parent.glob("step_*"), reverse=True) if other.name < path.name
+            and _complete(other)]
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module) -> dict:
-    """Loads the weights into model and returns the rest of the state (all ranks call this)."""
+    """Loads the weights into model and returns the rest of the state (all ranks call this). Both files are
+    read before the model changes: a damaged checkpoint leaves the model as it was."""
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     weights = load_file(str(path / "model.safetensors"))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     wanted = {name for name, p in model.named_parameters() if p.requires_grad}
     if unexpected or wanted & set(missing):
         raise RuntimeError(f"checkpoint {path} does not match the model: unexpected {unexpected[:3]}, "
                            f"missing {sorted(wanted & set(missing))[:3]}")
-    return torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    return state
 
 
 def save_training_state(output_dir: Path, model: torch.nn.Module, optimizer, scheduler, scaler, env,
@@ -101,9 +119,30 @@ def save_training_state(output_dir: Path, model: torch.nn.Module, optimizer, sch
     return save_checkpoint(output_dir, progress["step"], model, state, keep)
 
 
+def load_readable(path: Path, model: torch.nn.Module, fall_back: bool, report: bool) -> tuple[Path, dict]:
+    """Loads path, or (fall_back) the newest older checkpoint of the run that can be read, reporting each
+    unreadable one in one line (e.g. a state.pt truncated by a node that died mid-write outside our atomic
+    rename, or a damaged disk). Every rank sees the same files, so all ranks pick the same checkpoint."""
+    candidates = [path, *older_checkpoints(path)] if fall_back else [path]
+    for candidate in candidates:
+        try:
+            return candidate, load_checkpoint(candidate, model)
+        except Exception as err:  # safetensors, zip reader and unpickler errors have no common base
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            if candidate is candidates[-1]:
+                raise RuntimeError(f"no readable checkpoint: {candidate} cannot be read ({type(err).__name__}: "
+                                   f"{reason})") from None
+            if report:
+                log.warning("checkpoint %s cannot be read (%s: %s); resuming from the previous one", candidate,
+                            type(err).__name__, reason)
+    raise AssertionError("unreachable")
+
+
 def restore_training_state(path: Path, model: torch.nn.Module, optimizer, scheduler, scaler, env) -> dict:
-    """Loads a checkpoint on every rank; returns the progress to continue from."""
-    state = load_checkpoint(path, model)
+    """Loads a checkpoint on every rank (with resume=auto, the newest readable one); returns the progress to
+    continue from, with the checkpoint it came from under "path"."""
+    in_a_run = path.parent.name == CHECKPOINT_DIR  # a step directory of a run: its older ones may stand in
+    path, state = load_readable(path, model, fall_back=in_a_run, report=env.is_main)
     if state["world_size"] != env.world_size:
         raise ValueError(f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
                          f"{env.world_size}; resume with the same gpus")
@@ -112,4 +151,4 @@ def restore_training_state(path: Path, model: torch.nn.Module, optimizer, schedu
     scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"][env.rank])
     return {**{k: state[k] for k in ("step", "epoch", "batch", "evaluated_at")},
-            "summary": json.loads(state["summary"])}
+            "summary": json.loads(state["summary"]), "path": path}

@@ -15,3 +15,10 @@ class RunFailed(RuntimeError):
     def __init__(self, message: str, kind: str):
         super().__init__(message)
         self.kind = kind
+
+    def __reduce__(self):  # picklable with its kind: submitit hands a job's exception back to the sweeper
+        return type(self), (str(self), self.kind)
+
+
+class Preempted(RunFailed):
+    """The run stopped on request (a scheduler's signal) after writing a checkpoint; kind is "preempted"."""

@@ -6,6 +6,8 @@
   <run>/logs, and no restarts unless asked. Workers get the resolved config as a plain dict: Hydra's state
   does not exist in child processes. A failing, OOM-ing or killed rank makes the agent stop the others at once.
 - under torchrun (the user launched the ranks): this process is already one rank; train in place.
+- in a SLURM job on several nodes (lychee_exp.cluster): this node's ranks, as above, with the agents of all
+  nodes meeting at the first node.
 """
 from __future__ import annotations
 
@@ -24,16 +26,15 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from lychee_exp.cluster import NodeSpec, slurm_nodes, under_torchrun
 from lychee_exp.config import RunConfig
 from lychee_exp.devices import DevicePlan
 from lychee_exp.distributed import DistEnv
 from lychee_exp.errors import RunFailed, TrainingDiverged
+from lychee_exp.preemption import PreemptionWatch, install_rank_handler
 from lychee_exp.train import run_training
 
 log = logging.getLogger(__name__)
-
-TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-
 
 def failure_kind(message: str) -> str:
     if "TrainingDiverged" in message or "loss is nan" in message or "loss is inf" in message:
@@ -43,11 +44,15 @@ def failure_kind(message: str) -> str:
     return "crashed"
 
 
-def under_torchrun() -> bool:
-    return all(name in os.environ for name in TORCHRUN_VARS)
-
-
 def launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None = None) -> dict:
+    with PreemptionWatch(output_dir) as watch:
+        metrics = _launch(cfg, plan, output_dir, log_file)
+    if "preempted_at_step" in metrics:
+        watch.hand_over(metrics["preempted_at_step"])  # submitit requeues the job (and exits), else Preempted
+    return metrics
+
+
+def _launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None) -> dict:
     if plan.strategy != "ddp":
         if plan.device_type == "cpu":
             torch.set_num_threads(plan.threads_per_rank)
@@ -55,7 +60,7 @@ def launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | N
         return _in_process(cfg, DistEnv(device=device), plan, output_dir)
     if under_torchrun():
         return _as_rank(cfg, plan, output_dir)
-    return _elastic_launch(cfg, plan, output_dir, log_file)
+    return _elastic_launch(cfg, plan, output_dir, log_file, slurm_nodes())
 
 
 def _in_process(cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path) -> dict:
@@ -67,16 +72,20 @@ def _in_process(cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path
         raise RunFailed(f"out of memory: {str(err).splitlines()[0]}", "oom") from err
 
 
-def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None) -> dict:
+def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None,
+                    nodes: NodeSpec | None = None) -> dict:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     log_dir = output_dir / "logs"
     log.info(plan.describe())
+    nnodes = nodes.nnodes if nodes else 1
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=plan.num_devices, run_id=f"lychee-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=cfg.parallel.max_restarts,
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=plan.num_devices,
+        run_id=nodes.run_id if nodes else f"lychee-{uuid.uuid4().hex[:12]}", rdzv_backend="c10d",
+        rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0", max_restarts=cfg.parallel.max_restarts,
+        rdzv_configs={"is_host": nodes.node_rank == 0} if nodes else {},
         monitor_interval=0.2, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL}),
         log_line_prefix_template="[rank${rank}] ")
@@ -99,8 +108,10 @@ def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file
         rank, message = _root_cause(err.failures, output_dir / FAILURE_NOTES)
         logs = sorted(log_dir.glob(f"**/attempt_*/{rank}/stderr.log"))
         where = f" (log: {logs[-1]})" if logs else ""
+        if nodes and _collateral(message):
+            raise RunFailed(_lost_nodes(nodes, output_dir / FAILURE_NOTES, rank, message) + where, "crashed") from None
         raise RunFailed(f"rank {rank} failed: {message}{where}", failure_kind(message)) from None
-    return results[0]
+    return results[min(results)]  # rank 0's metrics (every rank returns the same; other nodes lack rank 0)
 
 
 # Errors that ranks report because ANOTHER rank died (its sockets closed, or the agent stopped them).
@@ -121,13 +132,30 @@ def _root_cause(failures: dict, notes: Path) -> tuple[int, str]:
     for note in notes.glob("rank*.txt"):
         stamp, _, message = note.read_text().strip().partition("\t")
         described[int(note.stem[len("rank"):])] = (float(stamp), message)
-    ranked = sorted((any(m in message for m in _COLLATERAL), stamp, rank, message)
+    ranked = sorted((_collateral(message), stamp, rank, message)
                     for rank, (stamp, message) in described.items())
     _, _, rank, message = ranked[0]
     return rank, message
 
 
+def _collateral(message: str) -> bool:
+    return any(m in message for m in _COLLATERAL)
+
+
+def _lost_nodes(nodes: NodeSpec, notes: Path, rank: int, message: str) -> str:
+    """The one line for a rank that lost its peers: the nodes whose ranks left no failure note are the ones
+    that went away (killed, preempted, or cut off)."""
+    noted = {int(p.stem[len("node"):]) for p in notes.glob("node*")}
+    lost = [nodes.node_name(k) for k in range(nodes.nnodes) if k != nodes.node_rank and k not in noted]
+    return (f"lost {', '.join(lost) or 'another node'}: rank {rank} on {nodes.node_name(nodes.node_rank)} "
+            f"failed: {message}")
+
+
 def _as_rank(cfg: RunConfig, plan: DevicePlan, output_dir: Path) -> dict:
+    _die_with_parent()  # torchrun's agent killed: its ranks must not train on as orphans
+    install_rank_handler(output_dir)
+    if plan.device_type == "cpu":
+        torch.set_num_threads(plan.threads_per_rank)
     env = init_distributed(plan.device_type, cfg.parallel.backend, cfg.parallel.timeout_s)
     plan = dataclasses.replace(plan, num_devices=env.world_size)  # all nodes' ranks, not this node's GPUs
     try:
@@ -184,6 +212,7 @@ def _die_with_parent() -> None:
 
 def _worker(payload: dict, output_dir: str, threads: int, device_type: str, log_file: str | None) -> dict:
     _die_with_parent()
+    install_rank_handler(Path(output_dir))
     rank = int(os.environ["RANK"])
     _configure_worker_logging(rank, log_file)
     if device_type == "cpu":
@@ -210,3 +239,4 @@ def _note_failure(output_dir: Path, rank: int, err: BaseException) -> None:
     notes.mkdir(parents=True, exist_ok=True)
     message = (f"{type(err).__name__}: {err}".strip().splitlines() or [type(err).__name__])[-1]
     (notes / f"rank{rank}.txt").write_text(f"{time.time():.6f}\t{message}\n")
+    (notes / f"node{os.environ.get('SLURM_NODEID', '0')}").touch()  # this node was alive to write a note

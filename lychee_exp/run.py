@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import secrets
 import sys
@@ -18,11 +19,12 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lychee_exp.cluster import is_main_process, launched_externally, local_ranks, under_torchrun
 from lychee_exp.config import RunConfig, register_schema, to_run_config
 from lychee_exp.data import check_negatives, load_queries
 from lychee_exp.devices import plan_devices
 from lychee_exp.errors import RunFailed, UserError
-from lychee_exp.launcher import launch, under_torchrun
+from lychee_exp.launcher import launch
 from lychee_exp.model import build_encoder, load_tokenizer
 from lychee_exp.speedup import resolve_baseline, store_baseline
 
@@ -81,36 +83,46 @@ def run(cfg: DictConfig) -> float:
     if under_torchrun() and _in_sweep():
         raise UserError("-m sweeps cannot run under torchrun (every rank would sample its own hyperparameters); "
                         "run the sweep without torchrun: each trial launches its own ranks")
-    is_main = os.environ.get("RANK", "0") == "0"  # under torchrun only global rank 0 writes outputs
+    is_main = is_main_process()  # under torchrun global rank 0, on SLURM the first node: the one that writes
     output_dir = Path(run_cfg.output_dir)
     metrics_path = output_dir / "metrics.json"
     if is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         metrics_path.unlink(missing_ok=True)  # a stale result must not pass for this run's
     preflight(run_cfg)
-    plan = plan_devices(run_cfg.parallel.strategy, run_cfg.gpus,
+    # under torchrun `gpus` is its ranks on this node, so CPU threads per rank follow the in-process rule
+    plan = plan_devices(run_cfg.parallel.strategy, local_ranks() or run_cfg.gpus,
                         cpu_threads_per_rank=run_cfg.parallel.cpu_threads_per_rank)
     if is_main:
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))
 
-    if is_main and not under_torchrun():
-        baseline = resolve_baseline(run_cfg, plan, output_dir)
+    if is_main:
+        # ranks started elsewhere (torchrun, other nodes) cannot wait for a calibration here: cache or given only
+        calibrate = run_cfg.speedup.calibrate and not launched_externally()
+        speedup = dataclasses.replace(run_cfg.speedup, calibrate=calibrate)
+        baseline = resolve_baseline(dataclasses.replace(run_cfg, speedup=speedup), plan, output_dir)
         run_cfg = dataclasses.replace(run_cfg, speedup=dataclasses.replace(run_cfg.speedup,
                                                                           baseline_samples_per_s=baseline))
     metrics = launch(run_cfg, plan, output_dir, _job_log_file())
     metrics["optimized_metric"] = run_cfg.optimized_metric
-    if is_main and plan.num_devices == 1 and plan.strategy != "dp" and not under_torchrun():
+    if is_main and plan.num_devices == 1 and plan.strategy != "dp" and not launched_externally():
         store_baseline(run_cfg, plan, metrics["train_samples_per_s"], f"run {output_dir}")
+    if is_main and not math.isfinite(metrics.get("speedup", 0.0)):
+        for key in ("speedup", "scaling_efficiency"):
+            metrics.pop(key, None)  # absent, not NaN: there was nothing to compare with
+        log.info("speedup: no single-device baseline for this setting (cached in %s, or speedup.baseline_samples_per_s)"
+                 "; metrics.json has no speedup", run_cfg.speedup.baseline_file)
     if is_main:
         write_json_atomic(metrics_path, metrics)
         if "ndcg@10" in metrics:
             log.info("dev ndcg@10 %.4f (untrained %.4f, BM25 %.4f), mrr@10 %.4f", metrics["ndcg@10"],
                      metrics.get("initial_ndcg@10", float("nan")), metrics.get("bm25_ndcg@10", float("nan")),
                      metrics["mrr@10"])
-        log.info("%d steps in %.0f s: %.1f samples/s on %d device(s), effective batch %d; speedup %.2fx over one "
-                 "device (scaling efficiency %.0f%%)", metrics["steps"], metrics["train_time_s"],
-                 metrics["train_samples_per_s"], metrics["world_size"], metrics["effective_batch_size"],
-                 metrics["speedup"], 100 * metrics["scaling_efficiency"])
+        speedup_note = (f"; speedup {metrics['speedup']:.2f}x over one device (scaling efficiency "
+                   f"{100 * metrics['scaling_efficiency']:.0f}%)") if "speedup" in metrics else ""
+        log.info("%d steps in %.0f s: %.1f samples/s on %d device(s), effective batch %d%s", metrics["steps"],
+                 metrics["train_time_s"], metrics["train_samples_per_s"], metrics["world_size"],
+                 metrics["effective_batch_size"], speedup_note)
         log.info("results in %s", output_dir)
     return float(metrics.get(run_cfg.optimized_metric, float("nan")))  # nan: trainer.evaluate=false
 

@@ -30,6 +30,7 @@ from lychee_exp.loggers import run_logger
 from lychee_exp.losses import LOSSES
 from lychee_exp.faults import inject_fault
 from lychee_exp.optim import build_optimizer, effective_batch_size, scaled_lr
+from lychee_exp.preemption import stop_requested
 from lychee_exp.model import build_encoder, count_parameters, load_reranker, load_tokenizer, save_reranker
 from lychee_exp.speedup import speedup_facts
 from lychee_exp.throughput import StepTimer, log_hints, summarize
@@ -199,6 +200,10 @@ class Trainer:
                 position = (epoch, first + micro_steps) if first + micro_steps < num_batches else (epoch + 1, 0)
                 if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
                     self._checkpoint(step, position, summary, evaluated_at)
+                if stop_requested(self.output_dir, env):  # preemption: checkpoint now, the requeued job resumes
+                    self._checkpoint(step, position, summary, evaluated_at)
+                    bar.close()
+                    return {**summary, "steps": step, "preempted_at_step": step}
                 if step >= self.total_steps or self.stopped:
                     break
             epoch, next_batch = epoch + 1, 0
@@ -306,6 +311,7 @@ class Trainer:
             "precision": self.precision,
             "device": device_name(self.device),
             "device_type": self.device.type,
+            "cpu_threads_per_rank": torch.get_num_threads(),
             **summarize(self.env.gather_objects(timer.rank_record(self.device))),
             "train_time_s": train_time,
             "eval_time_s": self.eval_time_s,
@@ -329,7 +335,7 @@ class Trainer:
         progress = restore_training_state(self.resume_from, self.model, self.optimizer, self.scheduler,
                                           self.scaler, self.env)
         if self.env.is_main:
-            log.info("resumed from %s at step %d (epoch %d, batch %d)", self.resume_from, progress["step"],
+            log.info("resumed from %s at step %d (epoch %d, batch %d)", progress["path"], progress["step"],
                      progress["epoch"], progress["batch"])
         self.logger.truncate(progress["step"])
         return progress
@@ -354,7 +360,8 @@ def run_training(cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Pat
     try:
         trainer.setup()
         metrics = trainer.fit()
-        trainer.save()
+        if "preempted_at_step" not in metrics:
+            trainer.save()
     finally:
         if hasattr(trainer, "logger"):
             trainer.cleanup()
