@@ -135,7 +135,8 @@ def _save(space: ws.Workspace) -> None:
     try:
         space.save()
     except Exception as err:  # network, permissions, unknown entity: one line, not the client's traceback
-        raise UserError(f"could not save the workspace: {str(err).strip().splitlines()[0] if str(err) else err!r}")
+        reason = str(err).strip().splitlines()[0] if str(err) else repr(err)
+        raise UserError(f"could not save the workspace: {reason}") from None
     print(space.url)
 
 
