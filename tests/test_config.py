@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from lychee_exp import config as schema
 from lychee_exp.config import Choice, RunConfig, check_config, to_run_config
 from lychee_exp.errors import UserError
-from lychee_exp.run import preflight
+from lychee_exp.run import composition_error, preflight
 
 GROUPS = ["model", "data", "loss", "optimizer", "trainer", "parallel", "logger", "experiment"]
 # Options whose required paths are the user's own: they get placeholders, so only compose + check_config.
@@ -166,15 +166,21 @@ def test_unregistered_part_fails_before_training_listing_the_registered(override
     assert str(caught.value) == message
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (["trainer.precision=fp8"], "trainer.precision: Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16]"),
-    (["optimizer.lrr=1"], "optimizer.lrr: Key 'lrr' not in 'OptimizerConfig'"),
-    (["loss=hinge"], "loss=hinge: no such option in conf/loss; options: listwise, pointwise"),
+@pytest.mark.parametrize(("override", "expected"), [
+    ("trainer.precision=fp8", "trainer.precision: Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16]"),
+    ("optimizer.lrr=1", "optimizer.lrr: Key 'lrr' not in 'OptimizerConfig'"),
+    ("loss=hinge", "loss=hinge: no such option in conf/loss; options: listwise, pointwise"),
 ])
-def test_cli_config_that_does_not_compose_is_one_line_exit_2(args, expected, tmp_path):
+def test_config_that_does_not_compose_reads_as_one_line(override, expected, compose_cfg, tmp_path):
+    with pytest.raises(ConfigCompositionException) as caught:
+        compose_cfg([override], tmp_path)
+    assert composition_error(caught.value) == expected
+
+
+def test_cli_config_that_does_not_compose_is_one_line_exit_2(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli(args, run_dir, timeout=120)
+    proc = run_cli(["trainer.precision=fp8"], run_dir, timeout=120)
     lines = output_lines(proc)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), lines
+    assert lines == ["error: trainer.precision: Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16]"]
     assert not run_dir.exists()
