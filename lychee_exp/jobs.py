@@ -12,16 +12,15 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-from lychee_exp.run import run  # importing run also registers the schema and the resolvers that configs use
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# importing run also registers the schema and the resolvers that the configs use
+from lychee_exp.run import CONF_DIR, run
 
 
 def compose_job(overrides: Sequence[str], output_dir: Path | str | None = None) -> DictConfig:
     """The config `python -m lychee_exp.run <overrides>` would hand its task function, with the run directory
     at output_dir (Hydra's runtime state is set as a run would have it, so `${hydra:...}` resolves)."""
     GlobalHydra.instance().clear()
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="run"):
+    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR, job_name="run"):
         cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
     if output_dir is not None:
         with open_dict(cfg):

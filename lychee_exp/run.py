@@ -32,6 +32,8 @@ from lychee_exp.optim import OPTIMIZERS
 from lychee_exp.speedup import resolve_baseline, store_baseline
 
 log = logging.getLogger("lychee_exp")
+# absolute: `lychee-run` imports this module by name, and Hydra would read a relative path as a python package
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def run_stamp() -> str:
@@ -114,7 +116,7 @@ def _in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def hydra_main(cfg: DictConfig) -> float:
     try:
         return run(cfg)

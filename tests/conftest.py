@@ -19,10 +19,12 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 import lychee_exp
-from lychee_exp.jobs import CONF_DIR, run_job  # noqa: F401  (CONF_DIR: for the tests that list conf/)
 from lychee_exp.jobs import compose_job as compose_config
+from lychee_exp.jobs import run_job
+from lychee_exp.run import CONF_DIR as _CONF_DIR
 
 REPO_ROOT = Path(lychee_exp.__file__).resolve().parent.parent
+CONF_DIR = Path(_CONF_DIR)
 ASSETS = Path(lychee_exp.__file__).resolve().parent / "assets"
 TINY_QWEN2 = ASSETS / "tiny_qwen2"
 

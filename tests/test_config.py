@@ -1,6 +1,8 @@
 """Every config group option composes and passes the schema + value checks; mistakes fail naming the key."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 from conftest import CONF_DIR, compose_config, output_lines, run_cli
 from hydra.errors import ConfigCompositionException
@@ -9,7 +11,7 @@ from omegaconf import OmegaConf
 from lychee_exp import config as schema
 from lychee_exp.config import Choice, RunConfig, check_config, to_run_config
 from lychee_exp.errors import UserError
-from lychee_exp.run import composition_error, preflight
+from lychee_exp.run import composition_error, main, preflight
 
 GROUPS = ["model", "data", "loss", "optimizer", "trainer", "parallel", "logger", "experiment"]
 # Options whose required paths are the user's own: they get placeholders, so only compose + check_config.
@@ -177,10 +179,16 @@ def test_config_that_does_not_compose_reads_as_one_line(override, expected, comp
     assert composition_error(caught.value) == expected
 
 
-def test_cli_config_that_does_not_compose_is_one_line_exit_2(tmp_path):
+def test_cli_config_that_does_not_compose_is_one_line_exit_2(tmp_path, monkeypatch, capfd):
+    """The CLI's main() as `python -m lychee_exp.run trainer.precision=fp8` calls it (in this process: the
+    subprocess path is test_cli_bad_value_is_one_line_exit_2's)."""
     run_dir = tmp_path / "run"
-    proc = run_cli(["trainer.precision=fp8"], run_dir, timeout=120)
-    lines = output_lines(proc)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
+    monkeypatch.setattr(sys, "argv", ["lychee-run", "trainer.precision=fp8", f"hydra.run.dir={run_dir}"])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # main() sets it; monkeypatch restores it afterwards
+    with pytest.raises(SystemExit) as caught:
+        main()
+    out, err = capfd.readouterr()
+    assert caught.value.code == 2
+    lines = [line for line in (out + err).splitlines() if line.strip()]
     assert lines == ["error: trainer.precision: Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16]"]
     assert not run_dir.exists()
