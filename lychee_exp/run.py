@@ -95,7 +95,7 @@ def run(cfg: DictConfig) -> float:
         run_cfg = dataclasses.replace(run_cfg, speedup=dataclasses.replace(run_cfg.speedup,
                                                                           baseline_samples_per_s=baseline))
     metrics = launch(run_cfg, plan, output_dir, _job_log_file(), inputs)
-    metrics["optimized_metric"] = run_cfg.optimized_metric
+    metrics["optimized_metric"] = str(run_cfg.optimized_metric)
     if is_main and plan.num_devices == 1 and plan.strategy != "dp" and not under_torchrun():
         store_baseline(run_cfg, plan, metrics["train_samples_per_s"], f"run {output_dir}")
     if is_main:
