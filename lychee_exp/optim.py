@@ -43,6 +43,7 @@ def build_optimizer(cfg: OptimizerConfig, model: torch.nn.Module, lr: float, tot
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = OPTIMIZERS.lookup(cfg.name)(trainable, lr, cfg)
     warmup_steps = math.ceil(cfg.warmup_ratio * total_steps)
-    scheduler = get_scheduler(_SCHEDULES[cfg.scheduler], optimizer, num_warmup_steps=warmup_steps,
-                              num_training_steps=total_steps)
+    scheduler = get_scheduler(
+        _SCHEDULES[cfg.scheduler], optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
+    )
     return optimizer, scheduler, warmup_steps

@@ -53,7 +53,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -79,8 +79,12 @@ def test_no_import_cycles():
 
 
 def test_library_never_imports_the_recipe_the_launcher_or_the_entry_point():
-    wrong = {f"{module} imports {target}" for module, targets in import_graph().items() if module not in TOP
-             for target in targets & FORBIDDEN_TO_LIBRARY}
+    wrong = {
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        if module not in TOP
+        for target in targets & FORBIDDEN_TO_LIBRARY
+    }
     assert not wrong, sorted(wrong)
 
 
