@@ -2,9 +2,10 @@
 
 The dataclasses are registered with Hydra's ConfigStore as `lychee_schema`, which `conf/config.yaml` lists first
 in its defaults: composing then fails on a misspelt key, a wrong type or a value outside a closed choice (an
-Enum below: the schema lists the allowed values), naming the key. Numeric bounds live beside their fields
-(`at_least`, ...); `check_config` applies them and the cross-field rules, in the Hydra process before any
-training process starts. Open choices (loss.name, optimizer.name) are checked against their registries.
+Enum of lychee_exp.choices: the schema lists the allowed values), naming the key. Numeric bounds live beside their
+fields (`at_least`, ...); `check_config` applies them and the cross-field rules, in the Hydra process before any
+training process starts. Open choices (loss.name, optimizer.name) are checked against their registries by
+run.preflight.
 """
 
 from __future__ import annotations
@@ -13,84 +14,26 @@ import dataclasses
 import json
 import string
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from lychee_exp.choices import (  # noqa: F401  (Choice: re-exported, the base of every choice)
+    Backend,
+    Choice,
+    Dtype,
+    LoggerMode,
+    LoggerName,
+    LrScaling,
+    Metric,
+    ModelKind,
+    Precision,
+    Schedule,
+    Strategy,
+)
 from lychee_exp.devices import parse_gpus
 from lychee_exp.errors import UserError
-
-
-class Choice(str, Enum):
-    """A closed choice. Member names are the values users write (`trainer.precision=bf16`): OmegaConf matches
-    by name, and a member compares, hashes and formats as its value, so code may treat it as that string."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
-
-
-class ModelKind(Choice):
-    causal_lm = "causal_lm"  # score = p(yes) from the yes/no next-token logits (Lychee)
-    sequence_classification = "sequence_classification"  # one logit plays logit(yes) - logit(no)
-
-
-class Dtype(Choice):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class LrScaling(Choice):
-    none = "none"
-    linear = "linear"
-    sqrt = "sqrt"
-
-
-class Schedule(Choice):
-    linear = "linear"
-    cosine = "cosine"
-    constant = "constant"
-
-
-class Precision(Choice):
-    auto = "auto"  # fp32 on CPU, bf16 on GPUs that support it, else fp16
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class Strategy(Choice):
-    single = "single"  # one device
-    dp = "dp"  # DataParallel, one process
-    ddp = "ddp"  # one process per device
-
-
-class Backend(Choice):
-    auto = "auto"  # nccl on GPUs, gloo on CPU
-    nccl = "nccl"
-    gloo = "gloo"
-
-
-class LoggerName(Choice):
-    wandb = "wandb"  # W&B + metrics.csv
-    csv = "csv"  # metrics.csv in the run directory
-    none = "none"
-
-
-class LoggerMode(Choice):
-    auto = "auto"  # online with an API key, else offline
-    online = "online"
-    offline = "offline"
-    disabled = "disabled"
-
-
-# the names hold "@", so the functional form; module and qualname let ranks unpickle its members
-Metric = Choice("Metric", {"ndcg@10": "ndcg@10", "mrr@10": "mrr@10"}, module=__name__, qualname="Metric")
 
 
 def at_least(low: float, default: Any) -> Any:

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lychee_exp.config import ModelConfig, ModelKind
+from lychee_exp.choices import ModelKind
+from lychee_exp.config import ModelConfig
 from lychee_exp.errors import UserError
 from lychee_exp.prompt import PromptEncoder
 from lychee_exp.resources import resolve_path

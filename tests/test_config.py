@@ -8,7 +8,7 @@ from conftest import CONF_DIR, compose_config, output_lines, run_cli
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from lychee_exp import config as schema
+from lychee_exp import choices
 from lychee_exp.config import Choice, RunConfig, check_config, to_run_config
 from lychee_exp.errors import UserError
 from lychee_exp.run import composition_error, main, preflight
@@ -141,7 +141,7 @@ def test_closed_choice_fails_at_compose_naming_key_and_choices(override, allowed
 
 def test_choice_names_are_the_values_users_write():
     """OmegaConf matches a choice by member name, and code compares members with strings: both must agree."""
-    enums = [v for v in vars(schema).values() if isinstance(v, type) and issubclass(v, Choice) and v is not Choice]
+    enums = [v for v in vars(choices).values() if isinstance(v, type) and issubclass(v, Choice) and v is not Choice]
     assert len(enums) >= 10
     for enum in enums:
         for member in enum:
