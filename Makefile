@@ -1,10 +1,11 @@
 # make run   - set up .venv if needed, then train the built-in default job (MiniLM on the sample set, CPU)
 # make test  - set up .venv if needed, then run the whole test suite (slow tests included)
+# make lint  - ruff: lint rules and the formatting check (what CI runs before the tests)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test test-fast clean
+.PHONY: setup run test test-fast lint clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml launch/setup_env.sh
@@ -18,6 +19,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf outputs multirun

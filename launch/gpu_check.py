@@ -171,7 +171,8 @@ def main() -> int:
     parser.add_argument("--seq-lens", default="512,2048")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); nothing to check", file=sys.stderr)
+        print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); nothing to check",
+              file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name(0)
     peak = bf16_peak_tflops(name)

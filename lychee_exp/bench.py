@@ -8,18 +8,20 @@ each rank gets ONE thread, so that one rank stands for one device. Prints a tabl
 bench.png into the output directory, and logs them to W&B (job_type=bench). Timings are measured side by side
 in one invocation; nothing is asserted.
 """
+
 from __future__ import annotations
 
 import argparse
 import csv
-import json
 import logging
 import sys
 from datetime import datetime
 from pathlib import Path
 
-from lychee_exp.errors import UserError
-from lychee_exp.errors import RunFailed
+from lychee_exp.config import to_run_config
+from lychee_exp.errors import RunFailed, UserError
+from lychee_exp.jobs import compose_job, run_job
+from lychee_exp.loggers import make_logger
 
 log = logging.getLogger("lychee_exp.bench")
 
@@ -49,16 +51,12 @@ def parse_args(argv: list[str]) -> tuple[list[int], list[str], Path, int]:
 
 
 def measure(counts: list[int], overrides: list[str], out: Path, steps: int) -> list[dict]:
-    from lychee_exp.jobs import run_job
-
     rows = []
     for count in counts:
-        run_dir = out / f"devices_{count}"
-        run_job([*overrides, "parallel=ddp", f"gpus={count}", "parallel.cpu_threads_per_rank=1",
-                 "trainer.evaluate=false", f"trainer.max_steps={steps + 2}", "trainer.save_model=false",
-                 "trainer.checkpoint_every=0", "trainer.progress_bar=false", "logger=none",
-                 "speedup.calibrate=false"], run_dir)
-        m = json.loads((run_dir / "metrics.json").read_text())
+        timed = ["parallel=ddp", f"gpus={count}", "parallel.cpu_threads_per_rank=1", "trainer.evaluate=false",
+                 f"trainer.max_steps={steps + 2}", "trainer.save_model=false", "trainer.checkpoint_every=0",
+                 "trainer.progress_bar=false", "logger=none", "speedup.calibrate=false"]
+        _, m = run_job([*overrides, *timed], out / f"devices_{count}")
         rows.append({"devices": count, "samples_per_s": m["train_samples_per_s"],
                      "data_wait_share": m["data_wait_share"], "rank_time_spread": m["rank_time_spread"],
                      "peak_memory_mb": max(m["peak_memory_mb_per_rank"])})
@@ -107,10 +105,6 @@ def format_table(rows: list[dict]) -> str:
 
 
 def log_to_wandb(rows: list[dict], overrides: list[str], out: Path, png: Path) -> None:
-    from lychee_exp.config import to_run_config
-    from lychee_exp.jobs import compose_job
-    from lychee_exp.loggers import make_logger
-
     cfg = to_run_config(compose_job(overrides, out))
     if cfg.logger.name != "wandb":
         return

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from lychee_exp.atomic import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
@@ -65,9 +67,7 @@ def save_checkpoint(output_dir: Path, step: int, model: torch.nn.Module, state: 
             os.fsync(handle.fileno())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    latest_tmp = root / f".{LATEST}.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, root / LATEST)
+    write_text_atomic(root / LATEST, final.name + "\n")
     for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -1,11 +1,17 @@
-"""Typed schema of a run's configuration, and the checks Hydra's types cannot express.
+"""Typed schema of a run's configuration, and the few rules that types cannot express.
 
 The dataclasses are registered with Hydra's ConfigStore as `lychee_schema`, which `conf/config.yaml` lists first
-in its defaults: composing then fails on a misspelt key or a wrong type, naming the key. `check_config` adds the
-value checks (lr > 0, ...) and runs in the Hydra process before any training process starts.
+in its defaults: composing then fails on a misspelt key, a wrong type or a value outside a closed choice (an
+Enum of lychee_exp.choices: the schema lists the allowed values), naming the key. Numeric bounds live beside their
+fields (`at_least`, ...); `check_config` applies them and the cross-field rules, in the Hydra process before any
+training process starts. Open choices (loss.name, optimizer.name) are checked against their registries by
+run.preflight.
 """
+
 from __future__ import annotations
 
+import dataclasses
+import json
 import string
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -13,8 +19,32 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from lychee_exp.choices import (  # noqa: F401  (Choice: re-exported, the base of every choice)
+    Backend,
+    Choice,
+    Dtype,
+    LoggerMode,
+    LoggerName,
+    LrScaling,
+    Metric,
+    ModelKind,
+    Precision,
+    Schedule,
+    Strategy,
+)
 from lychee_exp.devices import parse_gpus
 from lychee_exp.errors import UserError
+
+
+def at_least(low: float, default: Any) -> Any:
+    """A field whose value must be >= low (checked by check_config, naming the key)."""
+    return field(default=default, metadata={"min": low})
+
+
+def above(low: float, default: Any) -> Any:
+    """A field whose value must be > low."""
+    return field(default=default, metadata={"above": low})
+
 
 LYCHEE_PREFIX = "Given the instruction and query, judge whether the document is relevant to the query (yes/no)."
 
@@ -26,8 +56,8 @@ class PromptConfig:
     template: str = "Instruct: {instruction} Query: {query} Document: {document}"
     suffix: str = ""  # e.g. a chat template's assistant opening, so that the next token is the answer
     default_instruction: str = "Given a web search query, retrieve relevant passages that answer the query"
-    query_max_len: int = 64  # tokens; the query is truncated to this
-    doc_max_len: int = 192  # tokens; the document is truncated, never the template around it
+    query_max_len: int = at_least(1, 64)  # tokens; the query is truncated to this
+    doc_max_len: int = at_least(1, 192)  # tokens; the document is truncated, never the template around it
     yes_token: str = "yes"
     no_token: str = "no"
 
@@ -35,7 +65,7 @@ class PromptConfig:
 @dataclass
 class LoraConfig:
     enabled: bool = False
-    r: int = 64
+    r: int = at_least(1, 64)
     alpha: int = 32
     dropout: float = 0.05
     target_modules: List[str] = field(
@@ -46,12 +76,10 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    # causal_lm: score = p(yes) from the yes/no next-token logits (Lychee);
-    # sequence_classification: one logit plays logit(yes) - logit(no) (cross-encoders such as MiniLM)
-    kind: str = "causal_lm"
+    kind: ModelKind = ModelKind.causal_lm
     path: str = MISSING  # a local directory, or pkg://package/sub/dir inside an installed package
     random_init: bool = False  # build the architecture from path's config.json with fresh weights
-    dtype: str = "float32"  # dtype of the loaded weights: float32 | bfloat16 | float16
+    dtype: Dtype = Dtype.float32  # dtype of the loaded weights
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
     dropout: Optional[float] = None  # overrides every dropout probability in the model's config; null = keep
@@ -65,73 +93,73 @@ class DataConfig:
     train_file: str = MISSING
     dev_file: str = MISSING
     instruction: Optional[str] = None  # overrides model.prompt.default_instruction for lines without one
-    batch_size: int = 4  # queries per device per micro-step
-    train_group_size: int = 8  # 1 positive + (n - 1) sampled negatives per query
-    random_negatives: int = 0  # of those negatives, how many are other queries' positives (easy negatives)
-    eval_batch_size: int = 64  # (query, document) pairs per forward pass at evaluation
-    max_train_queries: int = 0  # 0 = all; a prefix of the file, for quick runs
-    max_dev_queries: int = 0
-    num_workers: int = 0  # DataLoader workers that tokenize batches
+    batch_size: int = at_least(1, 4)  # queries per device per micro-step
+    train_group_size: int = at_least(1, 8)  # 1 positive + (n - 1) sampled negatives per query
+    random_negatives: int = at_least(0, 0)  # of those negatives, how many are other queries' positives (easy)
+    eval_batch_size: int = at_least(1, 64)  # (query, document) pairs per forward pass at evaluation
+    max_train_queries: int = at_least(0, 0)  # 0 = all; a prefix of the file, for quick runs
+    max_dev_queries: int = at_least(0, 0)
+    num_workers: int = at_least(0, 0)  # DataLoader workers that tokenize batches
 
 
 @dataclass
 class LossConfig:
-    name: str = "pointwise"  # pointwise | listwise
-    temperature: float = 1.0  # listwise: softmax over score / temperature
+    name: str = "pointwise"  # a registered loss (lychee_exp.losses.LOSSES): pointwise | listwise
+    temperature: float = above(0, 1.0)  # listwise: softmax over score / temperature
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"
-    lr: float = 1e-4  # base learning rate, tuned at base_batch_size (Lychee: 1e-4)
-    base_batch_size: int = 4  # effective batch (queries) at which lr applies
-    lr_scaling: str = "none"  # none | linear | sqrt: scale lr to the effective batch size
-    weight_decay: float = 0.01
+    name: str = "adamw"  # a registered optimizer (lychee_exp.optim.OPTIMIZERS)
+    lr: float = above(0, 1e-4)  # base learning rate, tuned at base_batch_size (Lychee: 1e-4)
+    base_batch_size: int = at_least(1, 4)  # effective batch (queries) at which lr applies
+    lr_scaling: LrScaling = LrScaling.none  # scale lr to the effective batch size
+    weight_decay: float = at_least(0, 0.01)
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    scheduler: str = "linear"  # linear | cosine | constant, after warmup
-    warmup_ratio: float = 0.1
-    max_grad_norm: float = 1.0  # 0 disables clipping
+    scheduler: Schedule = Schedule.linear  # after warmup
+    warmup_ratio: float = field(default=0.1, metadata={"min": 0, "below": 1})
+    max_grad_norm: float = at_least(0, 1.0)  # 0 disables clipping
 
 
 @dataclass
 class TrainerConfig:
-    max_epochs: int = 1
+    max_epochs: int = at_least(0, 1)
     max_steps: int = -1  # optimizer steps; > 0 overrides max_epochs
-    eval_every: int = 0  # optimizer steps between dev evaluations; 0 = after each epoch only
+    eval_every: int = at_least(0, 0)  # optimizer steps between dev evaluations; 0 = after each epoch only
     evaluate: bool = True  # false: train only (throughput calibration and benchmarks)
     eval_before_training: bool = True
-    grad_accum_steps: int = 1
-    precision: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: fp32 on CPU, bf16 on GPUs that support it)
-    log_every: int = 5
+    grad_accum_steps: int = at_least(1, 1)
+    precision: Precision = Precision.auto
+    log_every: int = at_least(1, 5)
     progress_bar: bool = True
     deterministic: bool = True
     save_model: bool = True
-    checkpoint_every: int = 0  # optimizer steps between checkpoints in <run>/checkpoints; 0 = none
-    keep_checkpoints: int = 2
+    checkpoint_every: int = at_least(0, 0)  # optimizer steps between checkpoints in <run>/checkpoints; 0 = none
+    keep_checkpoints: int = at_least(0, 2)
     resume: str = "never"  # never | auto (latest checkpoint in the run directory, if any) | a checkpoint dir
 
 
 @dataclass
 class ParallelConfig:
-    strategy: str = "ddp"  # single (one device) | dp (DataParallel, one process) | ddp (one process per device)
-    backend: str = "auto"  # auto (nccl on GPUs, gloo on CPU) | nccl | gloo
-    max_restarts: int = 0  # elastic restarts of all ranks after a failure; they resume from the latest checkpoint
+    strategy: Strategy = Strategy.ddp
+    backend: Backend = Backend.auto
+    max_restarts: int = at_least(0, 0)  # elastic restarts of all ranks after a failure; they resume from a checkpoint
     find_unused_parameters: bool = False
-    timeout_s: int = 1800  # collective timeout; dev evaluation must finish within it
-    cpu_threads_per_rank: int = 0  # CPU ranks: torch threads each; 0 = an equal share of the cores
+    timeout_s: int = at_least(1, 1800)  # collective timeout; dev evaluation must finish within it
+    cpu_threads_per_rank: int = at_least(0, 0)  # CPU ranks: torch threads each; 0 = an equal share of the cores
 
 
 @dataclass
 class LoggerConfig:
-    name: str = "wandb"  # wandb: W&B + metrics.csv | csv: metrics.csv in the run directory | none
+    name: LoggerName = LoggerName.wandb
     project: str = "lychee_exp"
     entity: Optional[str] = None
-    mode: str = "auto"  # auto: online with an API key, else offline | online | offline | disabled
+    mode: LoggerMode = LoggerMode.auto
     group: Optional[str] = None  # default: the sweep's study name, or the run's name
     job_type: Optional[str] = None  # default: trial in sweeps, else train
     tags: List[str] = field(default_factory=list)
-    init_timeout_s: int = 30  # an unreachable server costs at most this, then the run continues offline
+    init_timeout_s: int = at_least(1, 30)  # an unreachable server costs at most this, then the run goes offline
 
 
 @dataclass
@@ -140,7 +168,7 @@ class SpeedupConfig:
 
     baseline_file: str = "outputs/throughput_baselines.json"  # cache of single-device throughput, by key
     calibrate: bool = True  # without a cached baseline, time a few single-device steps before training
-    calibration_steps: int = 4  # timed steps (after 2 warm-up steps)
+    calibration_steps: int = at_least(1, 4)  # timed steps (after 2 warm-up steps)
     baseline_samples_per_s: float = 0.0  # > 0: use this single-device figure (skips cache and calibration)
 
 
@@ -166,7 +194,7 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 42
     gpus: Any = "auto"  # an int, or auto (all visible GPUs; without CUDA, CPU ranks for the cores)
-    optimized_metric: str = "ndcg@10"
+    optimized_metric: Metric = Metric["ndcg@10"]  # type: ignore[valid-type]
     output_dir: str = MISSING
     speedup: SpeedupConfig = field(default_factory=SpeedupConfig)
     trial: TrialConfig = field(default_factory=TrialConfig)
@@ -176,71 +204,30 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="lychee_schema", node=RunConfig)
 
 
-METRIC_NAMES = ("ndcg@10", "mrr@10")
-_CHOICES = {
-    "model.kind": ("causal_lm", "sequence_classification"),
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "loss.name": ("pointwise", "listwise"),
-    "optimizer.name": ("adamw",),
-    "optimizer.lr_scaling": ("none", "linear", "sqrt"),
-    "optimizer.scheduler": ("linear", "cosine", "constant"),
-    "trainer.precision": ("auto", "fp32", "bf16", "fp16"),
-    "parallel.strategy": ("single", "dp", "ddp"),
-    "parallel.backend": ("auto", "nccl", "gloo"),
-    "logger.name": ("wandb", "csv", "none"),
-    "logger.mode": ("auto", "online", "offline", "disabled"),
-    "optimized_metric": METRIC_NAMES,
-}
-_POSITIVE = (
-    "data.batch_size",
-    "data.eval_batch_size",
-    "trainer.grad_accum_steps",
-    "trainer.log_every",
-    "optimizer.base_batch_size",
-    "model.prompt.query_max_len",
-    "model.prompt.doc_max_len",
-    "model.lora.r",
-    "parallel.timeout_s",
-    "logger.init_timeout_s",
-    "speedup.calibration_steps",
-)
-_NON_NEGATIVE = ("data.random_negatives", "data.max_train_queries", "data.max_dev_queries", "data.num_workers", "trainer.eval_every",
-                 "trainer.max_epochs", "optimizer.weight_decay", "optimizer.max_grad_norm",
-                 "trainer.checkpoint_every", "trainer.keep_checkpoints", "parallel.max_restarts",
-                 "parallel.cpu_threads_per_rank")
-
-
 def check_config(cfg: DictConfig | RunConfig) -> None:
-    """Value checks beyond types; raises UserError naming the key."""
-    c: Any = cfg
-
-    def get(key: str) -> Any:
-        return OmegaConf.select(c, key) if isinstance(c, DictConfig) else _attr(c, key)
-
-    for key, allowed in _CHOICES.items():
-        if get(key) not in allowed:
-            raise UserError(f"{key}={get(key)!r} is not one of {', '.join(allowed)}")
-    for key in _POSITIVE:
-        if get(key) < 1:
-            raise UserError(f"{key} must be >= 1, got {get(key)}")
-    for key in _NON_NEGATIVE:
-        if get(key) < 0:
-            raise UserError(f"{key} must be >= 0, got {get(key)}")
-    if not get("optimizer.lr") > 0:
-        raise UserError(f"optimizer.lr must be > 0, got {get('optimizer.lr')}")
-    if not 0 <= get("optimizer.warmup_ratio") < 1:
-        raise UserError(f"optimizer.warmup_ratio must be in [0, 1), got {get('optimizer.warmup_ratio')}")
-    if not get("loss.temperature") > 0:
-        raise UserError(f"loss.temperature must be > 0, got {get('loss.temperature')}")
-    group = get("data.train_group_size")
-    if get("loss.name") == "listwise" and group < 2:
+    """Bounds and cross-field rules; raises UserError naming the key."""
+    run_cfg = cfg if isinstance(cfg, RunConfig) else _to_object(cfg)
+    _check_bounds(run_cfg, "")
+    group = run_cfg.data.train_group_size
+    if run_cfg.loss.name == "listwise" and group < 2:
         raise UserError(f"data.train_group_size must be >= 2 for loss=listwise (1 positive + negatives), got {group}")
-    if group < 1:
-        raise UserError(f"data.train_group_size must be >= 1, got {group}")
-    if get("trainer.max_steps") <= 0 and get("trainer.max_epochs") < 1:
+    if run_cfg.trainer.max_steps <= 0 and run_cfg.trainer.max_epochs < 1:
         raise UserError("trainer.max_epochs must be >= 1 when trainer.max_steps <= 0")
-    _check_template(get("model.prompt.template"))
-    parse_gpus(get("gpus"))
+    _check_template(run_cfg.model.prompt.template)
+    parse_gpus(run_cfg.gpus)
+
+
+def _check_bounds(node: Any, prefix: str) -> None:
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_bounds(value, f"{key}.")
+        elif "min" in f.metadata and not value >= f.metadata["min"]:
+            raise UserError(f"{key} must be >= {f.metadata['min']}, got {value}")
+        elif "above" in f.metadata and not value > f.metadata["above"]:
+            raise UserError(f"{key} must be > {f.metadata['above']}, got {value}")
+        elif "below" in f.metadata and not value < f.metadata["below"]:
+            raise UserError(f"{key} must be < {f.metadata['below']}, got {value}")
 
 
 def _check_template(template: str) -> None:
@@ -250,22 +237,25 @@ def _check_template(template: str) -> None:
         raise UserError(f"model.prompt.template is not a valid format string: {err}") from None
     unknown = set(fields) - {"instruction", "query", "document"}
     if unknown:
-        raise UserError(f"model.prompt.template has unknown field(s) {sorted(unknown)}; "
-                        "use {instruction}, {query}, {document}")
+        fields_help = "use {instruction}, {query}, {document}"
+        raise UserError(f"model.prompt.template has unknown field(s) {sorted(unknown)}; {fields_help}")
     for needed in ("query", "document"):
         if fields.count(needed) != 1:
             raise UserError(f"model.prompt.template must contain {{{needed}}} exactly once")
 
 
-def _attr(obj: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def to_run_config(cfg: DictConfig) -> RunConfig:
-    """The resolved, checked, plain-object config that training code reads (no Hydra needed in workers)."""
+def _to_object(cfg: DictConfig) -> RunConfig:
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(cfg, resolve=True))
-    run_cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def to_run_config(cfg: DictConfig | dict) -> RunConfig:
+    """The resolved, checked, plain-object config that training code reads (no Hydra needed in workers)."""
+    run_cfg = _to_object(cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg))
     check_config(run_cfg)
     return run_cfg
+
+
+def plain_dict(cfg: RunConfig) -> dict:
+    """The config as JSON types only (choices as their strings): for W&B, and for handing to worker processes."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))

@@ -26,6 +26,7 @@ import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.workspaces as ws
 
 from lychee_exp.errors import UserError
+from lychee_exp.loggers import has_wandb_api_key
 
 # Names the W&B logger (lychee_exp.loggers) writes: history keys per step / evaluation ...
 HISTORY = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
@@ -128,14 +129,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _save(space: ws.Workspace) -> None:
-    from lychee_exp.loggers import has_wandb_api_key
-
     if not has_wandb_api_key():
         raise UserError("no W&B API key: set WANDB_API_KEY or run `wandb login` (or use --dry-run out.json)")
     try:
         space.save()
     except Exception as err:  # network, permissions, unknown entity: one line, not the client's traceback
-        raise UserError(f"could not save the workspace: {str(err).strip().splitlines()[0] if str(err) else err!r}")
+        reason = str(err).strip().splitlines()[0] if str(err) else repr(err)
+        raise UserError(f"could not save the workspace: {reason}") from None
     print(space.url)
 
 

@@ -9,11 +9,9 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
-
 from itertools import islice
 
 import torch
-
 from torch.utils.data import Dataset, DistributedSampler
 
 from lychee_exp.errors import UserError
@@ -120,9 +118,7 @@ class GroupCollator:
 
     def __call__(self, groups: list[tuple[str, str, list[str]]]) -> dict[str, torch.Tensor]:
         ids = [self.encoder.encode(instr, query, doc) for instr, query, docs in groups for doc in docs]
-        batch = self.encoder.pad(ids)
-        batch["num_queries"] = torch.tensor(len(groups))
-        return batch
+        return self.encoder.pad(ids)
 
 
 @dataclass

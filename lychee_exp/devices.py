@@ -17,9 +17,11 @@ MAX_AUTO_CPU_RANKS = 4  # beyond this, gloo CPU ranks mostly add communication
 
 @dataclass(frozen=True)
 class DevicePlan:
-    strategy: str  # single | dp | ddp
+    strategy: str  # parallel.strategy: single | dp | ddp
     device_type: str  # cuda | cpu
-    num_devices: int  # GPUs (dp, ddp on cuda) or CPU ranks (ddp on cpu); 1 for single
+    # devices whose batches make one step: GPUs (dp, ddp on cuda) or CPU ranks (ddp on cpu); 1 for single.
+    # metrics.json calls it world_size; DistEnv.world_size is torch's (processes), which differs under dp.
+    num_devices: int
     threads_per_rank: int
 
     @property
@@ -62,7 +64,8 @@ def plan_devices(strategy: str, gpus: object, cuda_count: int | None = None, cor
     if strategy == "single":
         if requested not in (None, 1):
             raise UserError(f"parallel=single uses one device but gpus={gpus}; use parallel=ddp gpus={gpus}")
-        return DevicePlan("single", "cuda" if cuda_count else "cpu", 1, 1 if cuda_count else cores)
+        threads = 1 if cuda_count else cpu_threads_per_rank or cores
+        return DevicePlan("single", "cuda" if cuda_count else "cpu", 1, threads)
     if strategy == "dp" and not cuda_count:
         raise UserError("parallel=dp needs CUDA GPUs (torch.nn.DataParallel); without them use parallel=ddp, "
                         "which runs CPU ranks")
@@ -75,6 +78,11 @@ def plan_devices(strategy: str, gpus: object, cuda_count: int | None = None, cor
         return DevicePlan(strategy, "cuda", count, max(1, cores // count))
     count = max(1, min(cores, MAX_AUTO_CPU_RANKS)) if requested is None else requested
     return DevicePlan("ddp", "cpu", count, cpu_threads_per_rank or max(1, cores // count))
+
+
+def torch_device(device_type: str, index: int = 0) -> torch.device:
+    """The device a process of a plan trains on: CUDA device `index` (its local rank), or the CPU."""
+    return torch.device("cuda", index) if device_type == "cuda" else torch.device("cpu")
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

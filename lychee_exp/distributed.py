@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +10,8 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class DistEnv:
+    """world_size is torch's: processes in the process group (DevicePlan.num_devices counts devices)."""
+
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -38,17 +39,8 @@ class DistEnv:
         return tensor
 
 
-def single_device_env() -> DistEnv:
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    return DistEnv(device=device)
-
-
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def cpu_threads() -> int:
-    return int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
 
 
 def wrap_for_training(model: torch.nn.Module, env: DistEnv, plan, find_unused_parameters: bool) -> torch.nn.Module:

@@ -17,6 +17,7 @@ from lychee_exp.data import DevPairs
 from lychee_exp.prompt import PromptEncoder
 
 TOP_K = 10
+log = logging.getLogger(__name__)
 
 
 def ranking_metrics(scores: Sequence[float], labels: Sequence[int], query_index: Sequence[int],
@@ -53,6 +54,13 @@ def bm25_scores(pairs: DevPairs) -> list[float]:
             cache[query] = retriever.get_scores(tokens)
         scores.append(float(cache[query][doc_row[doc]]))
     return scores
+
+
+def bm25_baseline(pairs: DevPairs) -> dict[str, float]:
+    """BM25's metrics on the dev candidates (bm25_ndcg@10, bm25_mrr@10), logged: the bar a reranker must clear."""
+    bm25 = ranking_metrics(bm25_scores(pairs), pairs.labels, pairs.query_index, prefix="bm25_")
+    log.info("BM25 on the dev candidates: ndcg@10 %.4f, mrr@10 %.4f", bm25["bm25_ndcg@10"], bm25["bm25_mrr@10"])
+    return bm25
 
 
 @torch.inference_mode()

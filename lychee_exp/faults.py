@@ -1,20 +1,37 @@
 """Fault injection for the tests of failure handling: LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang|oom> makes that
-rank fail right after that optimizer step (oom: as a CUDA out-of-memory error would). Unset (always, outside tests), it does nothing."""
+rank fail right after that optimizer step (oom: as a CUDA out-of-memory error would).
+
+The trainer asks `fault_hook` once at setup; without LYCHEE_FAULT (always, outside tests) it gets None and its
+loop calls nothing."""
+
 from __future__ import annotations
 
 import os
 import signal
 import sys
 import time
+from typing import Callable
+
+import torch
 
 
-def inject_fault(rank: int, step: int) -> None:
-    fault = os.environ.get("LYCHEE_FAULT")
-    if not fault:
-        return
-    fault_rank, fault_step, action = fault.split(":")
-    if int(fault_rank) != rank or int(fault_step) != step:
-        return
+def fault_hook(rank: int) -> Callable[[int], None] | None:
+    """A per-step callback that fires this rank's injected fault, or None when no fault targets this rank."""
+    spec = os.environ.get("LYCHEE_FAULT")
+    if not spec:
+        return None
+    fault_rank, fault_step, action = spec.split(":")
+    if int(fault_rank) != rank:
+        return None
+
+    def after_step(step: int) -> None:
+        if step == int(fault_step):
+            _fire(action, rank, step)
+
+    return after_step
+
+
+def _fire(action: str, rank: int, step: int) -> None:
     # the moment the fault fires, so that tests time the job's reaction from here, not from its start-up
     print(f"LYCHEE_FAULT {action} fired at {time.time():.3f}", file=sys.stderr, flush=True)
     if action == "raise":
@@ -22,8 +39,6 @@ def inject_fault(rank: int, step: int) -> None:
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "oom":
-        import torch
-
         raise torch.OutOfMemoryError(f"injected out of memory on rank {rank} at step {step}")
     if action == "hang":
         time.sleep(3600)

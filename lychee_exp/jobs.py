@@ -1,23 +1,39 @@
-"""Compose and run training jobs in-process, without Hydra's CLI (tests, benchmarks, stress scripts)."""
+"""Compose and run training jobs in-process, without Hydra's CLI: the one helper that tests (conftest),
+benchmarks (bench.py) and scripts (launch/stress_launch.py) use."""
+
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Sequence
 
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-
-
-def compose_job(overrides: list[str], output_dir: Path) -> DictConfig:
-    """The config `python -m lychee_exp.run <overrides>` would get, writing into output_dir."""
-    import lychee_exp.run  # noqa: F401  (registers the schema and resolvers)
-
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="run"):
-        return compose(config_name="config", overrides=[*overrides, f"output_dir={output_dir}"])
+# importing run also registers the schema and the resolvers that the configs use
+from lychee_exp.run import CONF_DIR, run
 
 
-def run_job(overrides: list[str], output_dir: Path) -> float:
-    from lychee_exp.run import run
+def compose_job(overrides: Sequence[str], output_dir: Path | str | None = None) -> DictConfig:
+    """The config `python -m lychee_exp.run <overrides>` would hand its task function, with the run directory
+    at output_dir (Hydra's runtime state is set as a run would have it, so `${hydra:...}` resolves)."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR, job_name="run"):
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    if output_dir is not None:
+        with open_dict(cfg):
+            cfg.hydra.runtime.output_dir = str(output_dir)
+            cfg.output_dir = str(output_dir)
+        HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]  # Hydra strips it from the config the task function receives
+    return cfg
 
-    return run(compose_job(overrides, output_dir))
+
+def run_job(overrides: Sequence[str], output_dir: Path) -> tuple[float, dict]:
+    """Runs one job in this process; returns what the task function returned (the optimized metric) and the
+    metrics.json the run wrote."""
+    value = run(compose_job(overrides, output_dir))
+    return value, json.loads((Path(output_dir) / "metrics.json").read_text())

@@ -1,6 +1,7 @@
 """Runs one training job on its DevicePlan and hands rank 0's metrics back to the Hydra process.
 
-- single / dp: in the Hydra process itself.
+- single / dp: in the Hydra process itself, reusing the inputs that preflight read (`train_in_process`,
+  which the speedup calibration uses too).
 - ddp: fresh worker processes per run, started with torch's elastic launcher (the API behind torchrun):
   c10d rendezvous on 127.0.0.1 with a free port (two runs can share a machine), per-rank logs in
   <run>/logs, and no restarts unless asked. Workers get the resolved config as a plain dict: Hydra's state
@@ -11,6 +12,7 @@
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -24,13 +26,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from lychee_exp.cluster import NodeSpec, slurm_nodes, under_torchrun
-from lychee_exp.config import RunConfig
-from lychee_exp.devices import DevicePlan
+from lychee_exp.config import RunConfig, plain_dict, to_run_config
+from lychee_exp.devices import DevicePlan, torch_device
 from lychee_exp.distributed import DistEnv
 from lychee_exp.errors import RunFailed, TrainingDiverged
+from lychee_exp.inputs import RunInputs
 from lychee_exp.preemption import PreemptionWatch, install_rank_handler
 from lychee_exp.train import run_training
 
@@ -44,40 +49,43 @@ def failure_kind(message: str) -> str:
     return "crashed"
 
 
-def launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None = None) -> dict:
+def launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None = None,
+           inputs: RunInputs | None = None) -> dict:
     with PreemptionWatch(output_dir) as watch:
-        metrics = _launch(cfg, plan, output_dir, log_file)
+        metrics = _launch(cfg, plan, output_dir, log_file, inputs)
     if "preempted_at_step" in metrics:
         watch.hand_over(metrics["preempted_at_step"])  # submitit requeues the job (and exits), else Preempted
     return metrics
 
 
-def _launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None) -> dict:
+def _launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None,
+            inputs: RunInputs | None) -> dict:
     if plan.strategy != "ddp":
-        if plan.device_type == "cpu":
-            torch.set_num_threads(plan.threads_per_rank)
-        device = torch.device("cuda", 0) if plan.device_type == "cuda" else torch.device("cpu")
-        return _in_process(cfg, DistEnv(device=device), plan, output_dir)
+        return train_in_process(cfg, plan, output_dir, inputs)
     if under_torchrun():
-        return _as_rank(cfg, plan, output_dir)
+        return _as_rank(cfg, plan, output_dir, inputs)
     return _elastic_launch(cfg, plan, output_dir, log_file, slurm_nodes())
 
 
-def _in_process(cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path) -> dict:
+def train_in_process(cfg: RunConfig, plan: DevicePlan, output_dir: Path, inputs: RunInputs | None = None) -> dict:
+    """Trains on the plan's one process (single or dp) here; a diverged or OOM run becomes RunFailed."""
+    threads = torch.get_num_threads()
+    if plan.device_type == "cpu":
+        torch.set_num_threads(plan.threads_per_rank)
     try:
-        return run_training(cfg, env, plan, output_dir)
+        return run_training(cfg, DistEnv(device=torch_device(plan.device_type)), plan, output_dir, inputs)
     except TrainingDiverged as err:
         raise RunFailed(f"TrainingDiverged: {err}", "diverged") from err
     except torch.OutOfMemoryError as err:
         raise RunFailed(f"out of memory: {str(err).splitlines()[0]}", "oom") from err
+    finally:
+        torch.set_num_threads(threads)
+        if plan.device_type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None,
                     nodes: NodeSpec | None = None) -> dict:
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     log_dir = output_dir / "logs"
     log.info(plan.describe())
     nnodes = nodes.nnodes if nodes else 1
@@ -92,7 +100,7 @@ def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file
     if cfg.parallel.max_restarts > 0 and cfg.trainer.resume == "never":
         # a restarted attempt continues from the latest checkpoint (trainer.checkpoint_every) of this run
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="auto"))
-    payload = dataclasses.asdict(cfg)
+    payload = plain_dict(cfg)
     shutil.rmtree(output_dir / FAILURE_NOTES, ignore_errors=True)  # notes of an earlier attempt in this dir
     # The agent logs each failure with a full dump; the one line below (with the rank's log) replaces it.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -151,7 +159,7 @@ def _lost_nodes(nodes: NodeSpec, notes: Path, rank: int, message: str) -> str:
             f"failed: {message}")
 
 
-def _as_rank(cfg: RunConfig, plan: DevicePlan, output_dir: Path) -> dict:
+def _as_rank(cfg: RunConfig, plan: DevicePlan, output_dir: Path, inputs: RunInputs | None) -> dict:
     _die_with_parent()  # torchrun's agent killed: its ranks must not train on as orphans
     install_rank_handler(output_dir)
     if plan.device_type == "cpu":
@@ -161,7 +169,7 @@ def _as_rank(cfg: RunConfig, plan: DevicePlan, output_dir: Path) -> dict:
     try:
         if not env.is_main:
             _quiet_non_main_logging()
-        return run_training(cfg, env, plan, output_dir)
+        return run_training(cfg, env, plan, output_dir, inputs)
     finally:
         dist.destroy_process_group()
 
@@ -169,11 +177,9 @@ def _as_rank(cfg: RunConfig, plan: DevicePlan, output_dir: Path) -> dict:
 def init_distributed(device_type: str, backend: str, timeout_s: int) -> DistEnv:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
+    device = torch_device(device_type, local_rank)
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+        torch.cuda.set_device(device)
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
@@ -194,16 +200,12 @@ def _configure_worker_logging(rank: int, log_file: str | None) -> None:
 
 def worker(payload: dict, output_dir: str, threads: int, device_type: str, log_file: str | None) -> dict:
     """Entry point of each spawned rank (top level, so that spawn can import it)."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     return record(_worker)(payload, output_dir, threads, device_type, log_file)
 
 
 def _die_with_parent() -> None:
     """If the launching process is killed (SIGKILL, OOM killer), its ranks must not train on as orphans."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() == 1:  # the parent died before prctl took effect
@@ -217,7 +219,7 @@ def _worker(payload: dict, output_dir: str, threads: int, device_type: str, log_
     _configure_worker_logging(rank, log_file)
     if device_type == "cpu":
         torch.set_num_threads(threads)
-    cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), payload))
+    cfg = to_run_config(payload)
     plan = DevicePlan("ddp", device_type, int(os.environ["WORLD_SIZE"]), threads)
     env = init_distributed(device_type, cfg.parallel.backend, cfg.parallel.timeout_s)
     try:

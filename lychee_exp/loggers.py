@@ -1,9 +1,9 @@
 """Experiment loggers. Only the main process (global rank 0) gets real ones; every other rank a NullLogger,
-so a DDP run is one W&B run, never one per rank."""
+so a DDP run is one W&B run, never one per rank. Also the run's own log lines (setup, steps, evaluations)."""
+
 from __future__ import annotations
 
 import csv
-import dataclasses
 import logging
 import netrc
 import os
@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from urllib.parse import urlparse
 
-from lychee_exp.config import LoggerConfig, RunConfig
+from lychee_exp.config import LoggerConfig, RunConfig, plain_dict
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,10 @@ class WandbLogger(NullLogger):
     def __init__(self, cfg: LoggerConfig, output_dir: Path, name: str, group: str, job_type: str, config: dict):
         import wandb
 
-        mode = cfg.mode if cfg.mode != "auto" else ("online" if has_wandb_api_key() else "offline")
-        kwargs = dict(project=cfg.project, entity=cfg.entity, name=name, group=cfg.group or group,
-                      job_type=cfg.job_type or job_type, tags=list(cfg.tags), config=config, dir=str(output_dir),
-                      reinit="create_new")  # consecutive trials in one process each get their own run
+        mode = str(cfg.mode) if cfg.mode != "auto" else ("online" if has_wandb_api_key() else "offline")
+        kwargs = {"project": cfg.project, "entity": cfg.entity, "name": name, "group": cfg.group or group,
+                  "job_type": cfg.job_type or job_type, "tags": list(cfg.tags), "config": config,
+                  "dir": str(output_dir), "reinit": "create_new"}  # consecutive trials in one process: new runs
         settings = wandb.Settings(init_timeout=cfg.init_timeout_s, silent=True, console="off")
         wandb_dir = output_dir / "wandb"
         before = set(wandb_dir.glob("run-*")) if wandb_dir.is_dir() else set()
@@ -157,4 +157,36 @@ def run_logger(cfg: RunConfig, output_dir: Path, is_main: bool, derived: dict) -
     in_sweep = bool(trial.storage)
     name = f"{trial.study_name}-trial{trial.number}" if in_sweep else output_dir.name
     return make_logger(cfg.logger, output_dir, is_main, name=name, group=trial.study_name if in_sweep else name,
-                       job_type="trial" if in_sweep else "train", config={**dataclasses.asdict(cfg), **derived})
+                       job_type="trial" if in_sweep else "train", config={**plain_dict(cfg), **derived})
+
+
+def log_setup(cfg: RunConfig, facts: dict, train_queries: int, dev_pairs, total_steps: int, steps_per_epoch: int,
+              warmup_steps: int) -> None:
+    """What the run is about to do, on the main rank: model, data, devices, batch and schedule."""
+    log.info("model %s (%s): %.1fM parameters, %.2fM trainable", cfg.model.name, cfg.model.kind,
+             facts["parameters"] / 1e6, facts["trainable_parameters"] / 1e6)
+    log.info("data: %d train queries, %d dev queries (%d pairs); device %s x %d, precision %s", train_queries,
+             len(set(dev_pairs.query_index)), len(dev_pairs.labels), facts["device"], facts["num_devices"],
+             facts["precision"])
+    log.info("effective batch %d queries (%d per device x %d devices x %d accumulation); lr %.3g (base %.3g at "
+             "batch %d, scaling %s); %d steps (%d per epoch), warmup %d", facts["effective_batch_size"],
+             cfg.data.batch_size, facts["num_devices"], cfg.trainer.grad_accum_steps, facts["lr"], cfg.optimizer.lr,
+             cfg.optimizer.base_batch_size, cfg.optimizer.lr_scaling, total_steps, steps_per_epoch, warmup_steps)
+
+
+def log_train_step(logger: NullLogger, is_main: bool, step: int, total_steps: int, epoch: int, loss: float, lr: float,
+                   grad_norm: float, stats: list[float], elapsed: float, wait: float) -> None:
+    """One training row; stats = (loss sum, tokens, queries) of the step over all ranks."""
+    samples_per_s, tokens_per_s = stats[2] / elapsed, stats[1] / elapsed
+    logger.log_metrics({"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
+                        "train/samples_per_s": samples_per_s, "train/tokens_per_s": tokens_per_s,
+                        "train/data_wait_share": wait / elapsed, "epoch": epoch}, step)
+    if is_main:
+        log.info("step %d/%d | loss %.4f | lr %.3g | %.1f samples/s | %.0f tokens/s | data wait %.0f%%",
+                 step, total_steps, loss, lr, samples_per_s, tokens_per_s, 100 * wait / elapsed)
+
+
+def log_eval(logger: NullLogger, is_main: bool, metrics: dict[str, float], step: int) -> None:
+    logger.log_metrics({f"dev/{k}": v for k, v in metrics.items()}, step)
+    if is_main:
+        log.info("step %d: dev %s", step, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))

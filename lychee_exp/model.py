@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from lychee_exp.choices import ModelKind
 from lychee_exp.config import ModelConfig
 from lychee_exp.errors import UserError
 from lychee_exp.prompt import PromptEncoder
@@ -23,6 +24,26 @@ log = logging.getLogger(__name__)
 
 RERANKER_FILE = "lychee_reranker.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BackboneKind:
+    """How one model.kind loads its backbone and reads a score from it."""
+
+    auto_class: str  # the transformers Auto class that loads it
+    # causal LMs answer at the last position, so rows must end together; BERT's absolute positions want right
+    padding_side: str
+    lora_task_type: str
+    num_labels: int | None  # a classification head with this many logits (None: the LM head)
+    yes_no: bool  # the score is logit(yes) - logit(no) of the next token
+
+
+KINDS = {
+    ModelKind.causal_lm: BackboneKind("AutoModelForCausalLM", "left", "CAUSAL_LM", None, yes_no=True),
+    ModelKind.sequence_classification: BackboneKind(
+        "AutoModelForSequenceClassification", "right", "SEQ_CLS", 1, yes_no=False
+    ),
+}
 
 
 class Reranker(nn.Module):
@@ -49,8 +70,7 @@ class Reranker(nn.Module):
 
 
 def padding_side(cfg: ModelConfig) -> str:
-    # Causal LMs answer at the last position, so rows must end together; BERT's absolute positions want right.
-    return "left" if cfg.kind == "causal_lm" else "right"
+    return KINDS[cfg.kind].padding_side
 
 
 def load_tokenizer(cfg: ModelConfig):
@@ -77,17 +97,16 @@ def build_encoder(cfg: ModelConfig, tokenizer) -> PromptEncoder:
 def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int) -> Reranker:
     """Loads (or, with random_init, freshly initialises) the backbone and wraps it; LoRA when enabled."""
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     transformers.logging.set_verbosity_error()  # the "newly initialised head" report is expected here
     transformers.logging.disable_progress_bar()
     path = str(model_dir(cfg))
-    causal = cfg.kind == "causal_lm"
-    auto_cls = AutoModelForCausalLM if causal else AutoModelForSequenceClassification
-    extra = {} if causal else {"num_labels": 1}
+    kind = KINDS[cfg.kind]
+    auto_cls = getattr(transformers, kind.auto_class)
+    extra = {"num_labels": kind.num_labels} if kind.num_labels else {}
     kwargs = {"dtype": _DTYPES[cfg.dtype], "attn_implementation": cfg.attn_implementation}
     torch.manual_seed(seed)  # random_init weights and new heads are part of the seeded run
-    config = AutoConfig.from_pretrained(path, **extra)
+    config = transformers.AutoConfig.from_pretrained(path, **extra)
     if cfg.dropout is not None:
         for key, value in config.to_dict().items():
             if "dropout" in key and isinstance(value, float):
@@ -107,8 +126,8 @@ def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int) -> Rerank
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora.enabled:
         backbone = _add_lora(backbone, cfg)
-    yes_id = encoder.single_token_id("model.prompt.yes_token", cfg.prompt.yes_token) if causal else None
-    no_id = encoder.single_token_id("model.prompt.no_token", cfg.prompt.no_token) if causal else None
+    yes_id = encoder.single_token_id("model.prompt.yes_token", cfg.prompt.yes_token) if kind.yes_no else None
+    no_id = encoder.single_token_id("model.prompt.no_token", cfg.prompt.no_token) if kind.yes_no else None
     return Reranker(backbone, cfg.kind, yes_id, no_id)
 
 
@@ -121,7 +140,7 @@ def _add_lora(backbone: nn.Module, cfg: ModelConfig) -> nn.Module:
         raise UserError(f"model.lora.target_modules: {missing} not found in the model")
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=list(cfg.lora.target_modules),
-                      task_type="CAUSAL_LM" if cfg.kind == "causal_lm" else "SEQ_CLS")
+                      task_type=KINDS[cfg.kind].lora_task_type)
     return get_peft_model(backbone, lora)
 
 

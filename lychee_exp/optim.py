@@ -1,4 +1,9 @@
-"""Optimizer, learning-rate schedule and the batch-size rules of multi-device training."""
+"""Optimizer, learning-rate schedule and the batch-size rules of multi-device training.
+
+`optimizer.name` picks a builder from OPTIMIZERS: a new optimizer is one function registered here (trainable
+parameters, lr, the optimizer config -> torch optimizer) plus one file in conf/optimizer.
+"""
+
 from __future__ import annotations
 
 import math
@@ -6,7 +11,17 @@ import math
 import torch
 from transformers import get_scheduler
 
-from lychee_exp.config import RunConfig
+from lychee_exp.config import OptimizerConfig, RunConfig
+from lychee_exp.registry import Registry
+
+OPTIMIZERS = Registry("optimizer.name")
+# transformers' names for our schedules (all after a linear warmup)
+_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
+
+
+@OPTIMIZERS.register("adamw")
+def adamw(params: list[torch.nn.Parameter], lr: float, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
 def effective_batch_size(cfg: RunConfig, num_devices: int) -> int:
@@ -22,13 +37,13 @@ def scaled_lr(cfg: RunConfig, num_devices: int) -> float:
     return cfg.optimizer.lr * factor
 
 
-def build_optimizer(cfg: RunConfig, model: torch.nn.Module, lr: float, total_steps: int):
-    """AdamW over the trainable parameters; warmup then linear / cosine decay (or constant)."""
+def build_optimizer(cfg: OptimizerConfig, model: torch.nn.Module, lr: float, total_steps: int):
+    """The configured optimizer over the trainable parameters; warmup then linear / cosine decay (or constant).
+    Returns (optimizer, scheduler, warmup steps)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = cfg.optimizer
-    optimizer = torch.optim.AdamW(trainable, lr=lr, betas=tuple(opt.betas), eps=opt.eps,
-                                  weight_decay=opt.weight_decay)
-    schedule = {"constant": "constant_with_warmup"}.get(opt.scheduler, opt.scheduler)
-    warmup_steps = math.ceil(opt.warmup_ratio * total_steps)
-    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+    optimizer = OPTIMIZERS.lookup(cfg.name)(trainable, lr, cfg)
+    warmup_steps = math.ceil(cfg.warmup_ratio * total_steps)
+    scheduler = get_scheduler(
+        _SCHEDULES[cfg.scheduler], optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
+    )
     return optimizer, scheduler, warmup_steps

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import html
-import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from lychee_exp import report_plots as plots
+from lychee_exp.atomic import write_text_atomic
 from lychee_exp.errors import UserError
 from lychee_exp.report_data import Found, Run, Table, argmax, best_row, best_trial, config_value, find, fmt
 
@@ -160,20 +160,14 @@ def render(found: Found, root: Path, title: str | None = None) -> str:
             f"<nav>{nav}</nav>{body}</main></body></html>")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    # a browser reloading the page, or a second report, never sees half a file
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def build(root: Path | str, out: Path | str | None = None, title: str | None = None) -> Path:
     root = Path(root)
     found = find(root)
     out = Path(out) if out else root / "report.html"
     if not out.parent.is_dir():
         raise UserError(f"{out.parent}: no such directory for the report")
-    write_atomic(out, render(found, root.resolve(), title))
+    # a browser reloading the page, or a second report, never sees half a file
+    write_text_atomic(out, render(found, root.resolve(), title))
     return out
 
 

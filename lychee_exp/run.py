@@ -3,10 +3,10 @@
 The story of a run: compose and check the config, check the inputs, plan the devices, launch the ranks,
 write metrics.json from rank 0's results, and return the optimized metric to whichever sweeper asked.
 """
+
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -16,19 +16,26 @@ from datetime import datetime
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lychee_exp.atomic import write_json_atomic
 from lychee_exp.cluster import is_main_process, launched_externally, local_ranks, under_torchrun
 from lychee_exp.config import RunConfig, register_schema, to_run_config
-from lychee_exp.data import check_negatives, load_queries
 from lychee_exp.devices import plan_devices
 from lychee_exp.errors import RunFailed, UserError
-from lychee_exp.launcher import launch
-from lychee_exp.model import build_encoder, load_tokenizer
+from lychee_exp.inputs import RunInputs, load_inputs
+from lychee_exp.launcher import launch, train_in_process
+from lychee_exp.losses import LOSSES
+from lychee_exp.optim import OPTIMIZERS
 from lychee_exp.speedup import resolve_baseline, store_baseline
 
 log = logging.getLogger("lychee_exp")
+# absolute: `lychee-run` imports this module by name, and Hydra would read a relative path as a python package
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def run_stamp() -> str:
@@ -48,22 +55,12 @@ register_schema()
 OmegaConf.register_new_resolver("lychee_stamp", run_stamp, use_cache=True, replace=True)
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Everything a user can get wrong, checked before any training process starts."""
-    check_negatives(load_queries(cfg.data.train_file, "data.train_file", cfg.data.max_train_queries),
-                    cfg.data.train_group_size, cfg.data.random_negatives)
-    load_queries(cfg.data.dev_file, "data.dev_file", cfg.data.max_dev_queries)
-    encoder = build_encoder(cfg.model, load_tokenizer(cfg.model))
-    if cfg.model.kind == "causal_lm":
-        encoder.single_token_id("model.prompt.yes_token", cfg.model.prompt.yes_token)
-        encoder.single_token_id("model.prompt.no_token", cfg.model.prompt.no_token)
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Readers see the old file or the whole new one, never a partial write."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+def preflight(cfg: RunConfig) -> RunInputs:
+    """Everything a user can get wrong, checked before any training process starts; returns the inputs read,
+    which the ranks that train in this process reuse."""
+    LOSSES.lookup(cfg.loss.name)
+    OPTIMIZERS.lookup(cfg.optimizer.name)
+    return load_inputs(cfg)
 
 
 def _job_log_file() -> str | None:
@@ -89,7 +86,7 @@ def run(cfg: DictConfig) -> float:
     if is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         metrics_path.unlink(missing_ok=True)  # a stale result must not pass for this run's
-    preflight(run_cfg)
+    inputs = preflight(run_cfg)
     # under torchrun `gpus` is its ranks on this node, so CPU threads per rank follow the in-process rule
     plan = plan_devices(run_cfg.parallel.strategy, local_ranks() or run_cfg.gpus,
                         cpu_threads_per_rank=run_cfg.parallel.cpu_threads_per_rank)
@@ -100,11 +97,12 @@ def run(cfg: DictConfig) -> float:
         # ranks started elsewhere (torchrun, other nodes) cannot wait for a calibration here: cache or given only
         calibrate = run_cfg.speedup.calibrate and not launched_externally()
         speedup = dataclasses.replace(run_cfg.speedup, calibrate=calibrate)
-        baseline = resolve_baseline(dataclasses.replace(run_cfg, speedup=speedup), plan, output_dir)
+        baseline = resolve_baseline(dataclasses.replace(run_cfg, speedup=speedup), plan,
+                                    lambda cfg, one: train_in_process(cfg, one, output_dir, inputs))
         run_cfg = dataclasses.replace(run_cfg, speedup=dataclasses.replace(run_cfg.speedup,
                                                                           baseline_samples_per_s=baseline))
-    metrics = launch(run_cfg, plan, output_dir, _job_log_file())
-    metrics["optimized_metric"] = run_cfg.optimized_metric
+    metrics = launch(run_cfg, plan, output_dir, _job_log_file(), inputs)
+    metrics["optimized_metric"] = str(run_cfg.optimized_metric)
     if is_main and plan.num_devices == 1 and plan.strategy != "dp" and not launched_externally():
         store_baseline(run_cfg, plan, metrics["train_samples_per_s"], f"run {output_dir}")
     if is_main and not math.isfinite(metrics.get("speedup", 0.0)):
@@ -119,7 +117,7 @@ def run(cfg: DictConfig) -> float:
                      metrics.get("initial_ndcg@10", float("nan")), metrics.get("bm25_ndcg@10", float("nan")),
                      metrics["mrr@10"])
         speedup_note = (f"; speedup {metrics['speedup']:.2f}x over one device (scaling efficiency "
-                   f"{100 * metrics['scaling_efficiency']:.0f}%)") if "speedup" in metrics else ""
+                        f"{100 * metrics['scaling_efficiency']:.0f}%)") if "speedup" in metrics else ""
         log.info("%d steps in %.0f s: %.1f samples/s on %d device(s), effective batch %d%s", metrics["steps"],
                  metrics["train_time_s"], metrics["train_samples_per_s"], metrics["world_size"],
                  metrics["effective_batch_size"], speedup_note)
@@ -128,14 +126,11 @@ def run(cfg: DictConfig) -> float:
 
 
 def _in_sweep() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> float:
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def hydra_main(cfg: DictConfig) -> float:
     try:
         return run(cfg)
     except (UserError, RunFailed) as err:
@@ -144,6 +139,29 @@ def main(cfg: DictConfig) -> float:
             raise  # the sweeper records the trial as failed, with this reason, and goes on
         # A user mistake (2) or a failed run (1) gets one line, not a traceback.
         sys.exit(2 if isinstance(err, UserError) else 1)
+
+
+def main() -> None:
+    """The CLI (`python -m lychee_exp.run`, `lychee-run`). A config that does not compose (a misspelt key, a
+    wrong type, a value outside a closed choice) is a user mistake too: one line naming the key, exit 2.
+    Hydra would print several lines, so it is asked to raise instead of printing (HYDRA_FULL_ERROR)."""
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra_main()
+    except (ConfigCompositionException, OverrideParseException) as err:
+        print(f"error: {composition_error(err)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def composition_error(err: Exception) -> str:
+    """Hydra's multi-line composition error as one line: the key, then what is wrong with it."""
+    if isinstance(err, MissingConfigException) and err.options:
+        group, _, name = str(err.missing_cfg_file).rpartition("/")
+        return f"{group}={name}: no such option in conf/{group}; options: {', '.join(sorted(err.options))}"
+    cause = err.__cause__
+    if isinstance(cause, OmegaConfBaseException) and cause.full_key:
+        return f"{cause.full_key}: {str(cause).splitlines()[0]}"
+    return " ".join(str(err).split())
 
 
 if __name__ == "__main__":

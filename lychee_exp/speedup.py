@@ -4,20 +4,23 @@ The single-device figure must match the run in everything but the device count: 
 group size, per-device batch, precision, device type and CPU threads per rank. It comes from the cache
 (`speedup.baseline_file`, JSON keyed by those settings; written by every single-device run and calibration,
 readable, safe to delete), or, when absent, from a short calibration on one device before training.
+`throughput.speedup_facts` turns it into the run's speedup.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from lychee_exp.atomic import write_json_atomic
 from lychee_exp.config import RunConfig
-from lychee_exp.devices import DevicePlan, resolve_precision
+from lychee_exp.devices import DevicePlan, resolve_precision, torch_device
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +30,7 @@ def baseline_key(cfg: RunConfig, plan: DevicePlan) -> str:
     device = torch.cuda.get_device_name(0) if plan.device_type == "cuda" else f"cpu x{plan.threads_per_rank} threads"
     parts = [m.name, m.path, m.kind, f"lora{m.lora.r if m.lora.enabled else 0}", f"gc{int(m.gradient_checkpointing)}",
              f"q{p.query_max_len}", f"d{p.doc_max_len}", f"group{cfg.data.train_group_size}",
-             f"batch{cfg.data.batch_size}", resolve_precision(cfg.trainer.precision, torch.device(plan.device_type)),
+             f"batch{cfg.data.batch_size}", resolve_precision(cfg.trainer.precision, torch_device(plan.device_type)),
              device]
     return "|".join(str(part) for part in parts)
 
@@ -52,42 +55,24 @@ def store_baseline(cfg: RunConfig, plan: DevicePlan, samples_per_s: float, sourc
     table = _load(path)
     table[baseline_key(cfg, plan)] = {"samples_per_s": samples_per_s, "source": source,
                                       "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, table)
 
 
 def single_device_plan(plan: DevicePlan) -> DevicePlan:
     return dataclasses.replace(plan, strategy="single", num_devices=1)
 
 
-def calibrate(cfg: RunConfig, plan: DevicePlan, output_dir: Path) -> float:
-    """Times warm-up + `calibration_steps` training steps on one device of the run's kind, in this process."""
-    from lychee_exp.distributed import DistEnv
-    from lychee_exp.train import run_training
-
-    steps = cfg.speedup.calibration_steps
-    log.info("speedup: no single-device baseline cached for this setting; timing %d steps on one device", steps)
-    calibration = dataclasses.replace(
-        cfg,
-        trainer=dataclasses.replace(cfg.trainer, max_steps=steps + 2, evaluate=False, save_model=False,
-                                    checkpoint_every=0, resume="never", progress_bar=False),
-        logger=dataclasses.replace(cfg.logger, name="none"))
-    threads = torch.get_num_threads()
-    if plan.device_type == "cpu":
-        torch.set_num_threads(plan.threads_per_rank)
-    try:
-        device = torch.device("cuda", 0) if plan.device_type == "cuda" else torch.device("cpu")
-        metrics = run_training(calibration, DistEnv(device=device), single_device_plan(plan), output_dir)
-    finally:
-        torch.set_num_threads(threads)
-        if plan.device_type == "cuda":
-            torch.cuda.empty_cache()
-    return metrics["train_samples_per_s"]
+def calibration_config(cfg: RunConfig) -> RunConfig:
+    """The run's config cut to warm-up + `calibration_steps` timed steps: no evaluation, saving or logging."""
+    trainer = dataclasses.replace(cfg.trainer, max_steps=cfg.speedup.calibration_steps + 2, evaluate=False,
+                                  save_model=False, checkpoint_every=0, resume="never", progress_bar=False)
+    return dataclasses.replace(cfg, trainer=trainer, logger=dataclasses.replace(cfg.logger, name="none"))
 
 
-def resolve_baseline(cfg: RunConfig, plan: DevicePlan, output_dir: Path) -> float:
-    """Single-device samples/s for this run's setting (0 = the run itself will be the baseline)."""
+def resolve_baseline(cfg: RunConfig, plan: DevicePlan, train: Callable[[RunConfig, DevicePlan], dict]) -> float:
+    """Single-device samples/s for this run's setting (0 = the run itself will be the baseline). Without a
+    cached figure a multi-device run calibrates: `train` (the launcher's in-process runner) trains on one
+    device for a few steps."""
     if cfg.speedup.baseline_samples_per_s > 0:
         return cfg.speedup.baseline_samples_per_s
     cached = cached_baseline(cfg, plan)
@@ -95,14 +80,8 @@ def resolve_baseline(cfg: RunConfig, plan: DevicePlan, output_dir: Path) -> floa
         return cached
     if plan.num_devices == 1 or not cfg.speedup.calibrate:
         return 0.0
-    value = calibrate(cfg, plan, output_dir)
+    log.info("speedup: no single-device baseline cached for this setting; timing %d steps on one device",
+             cfg.speedup.calibration_steps)
+    value = train(calibration_config(cfg), single_device_plan(plan))["train_samples_per_s"]
     store_baseline(cfg, plan, value, "calibration")
     return value
-
-
-def speedup_facts(samples_per_s: float, baseline: float, num_devices: int) -> dict:
-    """speedup = samples/s / baseline; a single-device run without a baseline is its own (speedup 1)."""
-    if baseline <= 0:
-        baseline = samples_per_s if num_devices == 1 else 0.0
-    speedup = samples_per_s / baseline if baseline > 0 else float("nan")
-    return {"baseline_samples_per_s": baseline, "speedup": speedup, "scaling_efficiency": speedup / num_devices}

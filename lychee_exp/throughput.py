@@ -1,12 +1,18 @@
 """Training throughput and the numbers behind the multi-GPU guide's three questions:
 out of memory (peak memory per rank), no speedup (share of step time waiting for data), uneven GPU use
-(slowest / fastest rank)."""
+(slowest / fastest rank); and the observed speedup over one device."""
+
 from __future__ import annotations
 
 import logging
 import resource
 
 import torch
+
+from lychee_exp.config import RunConfig
+from lychee_exp.devices import DevicePlan
+from lychee_exp.distributed import DistEnv, device_name
+from lychee_exp.optim import effective_batch_size
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +37,23 @@ class StepTimer:
 
     def rank_record(self, device: torch.device) -> dict:
         return {**self.sums, "peak_memory_mb": peak_memory_mb(device)}
+
+
+def setup_facts(cfg: RunConfig, env: DistEnv, plan: DevicePlan, lr: float, precision: str,
+                parameters: tuple[int, int]) -> dict:
+    """The run's parallel setup, as logged to W&B's config and written to metrics.json. Two counts differ
+    under DataParallel: num_devices (GPUs whose batches make a step; metrics.json's world_size, the name its
+    readers know) and num_processes (torch's world size)."""
+    return {"world_size": plan.num_devices, "num_devices": plan.num_devices, "num_processes": env.world_size,
+            "device_count": plan.num_devices, "strategy": str(plan.strategy),
+            "backend": torch.distributed.get_backend() if env.distributed else "none",
+            "per_device_batch_size": cfg.data.batch_size, "grad_accum_steps": cfg.trainer.grad_accum_steps,
+            "effective_batch_size": effective_batch_size(cfg, plan.num_devices),
+            "train_group_size": cfg.data.train_group_size,
+            "lr": lr, "base_lr": cfg.optimizer.lr,  # lr: optimizer.lr scaled to the effective batch
+            "precision": str(precision), "device": device_name(env.device), "device_type": env.device.type,
+            "cpu_threads_per_rank": torch.get_num_threads(),
+            "parameters": parameters[0], "trainable_parameters": parameters[1]}
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -59,3 +82,11 @@ def log_hints(facts: dict, num_workers: int) -> None:
     if facts["rank_time_spread"] > RANK_SPREAD_HINT:
         log.warning("uneven ranks: the slowest takes %.2fx the fastest; check other jobs on those devices, "
                     "CPU threads per rank, or length-skewed batches", facts["rank_time_spread"])
+
+
+def speedup_facts(samples_per_s: float, baseline: float, num_devices: int) -> dict:
+    """speedup = samples/s / one device's (baseline); a single-device run without a baseline is its own."""
+    if baseline <= 0:
+        baseline = samples_per_s if num_devices == 1 else 0.0
+    speedup = samples_per_s / baseline if baseline > 0 else float("nan")
+    return {"baseline_samples_per_s": baseline, "speedup": speedup, "scaling_efficiency": speedup / num_devices}

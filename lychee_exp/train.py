@@ -1,8 +1,10 @@
-"""The training recipe: setup -> fit (train with periodic dev evaluation) -> save, on one rank of a run.
+"""The training recipe: setup -> fit (train with periodic dev evaluation) -> save -> cleanup, on one rank of a run.
 
 Every rank runs this same code; only the main rank logs, shows progress and saves. A step is one optimizer
-update over `grad_accum_steps` micro-batches of `data.batch_size` queries on each of `world_size` devices.
+update over `grad_accum_steps` micro-batches of `data.batch_size` queries on each of `num_devices` devices.
+The parts (model, data, loss, optimizer, logger) come from the library modules named for them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,18 +24,18 @@ from tqdm import tqdm
 from lychee_exp import evaluate as ev
 from lychee_exp.checkpoint import latest_checkpoint, restore_training_state, save_training_state
 from lychee_exp.config import RunConfig
-from lychee_exp.data import GroupCollator, ResumableSampler, TrainGroups, build_dev_pairs, load_queries
+from lychee_exp.data import GroupCollator, ResumableSampler, TrainGroups, build_dev_pairs
 from lychee_exp.devices import DevicePlan, resolve_precision
-from lychee_exp.distributed import DistEnv, device_name, wrap_for_training
+from lychee_exp.distributed import DistEnv, wrap_for_training
 from lychee_exp.errors import TrainingDiverged
-from lychee_exp.loggers import run_logger
+from lychee_exp.faults import fault_hook
+from lychee_exp.inputs import RunInputs, load_inputs
+from lychee_exp.loggers import log_eval, log_setup, log_train_step, run_logger
 from lychee_exp.losses import LOSSES
-from lychee_exp.faults import inject_fault
-from lychee_exp.optim import build_optimizer, effective_batch_size, scaled_lr
+from lychee_exp.model import count_parameters, load_reranker, save_reranker
+from lychee_exp.optim import build_optimizer, scaled_lr
 from lychee_exp.preemption import stop_requested
-from lychee_exp.model import build_encoder, count_parameters, load_reranker, load_tokenizer, save_reranker
-from lychee_exp.speedup import speedup_facts
-from lychee_exp.throughput import StepTimer, log_hints, summarize
+from lychee_exp.throughput import StepTimer, log_hints, setup_facts, speedup_facts, summarize
 
 log = logging.getLogger(__name__)
 
@@ -50,90 +52,73 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path,
-                 eval_callbacks: Sequence[Callable[[int, dict], bool]] = ()):
+                 eval_callbacks: Sequence[Callable[[int, dict], bool]] = (), inputs: RunInputs | None = None):
         self.cfg, self.env, self.plan, self.output_dir = cfg, env, plan, output_dir
         self.eval_callbacks = list(eval_callbacks)  # (step, dev metrics) -> True to stop; main rank only
+        self.inputs = inputs  # read by this process's preflight already, else loaded in setup
         self.device = env.device
         self.num_devices = plan.num_devices  # devices whose batches make one step (DDP ranks or DP GPUs)
 
     # ----------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
-        cfg, env = self.cfg, self.env
+        cfg = self.cfg
         seed_everything(cfg.seed, cfg.trainer.deterministic)
-        self.tokenizer = load_tokenizer(cfg.model)
-        self.encoder = build_encoder(cfg.model, self.tokenizer)
-        self.model = load_reranker(cfg.model, self.encoder, cfg.seed).to(self.device)
-        self.params_total, self.params_trainable = count_parameters(self.model)
+        inputs = self.inputs or load_inputs(cfg)
+        self._setup_model(inputs)
+        self._setup_data(inputs)
+        self._setup_optimizer()
+        self.loss_fn = LOSSES.lookup(cfg.loss.name)
+        self.after_step = fault_hook(self.env.rank)  # None outside failure-handling tests
+        self.resume_from = self._resume_path()
+        self.facts = setup_facts(cfg, self.env, self.plan, self.lr, self.precision, count_parameters(self.model))
+        self.logger = run_logger(cfg, self.output_dir, self.env.is_main, self.facts)
+        self.eval_time_s = 0.0
+        self.stopped = False  # set when an evaluation callback (e.g. a sweep's pruner) ends the run early
+        if self.env.is_main:
+            log_setup(cfg, self.facts, len(self.train_set), self.dev_pairs, self.total_steps, self.steps_per_epoch,
+                      self.warmup_steps)
 
-        instruction = cfg.data.instruction or cfg.model.prompt.default_instruction
-        train_queries = load_queries(cfg.data.train_file, "data.train_file", cfg.data.max_train_queries)
-        dev_queries = load_queries(cfg.data.dev_file, "data.dev_file", cfg.data.max_dev_queries)
-        self.train_set = TrainGroups(train_queries, cfg.data.train_group_size, instruction, cfg.seed,
-                                     cfg.data.random_negatives)
-        self.dev_pairs = build_dev_pairs(dev_queries, self.encoder, instruction, cfg.seed)
+    def _setup_model(self, inputs: RunInputs) -> None:
+        self.tokenizer, self.encoder = inputs.tokenizer, inputs.encoder
+        self.model = load_reranker(self.cfg.model, self.encoder, self.cfg.seed).to(self.device)
+        self.precision = resolve_precision(self.cfg.trainer.precision, self.device)
+        self.train_model = wrap_for_training(self.model, self.env, self.plan, self.cfg.parallel.find_unused_parameters)
+
+    def _setup_data(self, inputs: RunInputs) -> None:
+        cfg, env, data = self.cfg, self.env, self.cfg.data
+        instruction = data.instruction or cfg.model.prompt.default_instruction
+        self.train_set = TrainGroups(inputs.train_queries, data.train_group_size, instruction, cfg.seed,
+                                     data.random_negatives)
+        self.dev_pairs = build_dev_pairs(inputs.dev_queries, self.encoder, instruction, cfg.seed)
         # One sampler for every world size: its permutation depends on (seed, epoch) only, and rank r takes
         # items r, r + world, ..., so a run on N ranks sees the same global batches as one process.
         # drop_last: each query at most once per epoch, and every rank has the same number of batches.
-        self.sampler = ResumableSampler(self.train_set, num_replicas=env.world_size, rank=env.rank,
-                                        shuffle=True, seed=cfg.seed, drop_last=True)
+        self.sampler = ResumableSampler(self.train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True,
+                                        seed=cfg.seed, drop_last=True)
         if self.sampler.num_samples == 0:
             raise ValueError(f"{len(self.train_set)} training queries cannot be split over {env.world_size} ranks")
         # DataParallel splits one process's batch over its GPUs, so that process loads all of their batches.
-        loader_batch = cfg.data.batch_size * (self.num_devices if self.plan.strategy == "dp" else 1)
+        loader_batch = data.batch_size * (self.num_devices if self.plan.strategy == "dp" else 1)
         self.loader = DataLoader(self.train_set, batch_size=loader_batch, sampler=self.sampler,
-                                 collate_fn=GroupCollator(self.encoder), num_workers=cfg.data.num_workers,
+                                 collate_fn=GroupCollator(self.encoder), num_workers=data.num_workers,
                                  # not persistent: workers must see set_epoch's resampled negatives
                                  pin_memory=self.device.type == "cuda")
+        self.num_batches = math.ceil(self.sampler.num_samples / loader_batch)
+        self.steps_per_epoch = math.ceil(self.num_batches / cfg.trainer.grad_accum_steps)
+        trainer = cfg.trainer
+        self.total_steps = trainer.max_steps if trainer.max_steps > 0 else trainer.max_epochs * self.steps_per_epoch
 
-        accum = cfg.trainer.grad_accum_steps
-        self.steps_per_epoch = math.ceil(math.ceil(self.sampler.num_samples / loader_batch) / accum)
-        self.total_steps = (cfg.trainer.max_steps if cfg.trainer.max_steps > 0
-                            else cfg.trainer.max_epochs * self.steps_per_epoch)
-        self.lr = scaled_lr(cfg, self.num_devices)
-        self.optimizer, self.scheduler, self.warmup_steps = build_optimizer(cfg, self.model, self.lr,
+    def _setup_optimizer(self) -> None:
+        self.lr = scaled_lr(self.cfg, self.num_devices)
+        self.optimizer, self.scheduler, self.warmup_steps = build_optimizer(self.cfg.optimizer, self.model, self.lr,
                                                                             self.total_steps)
-        self.precision = resolve_precision(cfg.trainer.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self.loss_fn = LOSSES[cfg.loss.name]
-        self.train_model = wrap_for_training(self.model, env, self.plan, cfg.parallel.find_unused_parameters)
-        self.resume_from = self._resume_path()
-        self.logger = self._make_logger()
-        self.eval_time_s = 0.0
-        self.stopped = False  # set when an evaluation callback (e.g. a sweep's pruner) ends the run early
-        self._describe()
-
-    def _make_logger(self):
-        cfg = self.cfg
-        derived = {"world_size": self.num_devices, "per_device_batch_size": cfg.data.batch_size,
-                   "grad_accum_steps": cfg.trainer.grad_accum_steps,
-                   "effective_batch_size": effective_batch_size(cfg, self.num_devices),
-                   "lr": self.lr,  # optimizer.lr scaled to the effective batch
-                   "precision": self.precision, "device_type": self.device.type, "device_count": self.num_devices,
-                   "strategy": self.plan.strategy}
-        return run_logger(cfg, self.output_dir, self.env.is_main, derived)
 
     def _resume_path(self) -> Path | None:
         resume = self.cfg.trainer.resume
         if resume == "never":
             return None
-        if resume == "auto":
-            return latest_checkpoint(self.output_dir)
-        return Path(resume)
-
-    def _describe(self) -> None:
-        if not self.env.is_main:
-            return
-        cfg = self.cfg
-        log.info("model %s (%s): %.1fM parameters, %.2fM trainable", cfg.model.name, cfg.model.kind,
-                 self.params_total / 1e6, self.params_trainable / 1e6)
-        log.info("data: %d train queries, %d dev queries (%d pairs); device %s x %d, precision %s",
-                 len(self.train_set), len(set(self.dev_pairs.query_index)), len(self.dev_pairs.labels),
-                 device_name(self.device), self.num_devices, self.precision)
-        log.info("effective batch %d queries (%d per device x %d devices x %d accumulation); lr %.3g "
-                 "(base %.3g at batch %d, scaling %s); %d steps (%d per epoch), warmup %d",
-                 effective_batch_size(cfg, self.num_devices), cfg.data.batch_size, self.num_devices,
-                 cfg.trainer.grad_accum_steps, self.lr, cfg.optimizer.lr, cfg.optimizer.base_batch_size,
-                 cfg.optimizer.lr_scaling, self.total_steps, self.steps_per_epoch, self.warmup_steps)
+        return latest_checkpoint(self.output_dir) if resume == "auto" else Path(resume)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "fp32":
@@ -155,14 +140,13 @@ class Trainer:
         step, epoch, next_batch, summary = progress["step"], progress["epoch"], progress["batch"], progress["summary"]
         evaluated_at = progress.get("evaluated_at", -1)
         if step == 0 and cfg.trainer.evaluate:
-            summary.update(self._baselines())
+            summary.update(ev.bm25_baseline(self.dev_pairs) if env.is_main else {})
             if cfg.trainer.eval_before_training:
                 initial = self._eval_and_log(0)
                 summary.update({f"initial_{k}": v for k, v in initial.items()}, **initial)
                 evaluated_at = 0
 
         accum, batch = cfg.trainer.grad_accum_steps, self.loader.batch_size
-        num_batches = math.ceil(self.sampler.num_samples / batch)
         timer = StepTimer(step, self.total_steps)
         losses: list[float] = []
         bar = tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True,
@@ -174,8 +158,8 @@ class Trainer:
             self.sampler.start = next_batch * batch
             self.train_set.set_epoch(epoch)
             batches = iter(self.loader)
-            for first in range(next_batch, num_batches, accum):
-                micro_steps = min(accum, num_batches - first)
+            for first in range(next_batch, self.num_batches, accum):
+                micro_steps = min(accum, self.num_batches - first)
                 start = time.perf_counter()
                 stats, wait, busy = self._accumulate(batches, first, micro_steps)
                 loss = stats[0].item() / stats[2].item()
@@ -184,7 +168,8 @@ class Trainer:
                                            "optimizer.lr or use trainer.precision=bf16/fp32")
                 grad_norm = self._optimizer_step()
                 step += 1
-                inject_fault(self.env.rank, step)
+                if self.after_step:
+                    self.after_step(step)
                 elapsed = time.perf_counter() - start
                 timer.add(step, elapsed, wait, busy, stats[2].item(), stats[1].item())
                 losses.append(loss)
@@ -192,12 +177,14 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{stats[2].item() / elapsed:.1f}")
                 if step % cfg.trainer.log_every == 0 or step == self.total_steps:
                     summary["train_loss"] = sum(losses) / len(losses)
-                    self._log_train(step, epoch, summary["train_loss"], grad_norm, stats, elapsed, wait)
+                    log_train_step(self.logger, env.is_main, step, self.total_steps, epoch, summary["train_loss"],
+                                   self.scheduler.get_last_lr()[0], grad_norm, stats.tolist(), elapsed, wait)
                     losses.clear()
                 if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
                     summary.update(self._eval_and_log(step))
                     evaluated_at = step
-                position = (epoch, first + micro_steps) if first + micro_steps < num_batches else (epoch + 1, 0)
+                done = first + micro_steps
+                position = (epoch, done) if done < self.num_batches else (epoch + 1, 0)
                 if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
                     self._checkpoint(step, position, summary, evaluated_at)
                 if stop_requested(self.output_dir, env):  # preemption: checkpoint now, the requeued job resumes
@@ -212,9 +199,13 @@ class Trainer:
                 evaluated_at = step
         bar.close()
         train_time = time.perf_counter() - train_start - (self.eval_time_s - eval_time_before)
-        summary.update(self._run_facts(step, epoch, train_time, timer), stopped_early=self.stopped)
+        throughput = summarize(env.gather_objects(timer.rank_record(self.device)))
+        summary.update(self.facts, steps=step, epochs=epoch, train_time_s=train_time, eval_time_s=self.eval_time_s,
+                       stopped_early=self.stopped, **throughput)
         summary.update(speedup_facts(summary["train_samples_per_s"], cfg.speedup.baseline_samples_per_s,
                                      self.num_devices))
+        if env.is_main:
+            log_hints(summary, cfg.data.num_workers)
         self.logger.log_summary({**summary, "peak_memory_mb": max(summary["peak_memory_mb_per_rank"])})
         return summary
 
@@ -245,25 +236,6 @@ class Trainer:
                                   inputs["attention_mask"].sum().to(stats), torch.tensor(len(per_query)).to(stats)])
         return env.all_reduce_sum(stats), wait, busy + wait
 
-    def _baselines(self) -> dict[str, float]:
-        if not self.env.is_main:
-            return {}
-        bm25 = ev.ranking_metrics(ev.bm25_scores(self.dev_pairs), self.dev_pairs.labels,
-                                  self.dev_pairs.query_index, prefix="bm25_")
-        log.info("BM25 on the dev candidates: ndcg@10 %.4f, mrr@10 %.4f", bm25["bm25_ndcg@10"], bm25["bm25_mrr@10"])
-        return bm25
-
-    def _log_train(self, step: int, epoch: int, loss: float, grad_norm: float, stats: torch.Tensor,
-                   elapsed: float, wait: float) -> None:
-        lr = self.scheduler.get_last_lr()[0]
-        samples_per_s, tokens_per_s = stats[2].item() / elapsed, stats[1].item() / elapsed
-        self.logger.log_metrics({"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
-                                 "train/samples_per_s": samples_per_s, "train/tokens_per_s": tokens_per_s,
-                                 "train/data_wait_share": wait / elapsed, "epoch": epoch}, step)
-        if self.env.is_main:
-            log.info("step %d/%d | loss %.4f | lr %.3g | %.1f samples/s | %.0f tokens/s | data wait %.0f%%",
-                     step, self.total_steps, loss, lr, samples_per_s, tokens_per_s, 100 * wait / elapsed)
-
     def _optimizer_step(self) -> float:
         self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.optimizer.max_grad_norm or float("inf")
@@ -279,48 +251,15 @@ class Trainer:
         if not self.cfg.trainer.evaluate:
             return {}
         metrics = self.evaluate()
-        self._log_eval(metrics, step)
+        log_eval(self.logger, self.env.is_main, metrics, step)
         # Callbacks decide on the main rank; every rank must then stop at the same step, or DDP would hang.
-        stop = any([callback(step, metrics) for callback in self.eval_callbacks]) if self.env.is_main else False
+        votes = [callback(step, metrics) for callback in self.eval_callbacks] if self.env.is_main else []  # all run
+        stop = any(votes)
         stop = stop and step < self.total_steps  # a run that trained to the end is complete, never pruned
         self.stopped = self.env.gather_objects(stop)[0]
         if self.stopped and self.env.is_main:
             log.info("stopping after the evaluation at step %d (an evaluation callback asked to)", step)
         return metrics
-
-    def _log_eval(self, metrics: dict[str, float], step: int) -> None:
-        self.logger.log_metrics({f"dev/{k}": v for k, v in metrics.items()}, step)
-        if self.env.is_main:
-            log.info("step %d: dev %s", step, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-
-    def _run_facts(self, steps: int, epochs: int, train_time: float, timer: StepTimer) -> dict:
-        cfg = self.cfg
-        facts = {
-            "steps": steps,
-            "epochs": epochs,
-            "effective_batch_size": effective_batch_size(cfg, self.num_devices),
-            "per_device_batch_size": cfg.data.batch_size,
-            "world_size": self.num_devices,
-            "num_processes": self.env.world_size,
-            "strategy": self.plan.strategy,
-            "backend": torch.distributed.get_backend() if self.env.distributed else "none",
-            "grad_accum_steps": cfg.trainer.grad_accum_steps,
-            "train_group_size": cfg.data.train_group_size,
-            "lr": self.lr,
-            "base_lr": cfg.optimizer.lr,
-            "precision": self.precision,
-            "device": device_name(self.device),
-            "device_type": self.device.type,
-            "cpu_threads_per_rank": torch.get_num_threads(),
-            **summarize(self.env.gather_objects(timer.rank_record(self.device))),
-            "train_time_s": train_time,
-            "eval_time_s": self.eval_time_s,
-            "parameters": self.params_total,
-            "trainable_parameters": self.params_trainable,
-        }
-        if self.env.is_main:
-            log_hints(facts, cfg.data.num_workers)
-        return facts
 
     # ------------------------------------------------------------------------------------------ checkpoint
     def _checkpoint(self, step: int, position: tuple[int, int], summary: dict, evaluated_at: int) -> None:
@@ -349,14 +288,15 @@ class Trainer:
         self.logger.finish()
 
 
-def run_training(cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path) -> dict:
+def run_training(cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path,
+                 inputs: RunInputs | None = None) -> dict:
     """setup -> fit -> save -> cleanup on this rank; every rank returns the same metrics."""
     callbacks = []
     if cfg.trial.storage and env.is_main:
         from lychee_exp.sweep.pruning import pruning_callback  # optuna is only needed by sweeps
 
         callbacks.append(pruning_callback(cfg.trial, cfg.optimized_metric))
-    trainer = Trainer(cfg, env, plan, output_dir, callbacks)
+    trainer = Trainer(cfg, env, plan, output_dir, callbacks, inputs)
     try:
         trainer.setup()
         metrics = trainer.fit()

@@ -1,30 +1,30 @@
-"""Shared fixtures: in-process Hydra composition, tiny fast runs, and the CLI as a subprocess.
+"""Shared fixtures: in-process Hydra composition and runs (lychee_exp.jobs, the helper that benchmarks and
+scripts use too), tiny fast runs, and the CLI as a subprocess.
 
 Runs are pinned to one intra-op thread: the machine has 2 cores, and torch's default of one thread per core
 makes every process crawl (x10-x30) as soon as anything else runs beside it.
 """
+
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
-from unittest import mock
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
 import lychee_exp
-import lychee_exp.run  # noqa: F401  (registers the `lychee_schema` the primary config lists first)
+from lychee_exp.jobs import compose_job as compose_config
+from lychee_exp.jobs import run_job
+from lychee_exp.run import CONF_DIR as _CONF_DIR
 
 REPO_ROOT = Path(lychee_exp.__file__).resolve().parent.parent
-CONF_DIR = REPO_ROOT / "conf"
+CONF_DIR = Path(_CONF_DIR)
 ASSETS = Path(lychee_exp.__file__).resolve().parent / "assets"
 TINY_QWEN2 = ASSETS / "tiny_qwen2"
 
@@ -46,25 +46,10 @@ TINY_OVERRIDES = [
     "logger=none",
     "optimizer.lr=1e-3",
     "optimizer.lr_scaling=none",
+    "parallel.cpu_threads_per_rank=1",  # parallel=single on CPU would take every core
 ]
 
 torch.set_num_threads(1)
-
-
-def compose_config(overrides: Sequence[str], output_dir: Path | str | None = None) -> DictConfig:
-    """Composes conf/config.yaml as `python -m lychee_exp.run <overrides>` would, with the run directory at
-    output_dir, and returns the task config Hydra would hand to main() (no `hydra` key)."""
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
-    if output_dir is not None:
-        with open_dict(cfg):
-            cfg.hydra.runtime.output_dir = str(output_dir)
-            cfg.output_dir = str(output_dir)
-        HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]  # Hydra strips it from the config the task function receives
-    return cfg
 
 
 @pytest.fixture
@@ -77,16 +62,6 @@ def compose_cfg() -> Callable[..., DictConfig]:
 @pytest.fixture
 def tiny_cfg(tmp_path) -> DictConfig:
     return compose_config(TINY_OVERRIDES, tmp_path)
-
-
-def run_job(overrides: Sequence[str], output_dir: Path) -> tuple[float, dict]:
-    """Runs one job in-process; returns run()'s value and the metrics.json it wrote."""
-    cfg = compose_config(overrides, output_dir)
-    # parallel=single on CPU takes every core; keep to one thread on this shared 2-core machine
-    with mock.patch("lychee_exp.devices.available_cores", return_value=1):
-        value = lychee_exp.run.run(cfg)
-    metrics = json.loads((Path(output_dir) / "metrics.json").read_text())
-    return value, metrics
 
 
 def run_tiny(output_dir: Path, *extra: str) -> tuple[float, dict]:

@@ -1,13 +1,17 @@
 """Every config group option composes and passes the schema + value checks; mistakes fail naming the key."""
 from __future__ import annotations
 
+import sys
+
 import pytest
+from conftest import CONF_DIR, compose_config, output_lines, run_cli
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from conftest import CONF_DIR, compose_config, output_lines, run_cli
-from lychee_exp.config import RunConfig, check_config, to_run_config
+from lychee_exp import choices
+from lychee_exp.config import Choice, RunConfig, check_config, to_run_config
 from lychee_exp.errors import UserError
+from lychee_exp.run import composition_error, main, preflight
 
 GROUPS = ["model", "data", "loss", "optimizer", "trainer", "parallel", "logger", "experiment"]
 # Options whose required paths are the user's own: they get placeholders, so only compose + check_config.
@@ -78,11 +82,9 @@ def test_tiny_fixture_config(tiny_cfg, tmp_path):
     (["optimizer.lr=-1"], "optimizer.lr"),
     (["data.batch_size=0"], "data.batch_size"),
     (["loss=listwise", "data.train_group_size=1"], "data.train_group_size"),
-    (["trainer.precision=fp8"], "trainer.precision"),
     (["model.prompt.template='Instruct: {instruction} Query: {query}'"], "model.prompt.template"),
     (["optimizer.warmup_ratio=1.0"], "optimizer.warmup_ratio"),
     (["loss.temperature=0"], "loss.temperature"),
-    (["optimized_metric=map"], "optimized_metric"),
     (["model.prompt.template='{query} {document} {oops}'"], "model.prompt.template"),
 ], ids=lambda v: v if isinstance(v, str) else " ".join(v))
 def test_impossible_values_give_user_error_naming_key(overrides, key, tmp_path):
@@ -120,3 +122,73 @@ def test_cli_bad_value_is_one_line_exit_2(tmp_path):
     assert "optimizer.lr" in lines[0]
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not (run_dir / "metrics.json").exists()
+
+
+@pytest.mark.parametrize(("override", "allowed"), [
+    ("trainer.precision=fp8", "[auto, fp32, bf16, fp16]"),
+    ("optimized_metric=map", "[ndcg@10, mrr@10]"),
+    ("parallel.strategy=fsdp", "[single, dp, ddp]"),
+    ("optimizer.lr_scaling=cubic", "[none, linear, sqrt]"),
+    ("model.kind=seq2seq", "[causal_lm, sequence_classification]"),
+])
+def test_closed_choice_fails_at_compose_naming_key_and_choices(override, allowed, compose_cfg, tmp_path):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigCompositionException) as caught:
+        compose_cfg([override], tmp_path)
+    cause = caught.value.__cause__
+    assert cause.full_key == key and allowed in str(cause)
+
+
+def test_choice_names_are_the_values_users_write():
+    """OmegaConf matches a choice by member name, and code compares members with strings: both must agree."""
+    enums = [v for v in vars(choices).values() if isinstance(v, type) and issubclass(v, Choice) and v is not Choice]
+    assert len(enums) >= 10
+    for enum in enums:
+        for member in enum:
+            assert member.name == member.value == str(member) == f"{member}", member
+
+
+def test_bounds_live_beside_their_fields(tmp_path):
+    """Every numeric field that must be positive fails naming its key (no separate list to keep in step)."""
+    for override, key in [("data.eval_batch_size=0", "data.eval_batch_size"), ("parallel.timeout_s=0",
+                          "parallel.timeout_s"), ("trainer.keep_checkpoints=-1", "trainer.keep_checkpoints"),
+                          ("speedup.calibration_steps=0", "speedup.calibration_steps")]:
+        with pytest.raises(UserError, match=rf"^{key.replace('.', '[.]')} must be >= "):
+            to_run_config(compose_config(["model=tiny_lychee", override], tmp_path))
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("loss.name=hinge", "loss.name='hinge' is not one of listwise, pointwise"),
+    ("optimizer.name=lion", "optimizer.name='lion' is not one of adamw"),
+])
+def test_unregistered_part_fails_before_training_listing_the_registered(override, message, tmp_path):
+    run_cfg = to_run_config(compose_config(["model=tiny_lychee", override], tmp_path))
+    with pytest.raises(UserError) as caught:
+        preflight(run_cfg)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("trainer.precision=fp8", "trainer.precision: Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16]"),
+    ("optimizer.lrr=1", "optimizer.lrr: Key 'lrr' not in 'OptimizerConfig'"),
+    ("loss=hinge", "loss=hinge: no such option in conf/loss; options: listwise, pointwise"),
+])
+def test_config_that_does_not_compose_reads_as_one_line(override, expected, compose_cfg, tmp_path):
+    with pytest.raises(ConfigCompositionException) as caught:
+        compose_cfg([override], tmp_path)
+    assert composition_error(caught.value) == expected
+
+
+def test_cli_config_that_does_not_compose_is_one_line_exit_2(tmp_path, monkeypatch, capfd):
+    """The CLI's main() as `python -m lychee_exp.run trainer.precision=fp8` calls it (in this process: the
+    subprocess path is test_cli_bad_value_is_one_line_exit_2's)."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["lychee-run", "trainer.precision=fp8", f"hydra.run.dir={run_dir}"])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # main() sets it; monkeypatch restores it afterwards
+    with pytest.raises(SystemExit) as caught:
+        main()
+    out, err = capfd.readouterr()
+    assert caught.value.code == 2
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    assert lines == ["error: trainer.precision: Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16]"]
+    assert not run_dir.exists()

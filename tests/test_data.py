@@ -5,8 +5,8 @@ import json
 from collections import Counter
 
 import pytest
-
 from conftest import output_lines, run_cli
+
 from lychee_exp.data import RankingQuery, TrainGroups, load_queries
 from lychee_exp.errors import UserError
 

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import run_tiny
 
 pytestmark = [pytest.mark.gpu,

@@ -108,14 +108,14 @@ def test_bm25_ranks_lexical_match_first():
     }
     pairs = DevPairs([], [], [], [])
     for qi, (query, docs) in enumerate(queries.items()):
-        for di, doc in enumerate(reversed(docs)):  # the match is not first in the input order
+        for doc in reversed(docs):  # the match is not first in the input order
             pairs.query_index.append(qi)
             pairs.labels.append(int(doc == docs[0]))
             pairs.token_ids.append([])
             pairs.texts.append((query, doc))
     scores = bm25_scores(pairs)
     assert len(scores) == len(pairs.texts)
-    for qi, (query, docs) in enumerate(queries.items()):
+    for qi, docs in enumerate(queries.values()):
         mine = [(s, doc) for s, doc, q in zip(scores, [d for _, d in pairs.texts], pairs.query_index) if q == qi]
         best_score, best_doc = max(mine)
         assert best_doc == docs[0]

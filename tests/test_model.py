@@ -5,13 +5,20 @@ import json
 
 import pytest
 import torch
+from conftest import compose_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import compose_config
 from lychee_exp.config import to_run_config
 from lychee_exp.errors import UserError
-from lychee_exp.model import (RERANKER_FILE, Reranker, build_encoder, count_parameters, load_reranker,
-                              load_tokenizer, save_reranker)
+from lychee_exp.model import (
+    RERANKER_FILE,
+    Reranker,
+    build_encoder,
+    count_parameters,
+    load_reranker,
+    load_tokenizer,
+    save_reranker,
+)
 
 DOCS = [
     "lychee",
@@ -35,7 +42,7 @@ def _spread_weights(module: torch.nn.Module, seed: int = 1) -> None:
     """Random init gives p(yes) ~ 0.5 everywhere; larger weights make the scores differ, so parity has teeth."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for p in module.parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
 

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import re
+
 import pytest
+from conftest import TINY_QWEN2
 from transformers import AutoTokenizer
 
-from conftest import TINY_QWEN2
 from lychee_exp.config import LYCHEE_PREFIX, ModelConfig, PromptConfig
 from lychee_exp.model import build_encoder, padding_side
 from lychee_exp.prompt import PromptEncoder

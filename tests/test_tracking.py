@@ -14,8 +14,9 @@ import pytest
 from lychee_exp.jobs import run_job
 from lychee_exp.wandb_records import find_run_files, read_run
 
-TINY = ["model=tiny_lychee", "data.batch_size=2", "data.max_train_queries=16", "data.max_dev_queries=4", "data.train_group_size=4",
-        "trainer.max_steps=4", "trainer.progress_bar=false", "trainer.log_every=1", "optimizer.lr=1e-3"]
+TINY = ["model=tiny_lychee", "data.batch_size=2", "data.max_train_queries=16", "data.max_dev_queries=4",
+        "data.train_group_size=4", "trainer.max_steps=4", "trainer.progress_bar=false", "trainer.log_every=1",
+        "optimizer.lr=1e-3"]
 SECRET = "0123456789abcdef0123456789abcdef01234567"
 
 

@@ -4,16 +4,18 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY_OVERRIDES, compose_config, run_tiny
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import TINY_OVERRIDES, compose_config, run_tiny
 from lychee_exp import losses
 from lychee_exp.config import to_run_config
-from lychee_exp.train import effective_batch_size, scaled_lr
+from lychee_exp.faults import fault_hook
+from lychee_exp.optim import effective_batch_size, scaled_lr
 
 REQUIRED_KEYS = {"ndcg@10", "mrr@10", "initial_ndcg@10", "initial_mrr@10", "bm25_ndcg@10", "bm25_mrr@10",
                  "train_loss", "steps", "effective_batch_size", "lr", "train_samples_per_s", "train_time_s"}
@@ -91,7 +93,7 @@ def standard_run(tmp_path_factory):
 
 def test_run_writes_metrics_json(standard_run):
     out, value, metrics = standard_run
-    assert REQUIRED_KEYS <= set(metrics), REQUIRED_KEYS - set(metrics)
+    assert set(metrics) >= REQUIRED_KEYS, REQUIRED_KEYS - set(metrics)
     for key in REQUIRED_KEYS:
         assert isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]), key
     for key in ("ndcg@10", "mrr@10", "initial_ndcg@10", "initial_mrr@10", "bm25_ndcg@10", "bm25_mrr@10"):
@@ -198,3 +200,25 @@ def test_stale_metrics_json_is_removed_when_the_run_fails(tmp_path):
     with pytest.raises(UserError, match="missing.jsonl"):
         run(cfg)
     assert not (tmp_path / "metrics.json").exists()
+
+
+def test_inputs_are_read_once_per_process(tmp_path):
+    """preflight reads the data files and builds the tokenizer; the in-process Trainer reuses them."""
+    import lychee_exp.inputs as inputs
+
+    with mock.patch.object(inputs, "load_queries", wraps=inputs.load_queries) as load_queries, \
+            mock.patch.object(inputs, "load_tokenizer", wraps=inputs.load_tokenizer) as load_tokenizer:
+        run_tiny(tmp_path, "trainer.save_model=false", "trainer.max_steps=1")
+    assert [c.args[1] for c in load_queries.call_args_list] == ["data.train_file", "data.dev_file"]
+    assert load_tokenizer.call_count == 1
+
+
+def test_fault_injection_costs_the_loop_nothing_unless_asked(monkeypatch):
+    monkeypatch.delenv("LYCHEE_FAULT", raising=False)
+    assert fault_hook(0) is None  # the training loop then calls nothing per step
+    monkeypatch.setenv("LYCHEE_FAULT", "1:3:raise")
+    assert fault_hook(0) is None  # another rank's fault
+    hook = fault_hook(1)
+    hook(2)  # not yet
+    with pytest.raises(RuntimeError, match="injected fault on rank 1 at step 3"):
+        hook(3)

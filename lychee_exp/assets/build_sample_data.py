@@ -52,7 +52,7 @@ MODULES = (
     "warnings wave weakref webbrowser wsgiref.handlers xml.dom.minidom "
     "xml.etree.ElementTree xml.sax.saxutils xmlrpc.client xmlrpc.server zipfile"
 ).split()
-assert MODULES == sorted(MODULES) and len(set(MODULES)) == len(MODULES)
+assert sorted(MODULES) == MODULES and len(set(MODULES)) == len(MODULES)
 
 
 def own_doc(obj) -> str | None:

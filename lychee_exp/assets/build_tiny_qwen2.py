@@ -16,10 +16,8 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
-                        pre_tokenizers, trainers)
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,
-                          PreTrainedTokenizerFast, Qwen2Config)
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 HERE = Path(__file__).resolve().parent

@@ -20,7 +20,7 @@ _TRIAL_KEYS = {"storage", "study_name", "number", "id", "pruner"}
 
 def is_lychee_job(job_cfg: DictConfig) -> bool:
     trial = OmegaConf.select(job_cfg, "trial", default=None)
-    return OmegaConf.is_dict(trial) and _TRIAL_KEYS <= set(trial.keys()) and "optimized_metric" in job_cfg
+    return OmegaConf.is_dict(trial) and set(trial.keys()) >= _TRIAL_KEYS and "optimized_metric" in job_cfg
 
 
 def check(

@@ -56,7 +56,7 @@ def job_outcome(job_return: Any, run_dir: Path, n_objectives: int, objectives: S
     metrics = read_metrics(run_dir)
     if job_return.status != JobStatus.COMPLETED:
         try:
-            job_return.return_value  # re-raises the job's exception
+            _ = job_return.return_value  # re-raises the job's exception
         except RunFailed as err:
             return _failed(err.kind, str(err), metrics)
         except UserError as err:

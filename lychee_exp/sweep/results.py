@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import io
 import logging
-import os
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,6 +19,7 @@ import optuna.visualization as vis
 import yaml
 from optuna.trial import TrialState
 
+from lychee_exp.atomic import write_text_atomic
 from lychee_exp.sweep.storage import METRICS, REASON, RUN_DIR, SURPLUS, tally
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,8 @@ def write_results(
     study: Any, sweep_dir: Path, n_trials: int, metric: str | Sequence[str], storage_url: str, plots: bool = True
 ) -> None:
     trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(SURPLUS)]
-    _write_atomic(sweep_dir / "optimization_results.yaml", _summary(study, trials, n_trials, metric, storage_url))
-    _write_atomic(sweep_dir / "trials.csv", _table(trials))
+    write_text_atomic(sweep_dir / "optimization_results.yaml", _summary(study, trials, n_trials, metric, storage_url))
+    write_text_atomic(sweep_dir / "trials.csv", _table(trials))
     if not plots:
         return
     try:
@@ -153,10 +153,4 @@ def _write_plots(study: Any, sweep_dir: Path) -> None:
         warnings.simplefilter("ignore")  # optuna's experimental-API warnings, once per trial, add nothing
         for filename, make in figures.items():
             html = make().to_html(include_plotlyjs=True, full_html=True)  # self-contained: opens offline
-            _write_atomic(sweep_dir / filename, html)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two workers may write at once
-    tmp.write_text(text)
-    os.replace(tmp, path)
+            write_text_atomic(sweep_dir / filename, html)

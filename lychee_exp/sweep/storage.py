@@ -113,7 +113,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{trial_id}", daemon=True)
 
-    def __enter__(self) -> "Heartbeat":
+    def __enter__(self) -> Heartbeat:
         self.storage.record_heartbeat(self.trial_id)  # before anything else: a trial without one never goes stale
         self._thread.start()
         return self
