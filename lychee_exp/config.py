@@ -78,6 +78,9 @@ class DataConfig:
 class LossConfig:
     name: str = "pointwise"  # pointwise | listwise
     temperature: float = 1.0  # listwise: softmax over score / temperature
+    # distillation from the data's pos_scores/neg_scores (teacher scores): weight 0 = off; see losses.py
+    distill_weight: float = 0.0
+    distill_temperature: float = 1.0
 
 
 @dataclass
@@ -206,7 +209,7 @@ _POSITIVE = (
 )
 _NON_NEGATIVE = ("data.random_negatives", "data.max_train_queries", "data.max_dev_queries", "data.num_workers", "trainer.eval_every",
                  "trainer.max_epochs", "optimizer.weight_decay", "optimizer.max_grad_norm",
-                 "trainer.checkpoint_every", "trainer.keep_checkpoints", "parallel.max_restarts",
+                 "trainer.checkpoint_every", "trainer.keep_checkpoints", "parallel.max_restarts", "loss.distill_weight",
                  "parallel.cpu_threads_per_rank")
 
 
@@ -230,8 +233,9 @@ def check_config(cfg: DictConfig | RunConfig) -> None:
         raise UserError(f"optimizer.lr must be > 0, got {get('optimizer.lr')}")
     if not 0 <= get("optimizer.warmup_ratio") < 1:
         raise UserError(f"optimizer.warmup_ratio must be in [0, 1), got {get('optimizer.warmup_ratio')}")
-    if not get("loss.temperature") > 0:
-        raise UserError(f"loss.temperature must be > 0, got {get('loss.temperature')}")
+    for key in ("loss.temperature", "loss.distill_temperature"):
+        if not get(key) > 0:
+            raise UserError(f"{key} must be > 0, got {get(key)}")
     group = get("data.train_group_size")
     if get("loss.name") == "listwise" and group < 2:
         raise UserError(f"data.train_group_size must be >= 2 for loss=listwise (1 positive + negatives), got {group}")

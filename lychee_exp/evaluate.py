@@ -1,5 +1,8 @@
 """Dev evaluation: rerank each query's candidates, NDCG@10 and MRR@10 (BEIR / MS MARCO conventions).
 
+NDCG uses graded gains (a dev line's `pos_labels`, else 1 per positive) with linear gain as trec_eval does;
+MRR counts any gain > 0 as relevant.
+
 Metrics come from torchmetrics' retrieval functions, per query, averaged over queries. Scoring is sharded
 across ranks and gathered, so every rank ends with the metrics a single process computes.
 """
@@ -30,9 +33,9 @@ def ranking_metrics(scores: Sequence[float], labels: Sequence[int], query_index:
         # Ranks 1..n instead of raw scores: torchmetrics' reciprocal rank ignores candidates scoring <= 0, and
         # our scores are log-odds. Ties keep the (seeded, shuffled) candidate order, for both metrics alike.
         preds = (torch.argsort(torch.argsort(raw, stable=True), stable=True) + 1).to(torch.float64)
-        target = torch.tensor([labels[r] for r in rows])
+        target = torch.tensor([labels[r] for r in rows])  # graded gains: NDCG uses them, MRR only relevant/not
         ndcg.append(retrieval_normalized_dcg(preds, target, top_k=TOP_K).item())
-        mrr.append(retrieval_reciprocal_rank(preds, target, top_k=TOP_K).item())
+        mrr.append(retrieval_reciprocal_rank(preds, target > 0, top_k=TOP_K).item())
     return {f"{prefix}ndcg@{TOP_K}": sum(ndcg) / len(ndcg), f"{prefix}mrr@{TOP_K}": sum(mrr) / len(mrr)}
 
 

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lychee_exp.config import RunConfig, register_schema, to_run_config
-from lychee_exp.data import check_negatives, load_queries
+from lychee_exp.data import check_negatives, check_teacher_scores, load_queries
 from lychee_exp.devices import plan_devices
 from lychee_exp.errors import RunFailed, UserError
 from lychee_exp.launcher import launch, under_torchrun
@@ -48,8 +48,10 @@ OmegaConf.register_new_resolver("lychee_stamp", run_stamp, use_cache=True, repla
 
 def preflight(cfg: RunConfig) -> None:
     """Everything a user can get wrong, checked before any training process starts."""
-    check_negatives(load_queries(cfg.data.train_file, "data.train_file", cfg.data.max_train_queries),
-                    cfg.data.train_group_size, cfg.data.random_negatives)
+    train = load_queries(cfg.data.train_file, "data.train_file", cfg.data.max_train_queries)
+    check_negatives(train, cfg.data.train_group_size, cfg.data.random_negatives)
+    if cfg.loss.distill_weight > 0:
+        check_teacher_scores(train, "data.train_file")
     load_queries(cfg.data.dev_file, "data.dev_file", cfg.data.max_dev_queries)
     encoder = build_encoder(cfg.model, load_tokenizer(cfg.model))
     if cfg.model.kind == "causal_lm":

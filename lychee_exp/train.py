@@ -27,7 +27,7 @@ from lychee_exp.devices import DevicePlan, resolve_precision
 from lychee_exp.distributed import DistEnv, device_name, wrap_for_training
 from lychee_exp.errors import TrainingDiverged
 from lychee_exp.loggers import run_logger
-from lychee_exp.losses import LOSSES
+from lychee_exp.losses import build_loss
 from lychee_exp.faults import inject_fault
 from lychee_exp.optim import build_optimizer, effective_batch_size, scaled_lr
 from lychee_exp.model import build_encoder, count_parameters, load_reranker, load_tokenizer, save_reranker
@@ -65,8 +65,8 @@ class Trainer:
         self.params_total, self.params_trainable = count_parameters(self.model)
 
         instruction = cfg.data.instruction or cfg.model.prompt.default_instruction
-        train_queries = load_queries(cfg.data.train_file, "data.train_file", cfg.data.max_train_queries)
-        dev_queries = load_queries(cfg.data.dev_file, "data.dev_file", cfg.data.max_dev_queries)
+        train_queries = load_queries(cfg.data.train_file, "data.train_file", cfg.data.max_train_queries, False)
+        dev_queries = load_queries(cfg.data.dev_file, "data.dev_file", cfg.data.max_dev_queries, False)
         self.train_set = TrainGroups(train_queries, cfg.data.train_group_size, instruction, cfg.seed,
                                      cfg.data.random_negatives)
         self.dev_pairs = build_dev_pairs(dev_queries, self.encoder, instruction, cfg.seed)
@@ -93,7 +93,7 @@ class Trainer:
                                                                             self.total_steps)
         self.precision = resolve_precision(cfg.trainer.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self.loss_fn = LOSSES[cfg.loss.name]
+        self.loss_fn = build_loss(cfg.loss, cfg.data.train_group_size)
         self.train_model = wrap_for_training(self.model, env, self.plan, cfg.parallel.find_unused_parameters)
         self.resume_from = self._resume_path()
         self.logger = self._make_logger()
@@ -164,6 +164,7 @@ class Trainer:
         num_batches = math.ceil(self.sampler.num_samples / batch)
         timer = StepTimer(step, self.total_steps)
         losses: list[float] = []
+        distill_losses: list[float] = []
         bar = tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True,
                    disable=not (env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()))
         self.train_model.train()
@@ -187,10 +188,14 @@ class Trainer:
                 elapsed = time.perf_counter() - start
                 timer.add(step, elapsed, wait, busy, stats[2].item(), stats[1].item())
                 losses.append(loss)
+                distill_losses.append(stats[3].item() / stats[2].item())
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{stats[2].item() / elapsed:.1f}")
                 if step % cfg.trainer.log_every == 0 or step == self.total_steps:
                     summary["train_loss"] = sum(losses) / len(losses)
+                    if cfg.loss.distill_weight > 0:
+                        summary["train_distill_loss"] = sum(distill_losses) / len(distill_losses)
+                    distill_losses.clear()
                     self._log_train(step, epoch, summary["train_loss"], grad_norm, stats, elapsed, wait)
                     losses.clear()
                 if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
@@ -222,7 +227,7 @@ class Trainer:
         # the whole window, so accumulation and sharding give the gradient of one big batch.
         window_queries = min(local_queries, (first + micro_steps) * batch) - first * batch
         wait = busy = 0.0
-        stats = torch.zeros(3, dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors only
+        stats = torch.zeros(4, dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors only
         for micro in range(micro_steps):
             fetched = time.perf_counter()
             inputs = next(batches)
@@ -233,11 +238,12 @@ class Trainer:
             with contextlib.nullcontext() if sync else self.train_model.no_sync(), self.autocast():
                 logits = self.train_model(inputs["input_ids"].to(self.device, non_blocking=True),
                                           inputs["attention_mask"].to(self.device, non_blocking=True))
-                per_query = self.loss_fn(logits, cfg.data.train_group_size, cfg.loss.temperature)
+                per_query, distill = self.loss_fn(logits, inputs.get("teacher_scores"))
             busy += time.perf_counter() - computed
             self.scaler.scale(per_query.sum() / window_queries).backward()
             stats += torch.stack([per_query.detach().sum().double(),
-                                  inputs["attention_mask"].sum().to(stats), torch.tensor(len(per_query)).to(stats)])
+                                  inputs["attention_mask"].sum().to(stats), torch.tensor(len(per_query)).to(stats),
+                                  (distill.detach().sum() if distill is not None else torch.zeros(())).to(stats)])
         return env.all_reduce_sum(stats), wait, busy + wait
 
     def _baselines(self) -> dict[str, float]:
