@@ -21,13 +21,21 @@ LYCHEE_PREFIX = "Given the instruction and query, judge whether the document is 
 
 @dataclass
 class PromptConfig:
+    """prefix + separator + template + suffix + answer_prefix (see prompt.py); chat_template: the tokenizer's own
+    chat template renders [system, user = template] instead of prefix/separator/suffix."""
+
     prefix: str = LYCHEE_PREFIX
     separator: str = "\n"  # between prefix and template
     template: str = "Instruct: {instruction} Query: {query} Document: {document}"
     suffix: str = ""  # e.g. a chat template's assistant opening, so that the next token is the answer
+    answer_prefix: str = ""  # what the assistant turn opens with before yes/no (Qwen3: an empty think block)
+    chat_template: bool = False  # render with tokenizer.apply_chat_template (system + template as the user turn)
+    system: str = ""  # the system message when chat_template is true
     default_instruction: str = "Given a web search query, retrieve relevant passages that answer the query"
+    max_len: int = 0  # total tokens of a prompt, template included; the document gets what is left; 0 = no total
+    instruction_max_len: int = 0  # tokens; 0 = no cap
     query_max_len: int = 64  # tokens; the query is truncated to this
-    doc_max_len: int = 192  # tokens; the document is truncated, never the template around it
+    doc_max_len: int = 192  # tokens; the document is truncated, never the template around it; 0 = only max_len
     yes_token: str = "yes"
     no_token: str = "no"
 
@@ -57,6 +65,9 @@ class ModelConfig:
     dropout: Optional[float] = None  # overrides every dropout probability in the model's config; null = keep
     lora: LoraConfig = field(default_factory=LoraConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
+    # causal_lm relevance logit: yes_minus_no (Lychee, Qwen3-Reranker: softmax over yes/no) | yes_logit (the raw
+    # 'Yes' logit, FlagEmbedding's decoder-only rerankers); rank by the score the checkpoint was trained with
+    score: str = "yes_minus_no"
 
 
 @dataclass
@@ -183,6 +194,7 @@ METRIC_NAMES = ("ndcg@10", "mrr@10")
 _CHOICES = {
     "model.kind": ("causal_lm", "sequence_classification"),
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.score": ("yes_minus_no", "yes_logit"),
     "loss.name": ("pointwise", "listwise"),
     "optimizer.name": ("adamw",),
     "optimizer.lr_scaling": ("none", "linear", "sqrt"),
@@ -201,7 +213,6 @@ _POSITIVE = (
     "trainer.log_every",
     "optimizer.base_batch_size",
     "model.prompt.query_max_len",
-    "model.prompt.doc_max_len",
     "model.lora.r",
     "parallel.timeout_s",
     "logger.init_timeout_s",
@@ -210,6 +221,7 @@ _POSITIVE = (
 _NON_NEGATIVE = ("data.random_negatives", "data.max_train_queries", "data.max_dev_queries", "data.num_workers", "trainer.eval_every",
                  "trainer.max_epochs", "optimizer.weight_decay", "optimizer.max_grad_norm",
                  "trainer.checkpoint_every", "trainer.keep_checkpoints", "parallel.max_restarts", "loss.distill_weight",
+                 "model.prompt.max_len", "model.prompt.instruction_max_len", "model.prompt.doc_max_len",
                  "parallel.cpu_threads_per_rank")
 
 
@@ -243,6 +255,8 @@ def check_config(cfg: DictConfig | RunConfig) -> None:
         raise UserError(f"data.train_group_size must be >= 1, got {group}")
     if get("trainer.max_steps") <= 0 and get("trainer.max_epochs") < 1:
         raise UserError("trainer.max_epochs must be >= 1 when trainer.max_steps <= 0")
+    if not get("model.prompt.max_len") and not get("model.prompt.doc_max_len"):
+        raise UserError("model.prompt.doc_max_len=0 needs a total budget: set model.prompt.max_len > 0")
     _check_template(get("model.prompt.template"))
     parse_gpus(get("gpus"))
 

@@ -202,19 +202,25 @@ class DevPairs:
     labels: list[int]  # relevance gain: 0 for negatives, pos_labels (default 1) for positives
     token_ids: list[list[int]]
     texts: list[tuple[str, str]]  # (query, document), for lexical baselines
+    teacher_scores: list[float] | None = None  # the file's pos_scores/neg_scores when every line has them
 
 
 def build_dev_pairs(queries: list[RankingQuery], encoder: PromptEncoder, instruction: str, seed: int) -> DevPairs:
     pairs = DevPairs([], [], [], [])
+    teacher: list[float] = []
+    scored = all(q.has_teacher_scores for q in queries)
     for qi, q in enumerate(queries):
         gains = q.pos_labels or [1] * len(q.pos)
-        candidates = list(zip(q.pos, gains)) + [(doc, 0) for doc in q.neg]
+        scores = (q.pos_scores or []) + (q.neg_scores or []) if scored else [0.0] * (len(q.pos) + len(q.neg))
+        candidates = list(zip(q.pos + q.neg, gains + [0] * len(q.neg), scores))
         random.Random(f"{seed}:dev:{qi}").shuffle(candidates)
-        for doc, label in candidates:
+        for doc, label, score in candidates:
             pairs.query_index.append(qi)
             pairs.labels.append(label)
             pairs.token_ids.append(encoder.encode(q.instruction or instruction, q.query, doc))
             pairs.texts.append((q.query, doc))
+            teacher.append(score)
+    pairs.teacher_scores = teacher if scored else None
     return pairs
 
 

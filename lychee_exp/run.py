@@ -23,7 +23,7 @@ from lychee_exp.data import check_negatives, check_teacher_scores, load_queries
 from lychee_exp.devices import plan_devices
 from lychee_exp.errors import RunFailed, UserError
 from lychee_exp.launcher import launch, under_torchrun
-from lychee_exp.model import build_encoder, load_tokenizer
+from lychee_exp.model import answer_token_ids, build_encoder, load_tokenizer
 from lychee_exp.speedup import resolve_baseline, store_baseline
 
 log = logging.getLogger("lychee_exp")
@@ -53,10 +53,7 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.loss.distill_weight > 0:
         check_teacher_scores(train, "data.train_file")
     load_queries(cfg.data.dev_file, "data.dev_file", cfg.data.max_dev_queries)
-    encoder = build_encoder(cfg.model, load_tokenizer(cfg.model))
-    if cfg.model.kind == "causal_lm":
-        encoder.single_token_id("model.prompt.yes_token", cfg.model.prompt.yes_token)
-        encoder.single_token_id("model.prompt.no_token", cfg.model.prompt.no_token)
+    answer_token_ids(cfg.model, build_encoder(cfg.model, load_tokenizer(cfg.model)))
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:

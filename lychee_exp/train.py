@@ -252,6 +252,10 @@ class Trainer:
         bm25 = ev.ranking_metrics(ev.bm25_scores(self.dev_pairs), self.dev_pairs.labels,
                                   self.dev_pairs.query_index, prefix="bm25_")
         log.info("BM25 on the dev candidates: ndcg@10 %.4f, mrr@10 %.4f", bm25["bm25_ndcg@10"], bm25["bm25_mrr@10"])
+        if self.dev_pairs.teacher_scores is not None:  # the dev file's own teacher scores, as a reference line
+            bm25.update(ev.ranking_metrics(self.dev_pairs.teacher_scores, self.dev_pairs.labels,
+                                           self.dev_pairs.query_index, prefix="teacher_"))
+            log.info("teacher scores of the dev file: ndcg@10 %.4f", bm25["teacher_ndcg@10"])
         return bm25
 
     def _log_train(self, step: int, epoch: int, loss: float, grad_norm: float, stats: torch.Tensor,
