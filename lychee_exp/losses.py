@@ -8,6 +8,7 @@ Distillation (loss.distill_weight > 0) adds a term that pulls the student's scor
   sigmoid(teacher / T): teacher scores are read as log-odds of relevance (a cross-encoder's logit, yes - no).
 Documents without a teacher score (NaN: easy negatives borrowed from other queries) are left out of the term.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

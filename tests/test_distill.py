@@ -1,5 +1,6 @@
 """FlagEmbedding's data in full: per-example prompts, teacher scores through sampling into the batch, the
 distillation terms, unknown keys reported once per file, and the bad inputs that end with one line."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,13 @@ def write_jsonl(path, records):
 
 def scored_record(i, n_neg=6, prompt=None):
     """Teacher score of a document = its number, so a score can be checked against the document it follows."""
-    record = {"query": f"query {i}", "pos": [f"doc {i}00"], "neg": [f"doc {i}{j:02d}" for j in range(1, n_neg + 1)],
-              "pos_scores": [float(f"{i}00")], "neg_scores": [float(f"{i}{j:02d}") for j in range(1, n_neg + 1)]}
+    record = {
+        "query": f"query {i}",
+        "pos": [f"doc {i}00"],
+        "neg": [f"doc {i}{j:02d}" for j in range(1, n_neg + 1)],
+        "pos_scores": [float(f"{i}00")],
+        "neg_scores": [float(f"{i}{j:02d}") for j in range(1, n_neg + 1)],
+    }
     if prompt is not None:
         record["prompt"] = prompt
     return record
@@ -38,11 +44,14 @@ def tiny_tok():
 
 
 def test_prompt_per_example_is_what_the_encoder_sees(tmp_path, tiny_tok):
-    path = write_jsonl(tmp_path / "train.jsonl", [
-        {"query": "alpha query", "pos": ["p1"], "neg": ["n1"], "prompt": "Find the module documentation"},
-        {"query": "beta query", "pos": ["p2"], "neg": ["n2"]},
-        {"query": "gamma query", "pos": ["p3"], "neg": ["n3"], "instruction": "Retrieve a test case"},
-    ])
+    path = write_jsonl(
+        tmp_path / "train.jsonl",
+        [
+            {"query": "alpha query", "pos": ["p1"], "neg": ["n1"], "prompt": "Find the module documentation"},
+            {"query": "beta query", "pos": ["p2"], "neg": ["n2"]},
+            {"query": "gamma query", "pos": ["p3"], "neg": ["n3"], "instruction": "Retrieve a test case"},
+        ],
+    )
     queries = load_queries(str(path), "data.train_file")
     groups = TrainGroups(queries, group_size=2, instruction="Default instruction here", seed=0)
     encoder = PromptEncoder(tiny_tok, PromptConfig(), "left")
@@ -57,8 +66,7 @@ def test_prompt_per_example_is_what_the_encoder_sees(tmp_path, tiny_tok):
 
 
 @pytest.mark.parametrize(("n_neg", "group_size", "random_negatives"), [(6, 4, 0), (2, 6, 0), (6, 5, 2)])
-def test_teacher_scores_follow_their_documents_into_the_batch(tmp_path, tiny_tok, n_neg, group_size,
-                                                              random_negatives):
+def test_teacher_scores_follow_their_documents_into_the_batch(tmp_path, tiny_tok, n_neg, group_size, random_negatives):
     path = write_jsonl(tmp_path / "train.jsonl", [scored_record(i, n_neg) for i in range(1, 6)])
     groups = TrainGroups(load_queries(str(path), "k"), group_size, "i", seed=3, random_negatives=random_negatives)
     for epoch in range(3):
@@ -127,8 +135,9 @@ def test_listwise_distill_is_flagembedding_cross_entropy_to_teacher_softmax():
         for s, t in zip(student.view(2, 4).tolist(), teacher.tolist()):
             zt = sum(math.exp(v / temperature) for v in t)
             zs = sum(math.exp(v / temperature) for v in s)
-            expected.append(-sum(math.exp(tv / temperature) / zt * (sv / temperature - math.log(zs))
-                                 for sv, tv in zip(s, t)))
+            expected.append(
+                -sum(math.exp(tv / temperature) / zt * (sv / temperature - math.log(zs)) for sv, tv in zip(s, t))
+            )
         got = losses.listwise_distill(student, teacher, temperature)
         torch.testing.assert_close(got, torch.tensor(expected), atol=1e-5, rtol=0)
 
@@ -137,10 +146,14 @@ def test_pointwise_distill_is_soft_target_bce():
     student = torch.tensor([2.0, -1.0, 0.5, 0.1])
     teacher = torch.tensor([[3.0, -2.0, 0.0, 1.0]])
     sig = lambda x: 1 / (1 + math.exp(-x))
-    expected = sum(-(sig(t) * math.log(sig(s)) + (1 - sig(t)) * math.log(1 - sig(s)))
-                   for s, t in zip(student.tolist(), teacher[0].tolist())) / 4
-    torch.testing.assert_close(losses.pointwise_distill(student, teacher), torch.tensor([expected]), atol=1e-6,
-                               rtol=0)
+    expected = (
+        sum(
+            -(sig(t) * math.log(sig(s)) + (1 - sig(t)) * math.log(1 - sig(s)))
+            for s, t in zip(student.tolist(), teacher[0].tolist())
+        )
+        / 4
+    )
+    torch.testing.assert_close(losses.pointwise_distill(student, teacher), torch.tensor([expected]), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["listwise", "pointwise"])
@@ -170,22 +183,48 @@ def _scored_files(tmp_path, n=10):
 
 def test_run_with_distillation_reports_finite_distill_loss(tmp_path):
     train = _scored_files(tmp_path)
-    _, metrics = run_tiny(tmp_path / "run", "data=jsonl", f"data.train_file={train}", f"data.dev_file={train}",
-                          "loss=listwise", "loss.distill_weight=1", "data.max_dev_queries=3")
+    _, metrics = run_tiny(
+        tmp_path / "run",
+        "data=jsonl",
+        f"data.train_file={train}",
+        f"data.dev_file={train}",
+        "loss=listwise",
+        "loss.distill_weight=1",
+        "data.max_dev_queries=3",
+    )
     assert math.isfinite(metrics["train_distill_loss"]) and metrics["train_distill_loss"] > 0
-    _, plain = run_tiny(tmp_path / "plain", "data=jsonl", f"data.train_file={train}", f"data.dev_file={train}",
-                        "loss=listwise", "data.max_dev_queries=3")
+    _, plain = run_tiny(
+        tmp_path / "plain",
+        "data=jsonl",
+        f"data.train_file={train}",
+        f"data.dev_file={train}",
+        "loss=listwise",
+        "data.max_dev_queries=3",
+    )
     assert "train_distill_loss" not in plain
     assert plain["train_loss"] < metrics["train_loss"]  # the distill term is added on top
 
 
 def test_cli_distillation_without_teacher_scores_is_one_line(tmp_path):
-    train = write_jsonl(tmp_path / "train.jsonl", [{"query": f"q{i}", "pos": ["p"], "neg": ["n", "m"]}
-                                                   for i in range(4)])
+    train = write_jsonl(
+        tmp_path / "train.jsonl", [{"query": f"q{i}", "pos": ["p"], "neg": ["n", "m"]} for i in range(4)]
+    )
     run_dir = tmp_path / "run"
-    proc = run_cli(["model=tiny_lychee", "data=jsonl", f"data.train_file={train}", f"data.dev_file={train}",
-                    "data.train_group_size=2", "loss.distill_weight=1", "parallel=single", "gpus=1",
-                    "logger=none"], run_dir, timeout=120)
+    proc = run_cli(
+        [
+            "model=tiny_lychee",
+            "data=jsonl",
+            f"data.train_file={train}",
+            f"data.dev_file={train}",
+            "data.train_group_size=2",
+            "loss.distill_weight=1",
+            "parallel=single",
+            "gpus=1",
+            "logger=none",
+        ],
+        run_dir,
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "Traceback" not in out and len(output_lines(proc)) == 1, out

@@ -1,15 +1,16 @@
 """Graded relevance: a dev file's pos_labels are NDCG gains (agreeing with trec_eval on graded qrels), MRR counts
 any gain as relevant, and the gains reach the dev pairs the evaluation reads."""
+
 from __future__ import annotations
 
 import json
 import random
 
 import pytest
+from conftest import TINY_QWEN2
 from test_metrics import assert_matches_pytrec
 from transformers import AutoTokenizer
 
-from conftest import TINY_QWEN2
 from lychee_exp.config import PromptConfig
 from lychee_exp.data import build_dev_pairs, load_queries
 from lychee_exp.evaluate import ranking_metrics
@@ -48,8 +49,10 @@ def test_gains_change_ndcg_not_mrr():
 
 def test_pos_labels_reach_the_dev_pairs(tmp_path):
     path = tmp_path / "dev.jsonl"
-    lines = [{"query": "q0", "pos": ["best", "good"], "neg": ["bad"], "pos_labels": [3, 1]},
-             {"query": "q1", "pos": ["only"], "neg": ["n1", "n2"]}]
+    lines = [
+        {"query": "q0", "pos": ["best", "good"], "neg": ["bad"], "pos_labels": [3, 1]},
+        {"query": "q1", "pos": ["only"], "neg": ["n1", "n2"]},
+    ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(TINY_QWEN2)), PromptConfig(), "left")
     pairs = build_dev_pairs(load_queries(str(path), "data.dev_file"), encoder, "instr", seed=0)

@@ -1,6 +1,7 @@
 """The whole GPU recipe on CPU: experiment=lychee_lora on the tiny Qwen2 with LoRA, gradient checkpointing, bf16
 autocast, 2 gloo ranks and gradient accumulation trains, agrees with the single-process run, and saves a merged
 model that reloads with the scores the run ended with."""
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,28 @@ from lychee_exp.model import build_encoder, load_reranker, load_tokenizer
 
 pytestmark = pytest.mark.slow  # two training jobs (one of 2 ranks): ~45 s of CPU, minutes on a loaded machine
 
-RECIPE = ["experiment=lychee_lora", "model.path=pkg://lychee_exp.assets/tiny_qwen2", "model.random_init=true",
-          "model.dtype=float32", "model.lora.dropout=0",  # no dropout: rank and process RNG streams differ
-          "model.lora.r=8", "model.lora.alpha=16", "data.max_train_queries=16", "data.max_dev_queries=6",
-          "data.train_group_size=4", "data.random_negatives=0", "trainer.max_steps=3", "trainer.max_epochs=1",
-          "trainer.precision=bf16", "trainer.log_every=1", "trainer.progress_bar=false", "optimizer.lr=5e-3",
-          "optimizer.lr_scaling=none", "logger=csv", "speedup.calibrate=false"]
+RECIPE = [
+    "experiment=lychee_lora",
+    "model.path=pkg://lychee_exp.assets/tiny_qwen2",
+    "model.random_init=true",
+    "model.dtype=float32",
+    "model.lora.dropout=0",  # no dropout: rank and process RNG streams differ
+    "model.lora.r=8",
+    "model.lora.alpha=16",
+    "data.max_train_queries=16",
+    "data.max_dev_queries=6",
+    "data.train_group_size=4",
+    "data.random_negatives=0",
+    "trainer.max_steps=3",
+    "trainer.max_epochs=1",
+    "trainer.precision=bf16",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+    "optimizer.lr=5e-3",
+    "optimizer.lr_scaling=none",
+    "logger=csv",
+    "speedup.calibrate=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +70,21 @@ def test_two_ranks_with_accumulation_match_one_process(runs):
     m_single, m_ddp = _metrics(single), _metrics(ddp)
     # bf16 autocast rounds differently for a batch of 4 and two micro-batches of 1: equal within bf16 tolerance
     assert m_ddp["train_loss"] == pytest.approx(m_single["train_loss"], rel=2e-2)
-    w_single, w_ddp = load_file(str(single / "model" / "model.safetensors")), \
-        load_file(str(ddp / "model" / "model.safetensors"))
+    w_single, w_ddp = (
+        load_file(str(single / "model" / "model.safetensors")),
+        load_file(str(ddp / "model" / "model.safetensors")),
+    )
     assert w_single.keys() == w_ddp.keys() and not any("lora" in k for k in w_single)  # merged
     for name in w_single:
         torch.testing.assert_close(w_ddp[name], w_single[name], atol=2e-3, rtol=2e-2, msg=name)
     # it trained: the adapters moved the projections far more than the two runs differ
     init_cfg = to_run_config(compose_job([*RECIPE, "parallel=single", "gpus=1"], single / "x")).model
     initial = load_reranker(init_cfg, build_encoder(init_cfg, load_tokenizer(init_cfg)), seed=42)
-    base = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
-            for k, v in initial.backbone.state_dict().items() if "lora" not in k}
+    base = {
+        k.replace("base_model.model.", "").replace(".base_layer", ""): v
+        for k, v in initial.backbone.state_dict().items()
+        if "lora" not in k
+    }
     name = next(k for k in w_single if k.endswith("q_proj.weight"))
     moved = (w_single[name] - base[name]).abs().max()
     assert moved > 10 * (w_ddp[name] - w_single[name]).abs().max() and moved > 1e-3
@@ -71,12 +93,26 @@ def test_two_ranks_with_accumulation_match_one_process(runs):
 def test_merged_model_reloads_with_the_final_scores(runs, tmp_path):
     _, ddp = runs
     m = _metrics(ddp)
-    reload = to_run_config(compose_job([*RECIPE, f"model.path={ddp / 'model'}", "model.random_init=false",
-                                        "model.lora.enabled=false", "trainer.precision=fp32"], tmp_path))
+    reload = to_run_config(
+        compose_job(
+            [
+                *RECIPE,
+                f"model.path={ddp / 'model'}",
+                "model.random_init=false",
+                "model.lora.enabled=false",
+                "trainer.precision=fp32",
+            ],
+            tmp_path,
+        )
+    )
     tokenizer = load_tokenizer(reload.model)
     encoder = build_encoder(reload.model, tokenizer)
-    pairs = build_dev_pairs(load_queries(reload.data.dev_file, "dev", reload.data.max_dev_queries), encoder,
-                            reload.data.instruction or reload.model.prompt.default_instruction, reload.seed)
+    pairs = build_dev_pairs(
+        load_queries(reload.data.dev_file, "dev", reload.data.max_dev_queries),
+        encoder,
+        reload.data.instruction or reload.model.prompt.default_instruction,
+        reload.seed,
+    )
     scores = []
     for _ in range(2):  # two independent loads score identically
         model = load_reranker(reload.model, encoder, seed=123).eval()

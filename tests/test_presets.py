@@ -1,25 +1,31 @@
 """Prompt presets encode as their upstream does: with a tokenizer that carries each preset's special tokens, the
 field-by-field encoding equals tokenizing the fully rendered prompt, the chat-template rendering equals the
 hand-written one, and the score is read at the prompt's last token (yes - no, or the raw yes logit)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_QWEN2, compose_config
 from tokenizers import AddedToken, Tokenizer, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
-from conftest import TINY_QWEN2, compose_config
 from lychee_exp.config import to_run_config
 from lychee_exp.errors import UserError
 from lychee_exp.model import Reranker, answer_token_ids
 from lychee_exp.prompt import PromptEncoder, render
 
 # ChatML, as Qwen2.5 and Qwen3 ship it (system turn, user turn, generation prompt), without the tool branches
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 EXAMPLES = [
-    ("Given a web search query, retrieve relevant passages that answer the query", "what is the capital of China?",
-     "The capital of China is Beijing."),
+    (
+        "Given a web search query, retrieve relevant passages that answer the query",
+        "what is the capital of China?",
+        "The capital of China is Beijing.",
+    ),
     ("Find the function", "Return the number of bytes in a file.", "Open the file and count: size in bytes."),
 ]
 
@@ -45,13 +51,22 @@ def gemma_tok():
     raw.add_tokens([AddedToken(w, single_word=True, normalized=False) for w in ("Yes", "No")])
     bos = raw.token_to_id("<bos>")
     raw.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
-    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token="<bos>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        padding_side="left",
+    )
 
 
-CASES = [("qwen3_reranker", "qwen_tok", []), ("qwen3_reranker", "qwen_tok", ["model.prompt.chat_template=true"]),
-         ("lychee_rerank", "qwen_tok", []), ("lychee_rerank", "qwen_tok", ["model.prompt.chat_template=true"]),
-         ("bge_reranker_gemma", "gemma_tok", [])]
+CASES = [
+    ("qwen3_reranker", "qwen_tok", []),
+    ("qwen3_reranker", "qwen_tok", ["model.prompt.chat_template=true"]),
+    ("lychee_rerank", "qwen_tok", []),
+    ("lychee_rerank", "qwen_tok", ["model.prompt.chat_template=true"]),
+    ("bge_reranker_gemma", "gemma_tok", []),
+]
 
 
 @pytest.mark.parametrize(("name", "tok_fixture", "overrides"), CASES, ids=lambda v: str(v))
@@ -71,18 +86,22 @@ def test_field_by_field_equals_tokenizing_the_rendered_prompt(name, tok_fixture,
 def test_qwen3_prompt_is_its_published_layout(qwen_tok):
     cfg = preset("qwen3_reranker")
     text = render(qwen_tok, cfg.prompt, "Find it", "my query", "my doc")
-    assert text == ('<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and '
-                    'the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
-                    "<|im_start|>user\n<Instruct>: Find it\n<Query>: my query\n<Document>: my doc<|im_end|>\n"
-                    "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert text == (
+        "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
+        'the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
+        "<|im_start|>user\n<Instruct>: Find it\n<Query>: my query\n<Document>: my doc<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     assert cfg.score == "yes_minus_no" and cfg.prompt.max_len >= 4096
 
 
 def test_gemma_prompt_is_flagembedding_layout(gemma_tok):
     cfg = preset("bge_reranker_gemma")
     text = render(gemma_tok, cfg.prompt, cfg.prompt.default_instruction, "q", "p")
-    assert text == ("A: q\nB: p\nGiven a query A and a passage B, determine whether the passage contains an answer "
-                    "to the query by providing a prediction of either 'Yes' or 'No'.")
+    assert text == (
+        "A: q\nB: p\nGiven a query A and a passage B, determine whether the passage contains an answer "
+        "to the query by providing a prediction of either 'Yes' or 'No'."
+    )
     ids = PromptEncoder(gemma_tok, cfg.prompt, "left").encode(cfg.prompt.default_instruction, "q", "p")
     assert ids[0] == gemma_tok.bos_token_id and ids.count(gemma_tok.bos_token_id) == 1
     assert cfg.score == "yes_logit"
@@ -92,8 +111,9 @@ def test_gemma_prompt_is_flagembedding_layout(gemma_tok):
 def test_chat_template_renders_like_the_hand_written_preset(name, qwen_tok):
     hand, chat = preset(name), preset(name, "model.prompt.chat_template=true")
     for example in EXAMPLES:
-        assert PromptEncoder(qwen_tok, chat.prompt, "left").encode(*example) == \
-            PromptEncoder(qwen_tok, hand.prompt, "left").encode(*example)
+        assert PromptEncoder(qwen_tok, chat.prompt, "left").encode(*example) == PromptEncoder(
+            qwen_tok, hand.prompt, "left"
+        ).encode(*example)
 
 
 def test_chat_template_without_one_is_user_error(gemma_tok):
@@ -102,8 +122,15 @@ def test_chat_template_without_one_is_user_error(gemma_tok):
 
 
 def _tiny_lm(vocab_size):
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -155,12 +182,12 @@ def test_short_query_leaves_its_budget_to_the_document(qwen_tok):
     assert len(short_q) == len(long_q) == 200  # both fill the total budget exactly
 
     def kept(ids):  # how many of the document's tokens made it into the prompt
-        return max(n for n in range(len(doc_tokens)) if any(ids[i:i + n] == doc_tokens[:n] for i in range(len(ids))))
+        return max(n for n in range(len(doc_tokens)) if any(ids[i : i + n] == doc_tokens[:n] for i in range(len(ids))))
 
     q_short = len(qwen_tok(" tiny query", add_special_tokens=False)["input_ids"])
     assert kept(short_q) - kept(long_q) == 60 - q_short  # the document got what the short query did not use
     tail = qwen_tok("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
-    assert short_q[-len(tail):] == tail and long_q[-len(tail):] == tail  # the template's end is never cut
+    assert short_q[-len(tail) :] == tail and long_q[-len(tail) :] == tail  # the template's end is never cut
 
 
 def test_instruction_and_query_caps(qwen_tok):
@@ -170,7 +197,7 @@ def test_instruction_and_query_caps(qwen_tok):
     ids = encoder.encode(_words(30, "i"), _words(30, "q"), "doc")
     assert len(ids) == base + 5 + 7
     first = qwen_tok(" " + _words(30, "i"), add_special_tokens=False)["input_ids"][:5]
-    assert any(ids[k:k + 5] == first for k in range(len(ids)))  # the instruction's first 5 tokens are kept
+    assert any(ids[k : k + 5] == first for k in range(len(ids)))  # the instruction's first 5 tokens are kept
 
 
 def test_max_len_shorter_than_template_is_user_error(qwen_tok):
