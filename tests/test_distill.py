@@ -14,8 +14,9 @@ from transformers import AutoTokenizer
 
 from lychee_exp import losses
 from lychee_exp.config import PromptConfig
-from lychee_exp.data import GroupCollator, TrainGroups, check_teacher_scores, load_queries
+from lychee_exp.data import GroupCollator, TrainGroups, build_dev_pairs, check_teacher_scores, load_queries
 from lychee_exp.errors import UserError
+from lychee_exp.evaluate import bm25_scores, ranking_metrics
 from lychee_exp.prompt import PromptEncoder
 
 
@@ -230,3 +231,14 @@ def test_cli_distillation_without_teacher_scores_is_one_line(tmp_path):
     assert "Traceback" not in out and len(output_lines(proc)) == 1, out
     assert "loss.distill_weight" in out and "pos_scores" in out
     assert not (run_dir / "metrics.json").exists()
+
+
+def test_sample_data_carries_teacher_scores_that_rank_above_bm25():
+    train = load_queries("pkg://lychee_exp.assets/sample/train.jsonl", "data.train_file")
+    dev = load_queries("pkg://lychee_exp.assets/sample/dev.jsonl", "data.dev_file")
+    assert all(q.has_teacher_scores for q in train + dev)
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(TINY_QWEN2)), PromptConfig(), "left")
+    pairs = build_dev_pairs(dev, encoder, "i", seed=0)
+    teacher = ranking_metrics(pairs.teacher_scores, pairs.labels, pairs.query_index)
+    bm25 = ranking_metrics(bm25_scores(pairs), pairs.labels, pairs.query_index)
+    assert teacher["ndcg@10"] > bm25["ndcg@10"] + 0.05  # a teacher worth distilling from
