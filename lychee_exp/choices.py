@@ -23,6 +23,11 @@ class ModelKind(Choice):
     sequence_classification = "sequence_classification"  # one logit plays logit(yes) - logit(no)
 
 
+class Score(Choice):
+    yes_minus_no = "yes_minus_no"  # logit(yes) - logit(no): softmax over yes/no (Lychee, Qwen3-Reranker)
+    yes_logit = "yes_logit"  # the raw yes logit (FlagEmbedding's decoder-only rerankers)
+
+
 class Dtype(Choice):
     float32 = "float32"
     bfloat16 = "bfloat16"

@@ -30,6 +30,7 @@ from lychee_exp.choices import (  # noqa: F401  (Choice: re-exported, the base o
     ModelKind,
     Precision,
     Schedule,
+    Score,
     Strategy,
 )
 from lychee_exp.devices import parse_gpus
@@ -55,9 +56,14 @@ class PromptConfig:
     separator: str = "\n"  # between prefix and template
     template: str = "Instruct: {instruction} Query: {query} Document: {document}"
     suffix: str = ""  # e.g. a chat template's assistant opening, so that the next token is the answer
+    answer_prefix: str = ""  # what the assistant turn opens with before yes/no (Qwen3: an empty think block)
+    chat_template: bool = False  # render with tokenizer.apply_chat_template (system + template as the user turn)
+    system: str = ""  # the system message when chat_template is true
     default_instruction: str = "Given a web search query, retrieve relevant passages that answer the query"
+    max_len: int = at_least(0, 0)  # total prompt tokens, template included; the document gets the rest; 0 = no total
+    instruction_max_len: int = at_least(0, 0)  # tokens; 0 = no cap
     query_max_len: int = at_least(1, 64)  # tokens; the query is truncated to this
-    doc_max_len: int = at_least(1, 192)  # tokens; the document is truncated, never the template around it
+    doc_max_len: int = at_least(0, 192)  # tokens; the document is truncated, never the template; 0 = only max_len
     yes_token: str = "yes"
     no_token: str = "no"
 
@@ -85,6 +91,9 @@ class ModelConfig:
     dropout: Optional[float] = None  # overrides every dropout probability in the model's config; null = keep
     lora: LoraConfig = field(default_factory=LoraConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
+    # causal_lm relevance logit: yes_minus_no (Lychee, Qwen3-Reranker: softmax over yes/no) | yes_logit (the raw
+    # 'Yes' logit, FlagEmbedding's decoder-only rerankers); rank by the score the checkpoint was trained with
+    score: Score = Score.yes_minus_no
 
 
 @dataclass
@@ -106,6 +115,9 @@ class DataConfig:
 class LossConfig:
     name: str = "pointwise"  # a registered loss (lychee_exp.losses.LOSSES): pointwise | listwise
     temperature: float = above(0, 1.0)  # listwise: softmax over score / temperature
+    # distillation from the data's pos_scores/neg_scores (teacher scores): weight 0 = off; see losses.py
+    distill_weight: float = at_least(0, 0.0)
+    distill_temperature: float = above(0, 1.0)
 
 
 @dataclass
@@ -213,6 +225,8 @@ def check_config(cfg: DictConfig | RunConfig) -> None:
         raise UserError(f"data.train_group_size must be >= 2 for loss=listwise (1 positive + negatives), got {group}")
     if run_cfg.trainer.max_steps <= 0 and run_cfg.trainer.max_epochs < 1:
         raise UserError("trainer.max_epochs must be >= 1 when trainer.max_steps <= 0")
+    if not run_cfg.model.prompt.max_len and not run_cfg.model.prompt.doc_max_len:
+        raise UserError("model.prompt.doc_max_len=0 needs a total budget: set model.prompt.max_len > 0")
     _check_template(run_cfg.model.prompt.template)
     parse_gpus(run_cfg.gpus)
 

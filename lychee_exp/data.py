@@ -1,12 +1,17 @@
 """Ranking data in FlagEmbedding's JSONL format, training groups, and the batches the model reads.
 
-One query per line: {"query": str, "pos": [str, ...], "neg": [str, ...], "instruction": str (optional)};
-other keys are ignored. A training example is a group: 1 positive + (train_group_size - 1) sampled negatives.
+One query per line: {"query": str, "pos": [str, ...], "neg": [str, ...]} and, optionally, "prompt" (this query's
+instruction, FlagEmbedding's key; "instruction" is accepted too), "pos_scores"/"neg_scores" (teacher scores, one
+per document, for distillation), "pos_labels" (integer relevance gains of the positives, for graded NDCG on dev
+files; default 1 each) and "qid". Other keys are reported once per file, then ignored.
+A training example is a group: 1 positive + (train_group_size - 1) sampled negatives, with their teacher scores.
 Dev files use the same format; each query's pos + neg are the candidates to rerank.
 """
 from __future__ import annotations
 
 import json
+import logging
+import math
 import random
 from dataclasses import dataclass, field
 from itertools import islice
@@ -18,6 +23,10 @@ from lychee_exp.errors import UserError
 from lychee_exp.prompt import PromptEncoder
 from lychee_exp.resources import resolve_path
 
+log = logging.getLogger(__name__)
+
+KNOWN_KEYS = {"query", "pos", "neg", "prompt", "instruction", "pos_scores", "neg_scores", "pos_labels", "qid"}
+
 
 @dataclass
 class RankingQuery:
@@ -26,27 +35,40 @@ class RankingQuery:
     neg: list[str] = field(default_factory=list)
     instruction: str | None = None
     qid: str = ""
+    pos_scores: list[float] | None = None  # teacher scores, aligned with pos / neg
+    neg_scores: list[float] | None = None
+    pos_labels: list[int] | None = None  # graded relevance of the positives (dev); None = 1 each
+
+    @property
+    def has_teacher_scores(self) -> bool:
+        return self.pos_scores is not None and (self.neg_scores is not None or not self.neg)
 
 
-def load_queries(spec: str, key: str, limit: int = 0) -> list[RankingQuery]:
-    """Reads and checks a JSONL file; any problem is one UserError naming file:line."""
+def load_queries(spec: str, key: str, limit: int = 0, warn_unknown: bool = True) -> list[RankingQuery]:
+    """Reads and checks a JSONL file; any problem is one UserError naming file:line. Unknown keys get one
+    warning per file (warn_unknown=False where preflight has already said it)."""
     path = resolve_path(spec, key)
     if path.is_dir():
         raise UserError(f"{key}={spec}: {path} is a directory, not a JSONL file")
     queries: list[RankingQuery] = []
+    unknown: dict[str, int] = {}  # key -> first line it appears on
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
-            queries.append(_parse_line(line, f"{path}:{number}", len(queries)))
+            queries.append(_parse_line(line, f"{path}:{number}", len(queries), unknown, number))
             if limit and len(queries) >= limit:
                 break
     if not queries:
         raise UserError(f"{key}={spec}: {path} holds no queries")
+    if unknown and warn_unknown:
+        # once per file, not per line: a typo in a key must not pass silently, nor flood the log
+        log.warning("%s: ignoring unknown key(s) %s (first on line %s); known keys: %s", path,
+                    ", ".join(sorted(unknown)), min(unknown.values()), ", ".join(sorted(KNOWN_KEYS)))
     return queries
 
 
-def _parse_line(line: str, where: str, index: int) -> RankingQuery:
+def _parse_line(line: str, where: str, index: int, unknown: dict[str, int], number: int) -> RankingQuery:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
@@ -62,10 +84,38 @@ def _parse_line(line: str, where: str, index: int) -> RankingQuery:
             raise UserError(f"{where}: '{name}' must be a list of strings")
     if not pos:
         raise UserError(f"{where}: query has no positive ('pos' is empty or missing)")
-    instruction = record.get("instruction")
-    if instruction is not None and not isinstance(instruction, str):
-        raise UserError(f"{where}: 'instruction' must be a string")
-    return RankingQuery(query, pos, neg, instruction, str(record.get("qid", index)))
+    for name in ("prompt", "instruction"):
+        if record.get(name) is not None and not isinstance(record[name], str):
+            raise UserError(f"{where}: '{name}' must be a string")
+    instruction = record.get("prompt", record.get("instruction"))
+    pos_scores = _numbers(record, "pos_scores", pos, where, float)
+    neg_scores = _numbers(record, "neg_scores", neg, where, float)
+    if (pos_scores is None) != (neg_scores is None) and neg:
+        given = "pos_scores" if pos_scores is not None else "neg_scores"
+        raise UserError(f"{where}: '{given}' without '{'neg_scores' if given == 'pos_scores' else 'pos_scores'}': "
+                        "teacher scores must cover every document")
+    pos_labels = _numbers(record, "pos_labels", pos, where, int)
+    if pos_labels is not None and min(pos_labels) < 1:
+        raise UserError(f"{where}: 'pos_labels' must be integer gains >= 1 (negatives are 0)")
+    for key in record.keys() - KNOWN_KEYS:
+        unknown.setdefault(key, number)
+    return RankingQuery(query, pos, neg, instruction, str(record.get("qid", index)), pos_scores, neg_scores,
+                        pos_labels)
+
+
+def _numbers(record: dict, name: str, docs: list[str], where: str, kind: type) -> list | None:
+    """An optional list of numbers, one per document of `docs` (pos or neg)."""
+    values = record.get(name)
+    if values is None:
+        return None
+    ok = (lambda v: isinstance(v, int) and not isinstance(v, bool)) if kind is int else \
+        (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+    if not isinstance(values, list) or not all(ok(v) for v in values):
+        raise UserError(f"{where}: '{name}' must be a list of {'integers' if kind is int else 'numbers'}")
+    if len(values) != len(docs):
+        docs_key = name.split("_")[0]
+        raise UserError(f"{where}: '{name}' has {len(values)} values but '{docs_key}' has {len(docs)} documents")
+    return [kind(v) for v in values]
 
 
 def check_negatives(queries: list[RankingQuery], group_size: int, random_negatives: int = 0) -> None:
@@ -76,8 +126,17 @@ def check_negatives(queries: list[RankingQuery], group_size: int, random_negativ
                                 f"data.train_group_size={group_size} needs {group_size - 1}")
 
 
+def check_teacher_scores(queries: list[RankingQuery], key: str) -> None:
+    """Distillation needs teacher scores on every line: say so before training, naming the first line without."""
+    missing = next((q for q in queries if not q.has_teacher_scores), None)
+    if missing is not None:
+        raise UserError(f"loss.distill_weight > 0 needs teacher scores ('pos_scores' and 'neg_scores'), but {key} "
+                        f"query {missing.qid!r} has none; add them or set loss.distill_weight=0")
+
+
 class TrainGroups(Dataset):
-    """Item i = (instruction, query, [positive, negative, ...]) with negatives resampled each epoch.
+    """Item i = (instruction, query, [positive, negative, ...], teacher scores or None), negatives resampled each
+    epoch. Easy (other queries') negatives have no teacher score for this query: NaN, left out of distillation.
 
     Sampling depends only on (seed, epoch, i), so any split of the items across ranks, and a resumed run,
     sees exactly the groups a single process would.
@@ -98,27 +157,37 @@ class TrainGroups(Dataset):
     def __len__(self) -> int:
         return len(self.queries)
 
-    def __getitem__(self, index: int) -> tuple[str, str, list[str]]:
+    def __getitem__(self, index: int) -> tuple[str, str, list[str], list[float] | None]:
         q = self.queries[index]
         rng = random.Random(f"{self.seed}:{self.epoch}:{index}")
         need = self.group_size - 1 - self.random_negatives
-        # Too few negatives: sample with replacement, as FlagEmbedding does.
-        negatives = rng.sample(q.neg, need) if len(q.neg) >= need else rng.choices(q.neg, k=need)
+        # Indices, so that teacher scores follow their documents. Too few negatives: sample with replacement,
+        # as FlagEmbedding does.
+        picked = rng.sample(range(len(q.neg)), need) if len(q.neg) >= need else rng.choices(range(len(q.neg)), k=need)
         others = [i for i in rng.sample(range(len(self.queries)), min(len(self.queries), self.random_negatives + 1))
                   if i != index][:self.random_negatives]
-        negatives += [rng.choice(self.queries[i].pos) for i in others]
-        return q.instruction or self.instruction, q.query, [rng.choice(q.pos), *negatives]
+        easy = [rng.choice(self.queries[i].pos) for i in others]
+        pos = rng.choice(range(len(q.pos)))
+        docs = [q.pos[pos], *(q.neg[j] for j in picked), *easy]
+        scores = None
+        if q.has_teacher_scores:
+            scores = [q.pos_scores[pos], *(q.neg_scores[j] for j in picked), *[math.nan] * len(easy)]
+        return q.instruction or self.instruction, q.query, docs, scores
 
 
 class GroupCollator:
-    """Tokenizes a list of groups into one padded batch of len(groups) * group_size prompts."""
+    """Tokenizes a list of groups into one padded batch of len(groups) * group_size prompts, plus the groups'
+    teacher scores (`teacher_scores`, one row per group) when every group has them."""
 
     def __init__(self, encoder: PromptEncoder):
         self.encoder = encoder
 
-    def __call__(self, groups: list[tuple[str, str, list[str]]]) -> dict[str, torch.Tensor]:
-        ids = [self.encoder.encode(instr, query, doc) for instr, query, docs in groups for doc in docs]
-        return self.encoder.pad(ids)
+    def __call__(self, groups: list[tuple[str, str, list[str], list[float] | None]]) -> dict[str, torch.Tensor]:
+        ids = [self.encoder.encode(instr, query, doc) for instr, query, docs, _ in groups for doc in docs]
+        batch = self.encoder.pad(ids)
+        if all(scores is not None for *_, scores in groups):
+            batch["teacher_scores"] = torch.tensor([scores for *_, scores in groups], dtype=torch.float32)
+        return batch
 
 
 @dataclass
@@ -127,21 +196,28 @@ class DevPairs:
     that ties cannot favour the positive."""
 
     query_index: list[int]
-    labels: list[int]
+    labels: list[int]  # relevance gain: 0 for negatives, pos_labels (default 1) for positives
     token_ids: list[list[int]]
     texts: list[tuple[str, str]]  # (query, document), for lexical baselines
+    teacher_scores: list[float] | None = None  # the file's pos_scores/neg_scores when every line has them
 
 
 def build_dev_pairs(queries: list[RankingQuery], encoder: PromptEncoder, instruction: str, seed: int) -> DevPairs:
     pairs = DevPairs([], [], [], [])
+    teacher: list[float] = []
+    scored = all(q.has_teacher_scores for q in queries)
     for qi, q in enumerate(queries):
-        candidates = [(doc, 1) for doc in q.pos] + [(doc, 0) for doc in q.neg]
+        gains = q.pos_labels or [1] * len(q.pos)
+        scores = (q.pos_scores or []) + (q.neg_scores or []) if scored else [0.0] * (len(q.pos) + len(q.neg))
+        candidates = list(zip(q.pos + q.neg, gains + [0] * len(q.neg), scores))
         random.Random(f"{seed}:dev:{qi}").shuffle(candidates)
-        for doc, label in candidates:
+        for doc, label, score in candidates:
             pairs.query_index.append(qi)
             pairs.labels.append(label)
             pairs.token_ids.append(encoder.encode(q.instruction or instruction, q.query, doc))
             pairs.texts.append((q.query, doc))
+            teacher.append(score)
+    pairs.teacher_scores = teacher if scored else None
     return pairs
 
 

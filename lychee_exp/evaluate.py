@@ -1,5 +1,8 @@
 """Dev evaluation: rerank each query's candidates, NDCG@10 and MRR@10 (BEIR / MS MARCO conventions).
 
+NDCG uses graded gains (a dev line's `pos_labels`, else 1 per positive) with linear gain as trec_eval does;
+MRR counts any gain > 0 as relevant.
+
 Metrics come from torchmetrics' retrieval functions, per query, averaged over queries. Scoring is sharded
 across ranks and gathered, so every rank ends with the metrics a single process computes.
 """
@@ -31,9 +34,9 @@ def ranking_metrics(scores: Sequence[float], labels: Sequence[int], query_index:
         # Ranks 1..n instead of raw scores: torchmetrics' reciprocal rank ignores candidates scoring <= 0, and
         # our scores are log-odds. Ties keep the (seeded, shuffled) candidate order, for both metrics alike.
         preds = (torch.argsort(torch.argsort(raw, stable=True), stable=True) + 1).to(torch.float64)
-        target = torch.tensor([labels[r] for r in rows])
+        target = torch.tensor([labels[r] for r in rows])  # graded gains: NDCG uses them, MRR only relevant/not
         ndcg.append(retrieval_normalized_dcg(preds, target, top_k=TOP_K).item())
-        mrr.append(retrieval_reciprocal_rank(preds, target, top_k=TOP_K).item())
+        mrr.append(retrieval_reciprocal_rank(preds, target > 0, top_k=TOP_K).item())
     return {f"{prefix}ndcg@{TOP_K}": sum(ndcg) / len(ndcg), f"{prefix}mrr@{TOP_K}": sum(mrr) / len(mrr)}
 
 
@@ -56,11 +59,15 @@ def bm25_scores(pairs: DevPairs) -> list[float]:
     return scores
 
 
-def bm25_baseline(pairs: DevPairs) -> dict[str, float]:
-    """BM25's metrics on the dev candidates (bm25_ndcg@10, bm25_mrr@10), logged: the bar a reranker must clear."""
-    bm25 = ranking_metrics(bm25_scores(pairs), pairs.labels, pairs.query_index, prefix="bm25_")
-    log.info("BM25 on the dev candidates: ndcg@10 %.4f, mrr@10 %.4f", bm25["bm25_ndcg@10"], bm25["bm25_mrr@10"])
-    return bm25
+def reference_metrics(pairs: DevPairs) -> dict[str, float]:
+    """The bars a reranker is measured against, logged: BM25 on the dev candidates (bm25_*), and the dev file's
+    own teacher scores when it has them (teacher_*)."""
+    refs = ranking_metrics(bm25_scores(pairs), pairs.labels, pairs.query_index, prefix="bm25_")
+    log.info("BM25 on the dev candidates: ndcg@10 %.4f, mrr@10 %.4f", refs["bm25_ndcg@10"], refs["bm25_mrr@10"])
+    if pairs.teacher_scores is not None:
+        refs.update(ranking_metrics(pairs.teacher_scores, pairs.labels, pairs.query_index, prefix="teacher_"))
+        log.info("teacher scores of the dev file: ndcg@10 %.4f", refs["teacher_ndcg@10"])
+    return refs
 
 
 @torch.inference_mode()

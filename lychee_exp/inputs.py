@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lychee_exp.config import RunConfig
-from lychee_exp.data import RankingQuery, check_negatives, load_queries
-from lychee_exp.model import KINDS, build_encoder, load_tokenizer
+from lychee_exp.data import RankingQuery, check_negatives, check_teacher_scores, load_queries
+from lychee_exp.model import answer_token_ids, build_encoder, load_tokenizer
 from lychee_exp.prompt import PromptEncoder
 
 
@@ -24,15 +24,16 @@ class RunInputs:
     encoder: PromptEncoder
 
 
-def load_inputs(cfg: RunConfig) -> RunInputs:
-    """Reads and checks the data files and the tokenizer; any problem is a UserError naming the key or file:line."""
+def load_inputs(cfg: RunConfig, warn_unknown: bool = True) -> RunInputs:
+    """Reads and checks the data files and the tokenizer; any problem is a UserError naming the key or file:line.
+    Unknown data keys are warned about once per file (warn_unknown=False where preflight has already said it)."""
     data = cfg.data
-    train = load_queries(data.train_file, "data.train_file", data.max_train_queries)
+    train = load_queries(data.train_file, "data.train_file", data.max_train_queries, warn_unknown)
     check_negatives(train, data.train_group_size, data.random_negatives)
-    dev = load_queries(data.dev_file, "data.dev_file", data.max_dev_queries)
+    if cfg.loss.distill_weight > 0:
+        check_teacher_scores(train, "data.train_file")
+    dev = load_queries(data.dev_file, "data.dev_file", data.max_dev_queries, warn_unknown)
     tokenizer = load_tokenizer(cfg.model)
     encoder = build_encoder(cfg.model, tokenizer)
-    if KINDS[cfg.model.kind].yes_no:
-        encoder.single_token_id("model.prompt.yes_token", cfg.model.prompt.yes_token)
-        encoder.single_token_id("model.prompt.no_token", cfg.model.prompt.no_token)
+    answer_token_ids(cfg.model, encoder)  # yes/no must each be one token: one line naming the key, else
     return RunInputs(train, dev, tokenizer, encoder)

@@ -1,8 +1,9 @@
 """The reranker: a transformers backbone that turns a Lychee prompt into one relevance logit.
 
-For a causal LM (Lychee, Qwen2) the logit is logit(yes) - logit(no) at the last position of a left-padded batch,
-so sigmoid(logit) = softmax over (yes, no) = p(yes). A sequence classifier (the MiniLM cross-encoder) has one
-logit that plays the same role. Losses and rankings use this logit; `probability` gives p(yes).
+For a causal LM (Lychee, Qwen2, Qwen3-Reranker) the logit is logit(yes) - logit(no) at the last position of a
+left-padded batch, so sigmoid(logit) = softmax over (yes, no) = p(yes); with `model.score: yes_logit` it is the raw
+yes logit, as FlagEmbedding's decoder-only rerankers score. A sequence classifier (the MiniLM cross-encoder) has
+one logit that plays the same role. Losses and rankings use this logit; `probability` gives sigmoid of it.
 """
 from __future__ import annotations
 
@@ -47,11 +48,13 @@ KINDS = {
 
 
 class Reranker(nn.Module):
-    def __init__(self, backbone: nn.Module, kind: str, yes_id: int | None = None, no_id: int | None = None):
+    def __init__(self, backbone: nn.Module, kind: str, yes_id: int | None = None, no_id: int | None = None,
+                 score: str = "yes_minus_no"):
         super().__init__()
         self.backbone = backbone
         self.kind = kind
         self.yes_id, self.no_id = yes_id, no_id
+        self.score = score
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         if self.kind == "sequence_classification":
@@ -61,6 +64,8 @@ class Reranker(nn.Module):
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             logits_to_keep=1, use_cache=False)
         last = out.logits[:, -1, :].float()
+        if self.score == "yes_logit":
+            return last[:, self.yes_id]
         return last[:, self.yes_id] - last[:, self.no_id]
 
     @torch.inference_mode()
@@ -126,9 +131,18 @@ def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int) -> Rerank
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora.enabled:
         backbone = _add_lora(backbone, cfg)
-    yes_id = encoder.single_token_id("model.prompt.yes_token", cfg.prompt.yes_token) if kind.yes_no else None
-    no_id = encoder.single_token_id("model.prompt.no_token", cfg.prompt.no_token) if kind.yes_no else None
-    return Reranker(backbone, cfg.kind, yes_id, no_id)
+    yes_id, no_id = answer_token_ids(cfg, encoder)
+    return Reranker(backbone, cfg.kind, yes_id, no_id, cfg.score)
+
+
+def answer_token_ids(cfg: ModelConfig, encoder: PromptEncoder) -> tuple[int | None, int | None]:
+    """The yes/no token ids the score reads (each must be one token: else one line naming the key)."""
+    if not KINDS[cfg.kind].yes_no:
+        return None, None
+    yes_id = encoder.single_token_id("model.prompt.yes_token", cfg.prompt.yes_token)
+    if cfg.score == "yes_logit":
+        return yes_id, None
+    return yes_id, encoder.single_token_id("model.prompt.no_token", cfg.prompt.no_token)
 
 
 def _add_lora(backbone: nn.Module, cfg: ModelConfig) -> nn.Module:
@@ -161,5 +175,5 @@ def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path
     out_dir.mkdir(parents=True, exist_ok=True)
     backbone.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
-    info = {"kind": cfg.kind, "prompt": asdict(cfg.prompt)}
+    info = {"kind": cfg.kind, "score": cfg.score, "prompt": asdict(cfg.prompt)}
     (out_dir / RERANKER_FILE).write_text(json.dumps(info, indent=2) + "\n")

@@ -31,7 +31,7 @@ from lychee_exp.errors import TrainingDiverged
 from lychee_exp.faults import fault_hook
 from lychee_exp.inputs import RunInputs, load_inputs
 from lychee_exp.loggers import log_eval, log_setup, log_train_step, run_logger
-from lychee_exp.losses import LOSSES
+from lychee_exp.losses import build_loss
 from lychee_exp.model import count_parameters, load_reranker, save_reranker
 from lychee_exp.optim import build_optimizer, scaled_lr
 from lychee_exp.preemption import stop_requested
@@ -63,11 +63,11 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         seed_everything(cfg.seed, cfg.trainer.deterministic)
-        inputs = self.inputs or load_inputs(cfg)
+        inputs = self.inputs or load_inputs(cfg, warn_unknown=False)  # the Hydra process warned already
         self._setup_model(inputs)
         self._setup_data(inputs)
         self._setup_optimizer()
-        self.loss_fn = LOSSES.lookup(cfg.loss.name)
+        self.loss_fn = build_loss(cfg.loss, cfg.data.train_group_size)
         self.after_step = fault_hook(self.env.rank)  # None outside failure-handling tests
         self.resume_from = self._resume_path()
         self.facts = setup_facts(cfg, self.env, self.plan, self.lr, self.precision, count_parameters(self.model))
@@ -140,7 +140,7 @@ class Trainer:
         step, epoch, next_batch, summary = progress["step"], progress["epoch"], progress["batch"], progress["summary"]
         evaluated_at = progress.get("evaluated_at", -1)
         if step == 0 and cfg.trainer.evaluate:
-            summary.update(ev.bm25_baseline(self.dev_pairs) if env.is_main else {})
+            summary.update(ev.reference_metrics(self.dev_pairs) if env.is_main else {})
             if cfg.trainer.eval_before_training:
                 initial = self._eval_and_log(0)
                 summary.update({f"initial_{k}": v for k, v in initial.items()}, **initial)
@@ -149,6 +149,7 @@ class Trainer:
         accum, batch = cfg.trainer.grad_accum_steps, self.loader.batch_size
         timer = StepTimer(step, self.total_steps)
         losses: list[float] = []
+        distill_losses: list[float] = []
         bar = tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True,
                    disable=not (env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()))
         self.train_model.train()
@@ -173,10 +174,14 @@ class Trainer:
                 elapsed = time.perf_counter() - start
                 timer.add(step, elapsed, wait, busy, stats[2].item(), stats[1].item())
                 losses.append(loss)
+                distill_losses.append(stats[3].item() / stats[2].item())
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{stats[2].item() / elapsed:.1f}")
                 if step % cfg.trainer.log_every == 0 or step == self.total_steps:
                     summary["train_loss"] = sum(losses) / len(losses)
+                    if cfg.loss.distill_weight > 0:
+                        summary["train_distill_loss"] = sum(distill_losses) / len(distill_losses)
+                    distill_losses.clear()
                     log_train_step(self.logger, env.is_main, step, self.total_steps, epoch, summary["train_loss"],
                                    self.scheduler.get_last_lr()[0], grad_norm, stats.tolist(), elapsed, wait)
                     losses.clear()
@@ -211,14 +216,14 @@ class Trainer:
 
     def _accumulate(self, batches, first: int, micro_steps: int) -> tuple[torch.Tensor, float, float]:
         """Forward and backward over one accumulation window; returns the all-reduced (loss sum, tokens,
-        queries) and this rank's data-wait and busy seconds."""
-        cfg, env = self.cfg, self.env
+        queries, distillation term sum) and this rank's data-wait and busy seconds."""
+        env = self.env
         batch, local_queries = self.loader.batch_size, self.sampler.num_samples
         # Queries in this window on each rank (the epoch's last batch may be short): the loss is a mean over
         # the whole window, so accumulation and sharding give the gradient of one big batch.
         window_queries = min(local_queries, (first + micro_steps) * batch) - first * batch
         wait = busy = 0.0
-        stats = torch.zeros(3, dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors only
+        stats = torch.zeros(4, dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors only
         for micro in range(micro_steps):
             fetched = time.perf_counter()
             inputs = next(batches)
@@ -229,11 +234,12 @@ class Trainer:
             with contextlib.nullcontext() if sync else self.train_model.no_sync(), self.autocast():
                 logits = self.train_model(inputs["input_ids"].to(self.device, non_blocking=True),
                                           inputs["attention_mask"].to(self.device, non_blocking=True))
-                per_query = self.loss_fn(logits, cfg.data.train_group_size, cfg.loss.temperature)
+                per_query, distill = self.loss_fn(logits, inputs.get("teacher_scores"))
             busy += time.perf_counter() - computed
             self.scaler.scale(per_query.sum() / window_queries).backward()
             stats += torch.stack([per_query.detach().sum().double(),
-                                  inputs["attention_mask"].sum().to(stats), torch.tensor(len(per_query)).to(stats)])
+                                  inputs["attention_mask"].sum().to(stats), torch.tensor(len(per_query)).to(stats),
+                                  (distill.detach().sum() if distill is not None else torch.zeros(())).to(stats)])
         return env.all_reduce_sum(stats), wait, busy + wait
 
     def _optimizer_step(self) -> float:

@@ -17,6 +17,8 @@ GROUPS = ["model", "data", "loss", "optimizer", "trainer", "parallel", "logger",
 # Options whose required paths are the user's own: they get placeholders, so only compose + check_config.
 NEEDS_PATHS = {
     ("model", "lychee_rerank"): ["model.path=/models/lychee-rerank"],
+    ("model", "qwen3_reranker"): ["model.path=/models/qwen3-reranker"],
+    ("model", "bge_reranker_gemma"): ["model.path=/models/bge-reranker-v2-gemma"],
     ("data", "jsonl"): ["data.train_file=/data/train.jsonl", "data.dev_file=/data/dev.jsonl"],
     ("experiment", "lychee_lora"): ["model.path=/models/lychee-rerank"],
 }

@@ -69,7 +69,7 @@ def test_directory_is_user_error(tmp_path):
 
 def test_unknown_keys_ignored_and_fields_read(tmp_path):
     path = write_lines(tmp_path / "ok.jsonl", [
-        json.dumps({**GOOD, "score": 3.5, "meta": {"a": 1}, "pos_scores": [1.0]}),
+        json.dumps({**GOOD, "score": 3.5, "meta": {"a": 1}}),
         "",
         json.dumps({"query": "q2", "pos": ["p2"], "instruction": "Find it", "qid": "Q-2"}),
     ])
@@ -100,7 +100,8 @@ def test_group_is_positive_then_negatives():
     groups = TrainGroups(_queries(10), group_size=5, instruction="default instr", seed=1)
     assert len(groups) == 6
     for i in range(len(groups)):
-        instruction, query, docs = groups[i]
+        instruction, query, docs, scores = groups[i]
+        assert scores is None  # no teacher scores in these queries
         assert instruction == "default instr" and query == f"q{i}"
         assert len(docs) == 5
         assert docs[0] == f"pos{i}"
@@ -115,7 +116,7 @@ def test_query_instruction_overrides_default():
 
 def test_too_few_negatives_resampled_with_replacement():
     groups = TrainGroups(_queries(2), group_size=8, instruction="i", seed=0)
-    _, _, docs = groups[0]
+    _, _, docs, _ = groups[0]
     assert len(docs) == 8 and docs[0] == "pos0"
     counts = Counter(docs[1:])
     assert set(counts) <= {"neg0-0", "neg0-1"}

