@@ -72,6 +72,8 @@ class DataConfig:
     max_train_queries: int = 0  # 0 = all; a prefix of the file, for quick runs
     max_dev_queries: int = 0
     num_workers: int = 0  # DataLoader workers that tokenize batches
+    bucket_by_length: bool = False  # batch queries whose prompts have similar lengths (less padding)
+    bucket_pool_batches: int = 64  # optimizer steps' worth of queries sorted by length together
 
 
 @dataclass
@@ -203,6 +205,7 @@ _POSITIVE = (
     "parallel.timeout_s",
     "logger.init_timeout_s",
     "speedup.calibration_steps",
+    "data.bucket_pool_batches",
 )
 _NON_NEGATIVE = ("data.random_negatives", "data.max_train_queries", "data.max_dev_queries", "data.num_workers", "trainer.eval_every",
                  "trainer.max_epochs", "optimizer.weight_decay", "optimizer.max_grad_norm",

@@ -22,7 +22,8 @@ from tqdm import tqdm
 from lychee_exp import evaluate as ev
 from lychee_exp.checkpoint import latest_checkpoint, restore_training_state, save_training_state
 from lychee_exp.config import RunConfig
-from lychee_exp.data import GroupCollator, ResumableSampler, TrainGroups, build_dev_pairs, load_queries
+from lychee_exp.bucketing import train_sampler
+from lychee_exp.data import GroupCollator, TrainGroups, build_dev_pairs, load_queries
 from lychee_exp.devices import DevicePlan, resolve_precision
 from lychee_exp.distributed import DistEnv, device_name, wrap_for_training
 from lychee_exp.errors import TrainingDiverged
@@ -73,12 +74,13 @@ class Trainer:
         # One sampler for every world size: its permutation depends on (seed, epoch) only, and rank r takes
         # items r, r + world, ..., so a run on N ranks sees the same global batches as one process.
         # drop_last: each query at most once per epoch, and every rank has the same number of batches.
-        self.sampler = ResumableSampler(self.train_set, num_replicas=env.world_size, rank=env.rank,
-                                        shuffle=True, seed=cfg.seed, drop_last=True)
-        if self.sampler.num_samples == 0:
-            raise ValueError(f"{len(self.train_set)} training queries cannot be split over {env.world_size} ranks")
         # DataParallel splits one process's batch over its GPUs, so that process loads all of their batches.
         loader_batch = cfg.data.batch_size * (self.num_devices if self.plan.strategy == "dp" else 1)
+        self.sampler = train_sampler(self.train_set, self.encoder, cfg.data.bucket_by_length,
+                                     cfg.data.bucket_pool_batches, loader_batch * env.world_size *
+                                     cfg.trainer.grad_accum_steps, env.world_size, env.rank, cfg.seed)
+        if self.sampler.num_samples == 0:
+            raise ValueError(f"{len(self.train_set)} training queries cannot be split over {env.world_size} ranks")
         self.loader = DataLoader(self.train_set, batch_size=loader_batch, sampler=self.sampler,
                                  collate_fn=GroupCollator(self.encoder), num_workers=cfg.data.num_workers,
                                  # not persistent: workers must see set_epoch's resampled negatives
@@ -185,7 +187,7 @@ class Trainer:
                 step += 1
                 inject_fault(self.env.rank, step)
                 elapsed = time.perf_counter() - start
-                timer.add(step, elapsed, wait, busy, stats[2].item(), stats[1].item())
+                timer.add(step, elapsed, wait, busy, stats[2].item(), stats[1].item(), stats[3].item())
                 losses.append(loss)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{stats[2].item() / elapsed:.1f}")
@@ -215,14 +217,14 @@ class Trainer:
 
     def _accumulate(self, batches, first: int, micro_steps: int) -> tuple[torch.Tensor, float, float]:
         """Forward and backward over one accumulation window; returns the all-reduced (loss sum, tokens,
-        queries) and this rank's data-wait and busy seconds."""
+        queries, padded tokens) and this rank's data-wait and busy seconds."""
         cfg, env = self.cfg, self.env
         batch, local_queries = self.loader.batch_size, self.sampler.num_samples
         # Queries in this window on each rank (the epoch's last batch may be short): the loss is a mean over
         # the whole window, so accumulation and sharding give the gradient of one big batch.
         window_queries = min(local_queries, (first + micro_steps) * batch) - first * batch
         wait = busy = 0.0
-        stats = torch.zeros(3, dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors only
+        stats = torch.zeros(4, dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors only
         for micro in range(micro_steps):
             fetched = time.perf_counter()
             inputs = next(batches)
@@ -237,7 +239,8 @@ class Trainer:
             busy += time.perf_counter() - computed
             self.scaler.scale(per_query.sum() / window_queries).backward()
             stats += torch.stack([per_query.detach().sum().double(),
-                                  inputs["attention_mask"].sum().to(stats), torch.tensor(len(per_query)).to(stats)])
+                                  inputs["attention_mask"].sum().to(stats), torch.tensor(len(per_query)).to(stats),
+                                  torch.tensor(inputs["attention_mask"].numel()).to(stats)])
         return env.all_reduce_sum(stats), wait, busy + wait
 
     def _baselines(self) -> dict[str, float]:
