@@ -20,9 +20,9 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from lychee_exp import evaluate as ev
+from lychee_exp.bucketing import train_sampler
 from lychee_exp.checkpoint import latest_checkpoint, restore_training_state, save_training_state
 from lychee_exp.config import RunConfig
-from lychee_exp.bucketing import train_sampler
 from lychee_exp.data import GroupCollator, TrainGroups, build_dev_pairs, load_queries
 from lychee_exp.devices import DevicePlan, resolve_precision
 from lychee_exp.distributed import DistEnv, device_name, wrap_for_training

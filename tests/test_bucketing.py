@@ -1,8 +1,6 @@
 """Length-bucketed sampling: deterministic per (seed, epoch), rank-consistent, resumable, and less padding."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from transformers import AutoTokenizer
 
