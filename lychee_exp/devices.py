@@ -62,7 +62,8 @@ def plan_devices(strategy: str, gpus: object, cuda_count: int | None = None, cor
     if strategy == "single":
         if requested not in (None, 1):
             raise UserError(f"parallel=single uses one device but gpus={gpus}; use parallel=ddp gpus={gpus}")
-        return DevicePlan("single", "cuda" if cuda_count else "cpu", 1, 1 if cuda_count else cores)
+        return DevicePlan("single", "cuda" if cuda_count else "cpu", 1,
+                          1 if cuda_count else cpu_threads_per_rank or cores)
     if strategy == "dp" and not cuda_count:
         raise UserError("parallel=dp needs CUDA GPUs (torch.nn.DataParallel); without them use parallel=ddp, "
                         "which runs CPU ranks")
