@@ -107,10 +107,10 @@ def run(cfg: DictConfig) -> float:
             log.info("dev ndcg@10 %.4f (untrained %.4f, BM25 %.4f), mrr@10 %.4f", metrics["ndcg@10"],
                      metrics.get("initial_ndcg@10", float("nan")), metrics.get("bm25_ndcg@10", float("nan")),
                      metrics["mrr@10"])
-        log.info("%d steps in %.0f s: %.1f samples/s on %d device(s), effective batch %d; speedup %.2fx over one "
-                 "device (scaling efficiency %.0f%%)", metrics["steps"], metrics["train_time_s"],
+        log.info("%d steps in %.0f s: %.1f samples/s on %d device(s), effective batch %d; speedup %.2fx over %s "
+                 "(scaling efficiency %.0f%%)", metrics["steps"], metrics["train_time_s"],
                  metrics["train_samples_per_s"], metrics["world_size"], metrics["effective_batch_size"],
-                 metrics["speedup"], 100 * metrics["scaling_efficiency"])
+                 metrics["speedup"], metrics["speedup_baseline"], 100 * metrics["scaling_efficiency"])
         log.info("results in %s", output_dir)
     return float(metrics.get(run_cfg.optimized_metric, float("nan")))  # nan: trainer.evaluate=false
 

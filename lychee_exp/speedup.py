@@ -100,9 +100,19 @@ def resolve_baseline(cfg: RunConfig, plan: DevicePlan, output_dir: Path) -> floa
     return value
 
 
-def speedup_facts(samples_per_s: float, baseline: float, num_devices: int) -> dict:
+def baseline_description(plan: DevicePlan) -> str:
+    """What `speedup` divides by, in words: on CPU one rank with the run's threads per rank, which is not one
+    process using every core (on a 2-core machine that one is as fast as 2 ranks x 1 thread)."""
+    if plan.device_type == "cuda":
+        return f"1 GPU ({torch.cuda.get_device_name(0)})"
+    threads = plan.threads_per_rank
+    return f"1 rank x {threads} thread{'s' if threads > 1 else ''} (CPU)"
+
+
+def speedup_facts(samples_per_s: float, baseline: float, num_devices: int, baseline_name: str = "") -> dict:
     """speedup = samples/s / baseline; a single-device run without a baseline is its own (speedup 1)."""
     if baseline <= 0:
         baseline = samples_per_s if num_devices == 1 else 0.0
     speedup = samples_per_s / baseline if baseline > 0 else float("nan")
-    return {"baseline_samples_per_s": baseline, "speedup": speedup, "scaling_efficiency": speedup / num_devices}
+    return {"baseline_samples_per_s": baseline, "speedup": speedup, "scaling_efficiency": speedup / num_devices,
+            "speedup_baseline": baseline_name if baseline > 0 else "none measured"}

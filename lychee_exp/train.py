@@ -32,7 +32,7 @@ from lychee_exp.losses import LOSSES
 from lychee_exp.faults import inject_fault
 from lychee_exp.optim import build_optimizer, effective_batch_size, scaled_lr
 from lychee_exp.model import build_encoder, count_parameters, load_reranker, load_tokenizer, save_reranker
-from lychee_exp.speedup import speedup_facts
+from lychee_exp.speedup import baseline_description, speedup_facts
 from lychee_exp.throughput import StepTimer, log_hints, summarize
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,8 @@ class Trainer:
                 micro_steps = min(accum, num_batches - first)
                 start = time.perf_counter()
                 stats, wait, busy = self._accumulate(batches, first, micro_steps)
-                loss = stats[0].item() / stats[2].item()
+                loss_sum, tokens, queries, padded = stats.tolist()  # one device-to-host copy per step
+                loss = loss_sum / queries
                 if not math.isfinite(loss):
                     raise TrainingDiverged(f"loss is {loss} at step {step + 1} (lr {self.lr:.3g}); lower "
                                            "optimizer.lr or use trainer.precision=bf16/fp32")
@@ -187,13 +188,13 @@ class Trainer:
                 step += 1
                 inject_fault(self.env.rank, step)
                 elapsed = time.perf_counter() - start
-                timer.add(step, elapsed, wait, busy, stats[2].item(), stats[1].item(), stats[3].item())
+                timer.add(step, elapsed, wait, busy, queries, tokens, padded)
                 losses.append(loss)
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{stats[2].item() / elapsed:.1f}")
+                bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{queries / elapsed:.1f}")
                 if step % cfg.trainer.log_every == 0 or step == self.total_steps:
                     summary["train_loss"] = sum(losses) / len(losses)
-                    self._log_train(step, epoch, summary["train_loss"], grad_norm, stats, elapsed, wait)
+                    self._log_train(step, epoch, summary["train_loss"], grad_norm, queries, tokens, elapsed, wait)
                     losses.clear()
                 if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
                     summary.update(self._eval_and_log(step))
@@ -211,7 +212,7 @@ class Trainer:
         train_time = time.perf_counter() - train_start - (self.eval_time_s - eval_time_before)
         summary.update(self._run_facts(step, epoch, train_time, timer), stopped_early=self.stopped)
         summary.update(speedup_facts(summary["train_samples_per_s"], cfg.speedup.baseline_samples_per_s,
-                                     self.num_devices))
+                                     self.num_devices, baseline_description(self.plan)))
         self.logger.log_summary({**summary, "peak_memory_mb": max(summary["peak_memory_mb_per_rank"])})
         return summary
 
@@ -251,10 +252,10 @@ class Trainer:
         log.info("BM25 on the dev candidates: ndcg@10 %.4f, mrr@10 %.4f", bm25["bm25_ndcg@10"], bm25["bm25_mrr@10"])
         return bm25
 
-    def _log_train(self, step: int, epoch: int, loss: float, grad_norm: float, stats: torch.Tensor,
+    def _log_train(self, step: int, epoch: int, loss: float, grad_norm: float, queries: float, tokens: float,
                    elapsed: float, wait: float) -> None:
         lr = self.scheduler.get_last_lr()[0]
-        samples_per_s, tokens_per_s = stats[2].item() / elapsed, stats[1].item() / elapsed
+        samples_per_s, tokens_per_s = queries / elapsed, tokens / elapsed
         self.logger.log_metrics({"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
                                  "train/samples_per_s": samples_per_s, "train/tokens_per_s": tokens_per_s,
                                  "train/data_wait_share": wait / elapsed, "epoch": epoch}, step)
