@@ -176,6 +176,9 @@ def test_gpu_count_checks():
     cpu = plan_devices("ddp", 3, cuda_count=0, cores=6)
     assert (cpu.device_type, cpu.num_devices, cpu.threads_per_rank) == ("cpu", 3, 2)
     assert plan_devices("ddp", "auto", cuda_count=0, cores=2).num_devices == 2
+    # one process: every core unless parallel.cpu_threads_per_rank says otherwise (the 1 x 1 thread baseline)
+    assert plan_devices("single", 1, cuda_count=0, cores=2).threads_per_rank == 2
+    assert plan_devices("single", 1, cuda_count=0, cores=2, cpu_threads_per_rank=1).threads_per_rank == 1
 
 
 def test_dp_without_cuda_is_one_line(tmp_path):
