@@ -41,21 +41,22 @@ MIXES = {
 }
 
 
+def _system(name: str, processes: int, threads: int, *overrides: str) -> dict:
+    return {"system": name, "processes": processes, "threads": threads, "overrides": list(overrides)}
+
+
 def systems(mix: str, cores: int, cuda: int) -> list[dict]:
     """name, processes x threads, extra lychee_exp overrides."""
-    rows = [dict(system="hf_trainer", processes=1, threads=cores), dict(system="torch_loop", processes=1, threads=cores)]
+    rows = [_system("hf_trainer", 1, cores), _system("torch_loop", 1, cores)]
     if mix == "sample":
-        rows.append(dict(system="st_cross_encoder", processes=1, threads=cores))
-    rows.append(dict(system="lychee_single", processes=1, threads=cores, overrides=["parallel=single", "gpus=1"]))
+        rows.append(_system("st_cross_encoder", 1, cores))
+    rows.append(_system("lychee_single", 1, cores, "parallel=single", "gpus=1"))
     if mix == "longtail":
-        rows.append(dict(system="lychee_single_bucketed", processes=1, threads=cores,
-                         overrides=["parallel=single", "gpus=1", "data.bucket_by_length=true"]))
+        rows.append(_system("lychee_single_bucketed", 1, cores, "parallel=single", "gpus=1", "data.bucket_by_length=true"))
     elif cuda != 1:
-        rows.append(dict(system="lychee_ddp", processes=2, threads=1,
-                         overrides=["parallel=ddp", "gpus=2", "parallel.cpu_threads_per_rank=1"]))
+        rows.append(_system("lychee_ddp", 2, 1, "parallel=ddp", "gpus=2", "parallel.cpu_threads_per_rank=1"))
     if not cuda and mix == "sample":
-        rows.append(dict(system="lychee_single_1thread", processes=1, threads=1,
-                         overrides=["parallel=single", "gpus=1", "parallel.cpu_threads_per_rank=1"]))
+        rows.append(_system("lychee_single_1thread", 1, 1, "parallel=single", "gpus=1", "parallel.cpu_threads_per_rank=1"))
     return rows
 
 
@@ -73,8 +74,9 @@ def longtail_file(out: Path, queries: int, seed: int = 0) -> Path:
     with path.open("w") as handle:
         for q in base:
             scale = min(2048, max(32, int(rng.lognormvariate(4.6, 1.0))))
-            doc = lambda: " ".join(rng.choices(words, k=max(16, int(scale * rng.uniform(0.5, 1.0) * 0.6))))  # noqa: E731
-            handle.write(json.dumps({"query": q.query, "pos": [doc()], "neg": [doc() for _ in range(3)]}) + "\n")
+            # ~0.6 words per token of the tiny BPE; each document 50-100% of the query's scale
+            docs = [" ".join(rng.choices(words, k=max(16, int(scale * rng.uniform(0.5, 1.0) * 0.6)))) for _ in range(4)]
+            handle.write(json.dumps({"query": q.query, "pos": docs[:1], "neg": docs[1:]}) + "\n")
     return path
 
 
@@ -145,11 +147,11 @@ def measure(mix: str, overrides: list[str], out: Path, steps: int, rounds: int, 
             run_dir = out / f"round{round_}" / s["system"]
             spec = {"out": str(run_dir), "warmup": WARMUP_STEPS, "steps": steps, "queries": queries,
                     "threads": s["threads"], "processes": s["processes"], "device": str(device),
-                    "overrides": [*base, *s.get("overrides", []), *overrides]}
+                    "overrides": [*base, *s["overrides"], *overrides]}
             run_dir.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "lychee_exp.bench_peers", "--child", s["system"], json.dumps(spec)]
             env = {**os.environ, "OMP_NUM_THREADS": str(s["threads"])}
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
             if proc.returncode != 0:
                 log.error("%s failed:\n%s", s["system"], proc.stderr[-3000:])
                 continue
