@@ -109,6 +109,8 @@ class DataConfig:
     max_train_queries: int = at_least(0, 0)  # 0 = all; a prefix of the file, for quick runs
     max_dev_queries: int = at_least(0, 0)
     num_workers: int = at_least(0, 0)  # DataLoader workers that tokenize batches
+    bucket_by_length: bool = False  # batch queries whose prompts have similar lengths (less padding)
+    bucket_pool_batches: int = at_least(1, 64)  # optimizer steps' worth of queries sorted by length together
 
 
 @dataclass

@@ -50,9 +50,11 @@ def wrap_for_training(model: torch.nn.Module, env: DistEnv, plan, find_unused_pa
         # point (and hide which rank is slow). torch >= 2.13 names the switch forward_sync_buffers.
         params = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
         no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
+        # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets instead of being copied into them
+        # (one gradient-sized buffer less; measured no slower on 2 gloo CPU ranks)
         return torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-            find_unused_parameters=find_unused_parameters, **no_sync)
+            find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True, **no_sync)
     if plan.strategy == "dp":
         return torch.nn.DataParallel(model, device_ids=list(range(plan.num_devices)))
     return model

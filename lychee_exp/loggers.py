@@ -175,9 +175,9 @@ def log_setup(cfg: RunConfig, facts: dict, train_queries: int, dev_pairs, total_
 
 
 def log_train_step(logger: NullLogger, is_main: bool, step: int, total_steps: int, epoch: int, loss: float, lr: float,
-                   grad_norm: float, stats: list[float], elapsed: float, wait: float) -> None:
-    """One training row; stats = (loss sum, tokens, queries) of the step over all ranks."""
-    samples_per_s, tokens_per_s = stats[2] / elapsed, stats[1] / elapsed
+                   grad_norm: float, queries: float, tokens: float, elapsed: float, wait: float) -> None:
+    """One training row; queries and (non-pad) tokens of the step over all ranks."""
+    samples_per_s, tokens_per_s = queries / elapsed, tokens / elapsed
     logger.log_metrics({"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
                         "train/samples_per_s": samples_per_s, "train/tokens_per_s": tokens_per_s,
                         "train/data_wait_share": wait / elapsed, "epoch": epoch}, step)

@@ -116,8 +116,8 @@ def run(cfg: DictConfig) -> float:
             log.info("dev ndcg@10 %.4f (untrained %.4f, BM25 %.4f), mrr@10 %.4f", metrics["ndcg@10"],
                      metrics.get("initial_ndcg@10", float("nan")), metrics.get("bm25_ndcg@10", float("nan")),
                      metrics["mrr@10"])
-        speedup_note = (f"; speedup {metrics['speedup']:.2f}x over one device (scaling efficiency "
-                        f"{100 * metrics['scaling_efficiency']:.0f}%)") if "speedup" in metrics else ""
+        speedup_note = (f"; speedup {metrics['speedup']:.2f}x over {metrics['speedup_baseline']} (scaling "
+                        f"efficiency {100 * metrics['scaling_efficiency']:.0f}%)") if "speedup" in metrics else ""
         log.info("%d steps in %.0f s: %.1f samples/s on %d device(s), effective batch %d%s", metrics["steps"],
                  metrics["train_time_s"], metrics["train_samples_per_s"], metrics["world_size"],
                  metrics["effective_batch_size"], speedup_note)

@@ -28,11 +28,13 @@ class StepTimer:
     def __init__(self, first_step: int, total_steps: int):
         # a run too short to skip warm-up is timed whole rather than not at all
         self.timed_from = first_step + WARMUP_STEPS if total_steps - first_step > WARMUP_STEPS else first_step
-        self.sums = {"time": 0.0, "wait": 0.0, "busy": 0.0, "queries": 0.0, "tokens": 0.0}
+        self.sums = {"time": 0.0, "wait": 0.0, "busy": 0.0, "queries": 0.0, "tokens": 0.0, "padded": 0.0}
 
-    def add(self, step: int, elapsed: float, wait: float, busy: float, queries: float, tokens: float) -> None:
+    def add(self, step: int, elapsed: float, wait: float, busy: float, queries: float, tokens: float,
+            padded: float) -> None:
+        """`tokens`: real (non-pad) tokens; `padded`: batch slots, pad included."""
         if step > self.timed_from:
-            for key, value in zip(self.sums, (elapsed, wait, busy, queries, tokens)):
+            for key, value in zip(self.sums, (elapsed, wait, busy, queries, tokens, padded)):
                 self.sums[key] += value
 
     def rank_record(self, device: torch.device) -> dict:
@@ -69,6 +71,8 @@ def summarize(per_rank: list[dict]) -> dict:
     return {
         "train_samples_per_s": main["queries"] / main["time"] if main["time"] else 0.0,
         "train_tokens_per_s": main["tokens"] / main["time"] if main["time"] else 0.0,
+        # share of the batch slots that hold padding: compute spent on no token
+        "padding_share": 1 - main["tokens"] / main["padded"] if main["padded"] else 0.0,
         "data_wait_share": sum(r["wait"] / r["time"] if r["time"] else 0.0 for r in per_rank) / len(per_rank),
         "rank_time_spread": max(busy) / min(busy) if min(busy) > 0 else 1.0,
         "peak_memory_mb_per_rank": [r["peak_memory_mb"] for r in per_rank],
@@ -84,9 +88,11 @@ def log_hints(facts: dict, num_workers: int) -> None:
                     "CPU threads per rank, or length-skewed batches", facts["rank_time_spread"])
 
 
-def speedup_facts(samples_per_s: float, baseline: float, num_devices: int) -> dict:
-    """speedup = samples/s / one device's (baseline); a single-device run without a baseline is its own."""
+def speedup_facts(samples_per_s: float, baseline: float, num_devices: int, baseline_name: str = "") -> dict:
+    """speedup = samples/s / one device's (baseline); a single-device run without a baseline is its own.
+    `speedup_baseline` says in words what was divided by."""
     if baseline <= 0:
         baseline = samples_per_s if num_devices == 1 else 0.0
     speedup = samples_per_s / baseline if baseline > 0 else float("nan")
-    return {"baseline_samples_per_s": baseline, "speedup": speedup, "scaling_efficiency": speedup / num_devices}
+    return {"baseline_samples_per_s": baseline, "speedup": speedup, "scaling_efficiency": speedup / num_devices,
+            "speedup_baseline": baseline_name if baseline > 0 else "none measured"}

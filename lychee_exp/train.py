@@ -22,9 +22,10 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from lychee_exp import evaluate as ev
+from lychee_exp.bucketing import train_sampler
 from lychee_exp.checkpoint import latest_checkpoint, restore_training_state, save_training_state
 from lychee_exp.config import RunConfig
-from lychee_exp.data import GroupCollator, ResumableSampler, TrainGroups, build_dev_pairs
+from lychee_exp.data import GroupCollator, TrainGroups, build_dev_pairs
 from lychee_exp.devices import DevicePlan, resolve_precision
 from lychee_exp.distributed import DistEnv, wrap_for_training
 from lychee_exp.errors import TrainingDiverged
@@ -35,6 +36,7 @@ from lychee_exp.losses import build_loss
 from lychee_exp.model import count_parameters, load_reranker, save_reranker
 from lychee_exp.optim import build_optimizer, scaled_lr
 from lychee_exp.preemption import stop_requested
+from lychee_exp.speedup import baseline_description
 from lychee_exp.throughput import StepTimer, log_hints, setup_facts, speedup_facts, summarize
 
 log = logging.getLogger(__name__)
@@ -93,12 +95,13 @@ class Trainer:
         # One sampler for every world size: its permutation depends on (seed, epoch) only, and rank r takes
         # items r, r + world, ..., so a run on N ranks sees the same global batches as one process.
         # drop_last: each query at most once per epoch, and every rank has the same number of batches.
-        self.sampler = ResumableSampler(self.train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True,
-                                        seed=cfg.seed, drop_last=True)
-        if self.sampler.num_samples == 0:
-            raise ValueError(f"{len(self.train_set)} training queries cannot be split over {env.world_size} ranks")
         # DataParallel splits one process's batch over its GPUs, so that process loads all of their batches.
         loader_batch = data.batch_size * (self.num_devices if self.plan.strategy == "dp" else 1)
+        self.sampler = train_sampler(self.train_set, self.encoder, data.bucket_by_length, data.bucket_pool_batches,
+                                     loader_batch * env.world_size * cfg.trainer.grad_accum_steps, env.world_size,
+                                     env.rank, cfg.seed)
+        if self.sampler.num_samples == 0:
+            raise ValueError(f"{len(self.train_set)} training queries cannot be split over {env.world_size} ranks")
         self.loader = DataLoader(self.train_set, batch_size=loader_batch, sampler=self.sampler,
                                  collate_fn=GroupCollator(self.encoder), num_workers=data.num_workers,
                                  # not persistent: workers must see set_epoch's resampled negatives
@@ -163,7 +166,8 @@ class Trainer:
                 micro_steps = min(accum, self.num_batches - first)
                 start = time.perf_counter()
                 stats, wait, busy = self._accumulate(batches, first, micro_steps)
-                loss = stats[0].item() / stats[2].item()
+                loss_sum, tokens, queries, distill_sum, padded = stats.tolist()  # one device-to-host copy per step
+                loss = loss_sum / queries
                 if not math.isfinite(loss):
                     raise TrainingDiverged(f"loss is {loss} at step {step + 1} (lr {self.lr:.3g}); lower "
                                            "optimizer.lr or use trainer.precision=bf16/fp32")
@@ -172,18 +176,18 @@ class Trainer:
                 if self.after_step:
                     self.after_step(step)
                 elapsed = time.perf_counter() - start
-                timer.add(step, elapsed, wait, busy, stats[2].item(), stats[1].item())
+                timer.add(step, elapsed, wait, busy, queries, tokens, padded)
                 losses.append(loss)
-                distill_losses.append(stats[3].item() / stats[2].item())
+                distill_losses.append(distill_sum / queries)
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{stats[2].item() / elapsed:.1f}")
+                bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{queries / elapsed:.1f}")
                 if step % cfg.trainer.log_every == 0 or step == self.total_steps:
                     summary["train_loss"] = sum(losses) / len(losses)
                     if cfg.loss.distill_weight > 0:
                         summary["train_distill_loss"] = sum(distill_losses) / len(distill_losses)
                     distill_losses.clear()
                     log_train_step(self.logger, env.is_main, step, self.total_steps, epoch, summary["train_loss"],
-                                   self.scheduler.get_last_lr()[0], grad_norm, stats.tolist(), elapsed, wait)
+                                   self.scheduler.get_last_lr()[0], grad_norm, queries, tokens, elapsed, wait)
                     losses.clear()
                 if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
                     summary.update(self._eval_and_log(step))
@@ -208,7 +212,7 @@ class Trainer:
         summary.update(self.facts, steps=step, epochs=epoch, train_time_s=train_time, eval_time_s=self.eval_time_s,
                        stopped_early=self.stopped, **throughput)
         summary.update(speedup_facts(summary["train_samples_per_s"], cfg.speedup.baseline_samples_per_s,
-                                     self.num_devices))
+                                     self.num_devices, baseline_description(self.plan)))
         if env.is_main:
             log_hints(summary, cfg.data.num_workers)
         self.logger.log_summary({**summary, "peak_memory_mb": max(summary["peak_memory_mb_per_rank"])})
@@ -216,14 +220,14 @@ class Trainer:
 
     def _accumulate(self, batches, first: int, micro_steps: int) -> tuple[torch.Tensor, float, float]:
         """Forward and backward over one accumulation window; returns the all-reduced (loss sum, tokens,
-        queries, distillation term sum) and this rank's data-wait and busy seconds."""
+        queries, distillation term sum, batch slots with padding) and this rank's data-wait and busy seconds."""
         env = self.env
         batch, local_queries = self.loader.batch_size, self.sampler.num_samples
         # Queries in this window on each rank (the epoch's last batch may be short): the loss is a mean over
         # the whole window, so accumulation and sharding give the gradient of one big batch.
         window_queries = min(local_queries, (first + micro_steps) * batch) - first * batch
         wait = busy = 0.0
-        stats = torch.zeros(4, dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors only
+        stats = torch.zeros(5, dtype=torch.float64, device=self.device)  # NCCL reduces CUDA tensors only
         for micro in range(micro_steps):
             fetched = time.perf_counter()
             inputs = next(batches)
@@ -239,7 +243,8 @@ class Trainer:
             self.scaler.scale(per_query.sum() / window_queries).backward()
             stats += torch.stack([per_query.detach().sum().double(),
                                   inputs["attention_mask"].sum().to(stats), torch.tensor(len(per_query)).to(stats),
-                                  (distill.detach().sum() if distill is not None else torch.zeros(())).to(stats)])
+                                  (distill.detach().sum() if distill is not None else torch.zeros(())).to(stats),
+                                  torch.tensor(inputs["attention_mask"].numel()).to(stats)])
         return env.all_reduce_sum(stats), wait, busy + wait
 
     def _optimizer_step(self) -> float:

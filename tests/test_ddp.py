@@ -47,11 +47,13 @@ def _cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Pope
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("ddp_batch, accum", [(2, 1), (1, 2)], ids=["batch", "accumulation"])
-def test_ddp_matches_single_process(tmp_path, ddp_batch, accum):
+@pytest.mark.parametrize("ddp_batch, accum, bucket", [(2, 1, False), (1, 2, False), (1, 2, True)],
+                         ids=["batch", "accumulation", "accumulation-bucketed"])
+def test_ddp_matches_single_process(tmp_path, ddp_batch, accum, bucket):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
-    run_job([*TINY_DDP, "parallel=single", "data.batch_size=4"], single)
-    run_job([*TINY_DDP, "parallel=ddp", "gpus=2", f"data.batch_size={ddp_batch}",
+    bucketing = [f"data.bucket_by_length={bucket}", "data.bucket_pool_batches=2"]
+    run_job([*TINY_DDP, *bucketing, "parallel=single", "data.batch_size=4"], single)
+    run_job([*TINY_DDP, *bucketing, "parallel=ddp", "gpus=2", f"data.batch_size={ddp_batch}",
              f"trainer.grad_accum_steps={accum}"], ddp)
     m_single, m_ddp = _metrics(single), _metrics(ddp)
     assert m_ddp["world_size"] == 2 and m_ddp["effective_batch_size"] == m_single["effective_batch_size"] == 4
@@ -157,9 +159,10 @@ def test_nan_loss_stops_the_job(tmp_path):
     assert not (tmp_path / "metrics.json").exists()
 
 
-def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("bucket", [False, True], ids=["plain", "bucketed"])
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, bucket):
     args = [*TINY_DDP, "parallel=ddp", "gpus=2", "data.batch_size=2", "trainer.max_steps=8",
-            "trainer.checkpoint_every=2", "trainer.eval_every=4"]
+            "trainer.checkpoint_every=2", "trainer.eval_every=4", f"data.bucket_by_length={bucket}"]
     reference = tmp_path / "reference"
     run_job(args, reference)
 
@@ -180,6 +183,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     for key in ("ndcg@10", "mrr@10", "initial_ndcg@10", "train_loss"):
         assert m_res[key] == pytest.approx(m_ref[key], abs=1e-5), key
     assert m_res["steps"] == 8
+    assert 0 < m_res["padding_share"] < 1
     for name, tensor in _weights(reference).items():
         torch.testing.assert_close(_weights(killed)[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
 
@@ -204,6 +208,9 @@ def test_gpu_count_checks():
     cpu = plan_devices("ddp", 3, cuda_count=0, cores=6)
     assert (cpu.device_type, cpu.num_devices, cpu.threads_per_rank) == ("cpu", 3, 2)
     assert plan_devices("ddp", "auto", cuda_count=0, cores=2).num_devices == 2
+    # one process: every core unless parallel.cpu_threads_per_rank says otherwise (the 1 x 1 thread baseline)
+    assert plan_devices("single", 1, cuda_count=0, cores=2).threads_per_rank == 2
+    assert plan_devices("single", 1, cuda_count=0, cores=2, cpu_threads_per_rank=1).threads_per_rank == 1
 
 
 def test_dp_without_cuda_is_one_line(tmp_path):

@@ -102,6 +102,7 @@ def test_multi_device_run_calibrates_and_caches_its_baseline(tmp_path, no_wandb_
     assert m["baseline_samples_per_s"] == pytest.approx(entry["samples_per_s"])
     assert m["speedup"] == pytest.approx(m["train_samples_per_s"] / entry["samples_per_s"])
     assert m["scaling_efficiency"] == pytest.approx(m["speedup"] / 2)
+    assert m["speedup_baseline"] == "1 rank x 1 thread (CPU)"  # not 1 process on every core
 
 
 def test_bench_prints_table_csv_and_plot(tmp_path, no_wandb_key):

@@ -1,0 +1,93 @@
+"""Length-bucketed sampling: deterministic per (seed, epoch), rank-consistent, resumable, and less padding."""
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from lychee_exp.bucketing import PromptLengths, bucketed_order, train_sampler
+from lychee_exp.config import PromptConfig
+from lychee_exp.data import GroupCollator, TrainGroups, load_queries
+from lychee_exp.prompt import PromptEncoder
+
+from conftest import TINY_QWEN2
+
+SAMPLE = "pkg://lychee_exp.assets/sample/train.jsonl"
+
+
+@pytest.fixture(scope="module")
+def setup():
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(TINY_QWEN2)), PromptConfig(doc_max_len=256), "left")
+    groups = TrainGroups(load_queries(SAMPLE, "data.train_file", 200), 4, "Find the docs", seed=3)
+    return groups, encoder
+
+
+def _global_batches(groups, encoder, bucket, world, batch, accum=1, epoch=0, start=0):
+    """Each optimizer step's queries across all ranks, as sets (the order inside a step does not matter)."""
+    shards = []
+    for rank in range(world):
+        sampler = train_sampler(groups, encoder, bucket, 4, batch * world * accum, world, rank, seed=3)
+        sampler.set_epoch(epoch)
+        sampler.start = start * batch
+        shards.append(list(sampler))
+    assert len({len(s) for s in shards}) == 1  # every rank has the same number of items, so of batches
+    per_step = batch * accum
+    return [set().union(*(s[i:i + per_step] for s in shards)) for i in range(0, len(shards[0]), per_step)]
+
+
+def test_order_is_a_deterministic_permutation_per_seed_and_epoch():
+    lengths = [(i * 37) % 101 for i in range(100)]
+    order = bucketed_order(lengths, 8, 4, seed=1, epoch=0)
+    assert sorted(order) == list(range(100))
+    assert order == bucketed_order(lengths, 8, 4, seed=1, epoch=0)
+    assert order != bucketed_order(lengths, 8, 4, seed=1, epoch=1)
+    assert order != bucketed_order(lengths, 8, 4, seed=2, epoch=0)
+    # windows hold similar lengths: a pool of 32 of the 0..100 lengths sorted into 4 windows spreads ~25 each,
+    # a random window of 8 ~78
+    spreads = [max(lengths[i] for i in order[k:k + 8]) - min(lengths[i] for i in order[k:k + 8])
+               for k in range(0, 96, 8)]
+    assert max(spreads) < 45 and sum(spreads) / len(spreads) < 30
+
+
+@pytest.mark.parametrize("world, batch, accum", [(2, 2, 1), (2, 1, 2), (4, 1, 1)])
+def test_ranks_see_the_single_process_steps(setup, world, batch, accum):
+    groups, encoder = setup
+    single = _global_batches(groups, encoder, True, 1, batch * world * accum)
+    assert _global_batches(groups, encoder, True, world, batch, accum) == single
+    assert _global_batches(groups, encoder, True, world, batch, accum, epoch=1) != single
+
+
+def test_resume_skips_into_the_same_order(setup):
+    groups, encoder = setup
+    whole = _global_batches(groups, encoder, True, 2, 2)
+    assert _global_batches(groups, encoder, True, 2, 2, start=5) == whole[5:]
+
+
+def test_lengths_follow_the_epoch_negatives_and_leave_the_dataset_epoch_alone(setup):
+    groups, encoder = setup
+    lengths = PromptLengths(groups, encoder)
+    groups.set_epoch(7)
+    first = lengths(0)
+    assert groups.epoch == 7 and lengths(0) == first and lengths(1) != first
+    groups.set_epoch(0)
+    collate = GroupCollator(encoder)
+    for i in (0, 5, 9):  # up to a constant (the empty document's tokens), the longest prompt of the group
+        widths = collate([groups[i]])["attention_mask"].sum(dim=1)
+        assert abs(first[i] - int(widths.max())) <= 2
+
+
+def test_bucketing_cuts_padding(setup):
+    groups, encoder = setup
+    collate = GroupCollator(encoder)
+
+    def padding_share(bucket: bool) -> float:
+        sampler = train_sampler(groups, encoder, bucket, 64, 8, 1, 0, seed=3)
+        order = list(sampler)
+        real = padded = 0
+        for k in range(0, len(order) - 7, 8):
+            mask = collate([groups[i] for i in order[k:k + 8]])["attention_mask"]
+            real, padded = real + int(mask.sum()), padded + mask.numel()
+        return 1 - real / padded
+
+    plain, bucketed = padding_share(False), padding_share(True)
+    # measured 0.50 -> 0.36: what remains is padding among one query's documents, which share a batch
+    assert bucketed < 0.8 * plain, (plain, bucketed)
