@@ -52,11 +52,28 @@ QWEN25_1P5B = {
 }
 
 # Dense bf16 tensor-core peak (vendor spec sheets, no sparsity), by a substring of the device name.
-BF16_PEAK_TFLOPS = {"H200": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "L4": 121.0,
-                    "A10G": 125.0, "RTX 4090": 165.2, "V100": 0.0}
+BF16_PEAK_TFLOPS = {
+    "H200": 989.4,
+    "H100 PCIe": 756.0,
+    "H100": 989.4,
+    "A100": 312.0,
+    "L40S": 362.1,
+    "L4": 121.0,
+    "A10G": 125.0,
+    "RTX 4090": 165.2,
+    "V100": 0.0,
+}
 
-TINY_RUN = ["model=tiny_lychee", "data.max_train_queries=16", "data.max_dev_queries=4", "data.batch_size=2",
-            "data.train_group_size=4", "trainer.max_steps=6", "trainer.progress_bar=false", "logger=csv"]
+TINY_RUN = [
+    "model=tiny_lychee",
+    "data.max_train_queries=16",
+    "data.max_dev_queries=4",
+    "data.batch_size=2",
+    "data.train_group_size=4",
+    "trainer.max_steps=6",
+    "trainer.progress_bar=false",
+    "logger=csv",
+]
 
 
 def bf16_peak_tflops(name: str) -> float | None:
@@ -106,14 +123,23 @@ def run_lychee(args: list[str], run_dir: Path, timeout_s: int) -> tuple[bool, di
 
 
 def check_gpu_tests() -> dict:
-    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
-                   if "mark.gpu" in p.read_text())
+    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     summary = (proc.stdout.strip().splitlines() or [""])[-1]
-    return {"passed": proc.returncode == 0, "files": files, "summary": summary,
-            "tail": "" if proc.returncode == 0 else proc.stdout[-3000:] + proc.stderr[-1500:]}
+    return {
+        "passed": proc.returncode == 0,
+        "files": files,
+        "summary": summary,
+        "tail": "" if proc.returncode == 0 else proc.stdout[-3000:] + proc.stderr[-1500:],
+    }
 
 
 def check_lora(seq_len: int, steps: int, work: Path, peak_tflops: float | None) -> dict:
@@ -128,12 +154,27 @@ def check_lora(seq_len: int, steps: int, work: Path, peak_tflops: float | None) 
     per_step_sequences = 16 if seq_len <= 512 else 4
     group = 8 if seq_len <= 512 else 4
     overrides = [
-        "experiment=lychee_lora", f"model.path={model_dir}", "model.random_init=true", "parallel=single", "gpus=1",
-        "data=jsonl", f"data.train_file={data}", f"data.dev_file={data}", "data.max_dev_queries=4",
-        f"data.batch_size={per_step_sequences // group}", f"data.train_group_size={group}", "data.eval_batch_size=8",
-        "model.prompt.query_max_len=32", f"model.prompt.doc_max_len={seq_len - 96}",
-        "trainer.precision=bf16", f"trainer.max_steps={steps}", "trainer.eval_before_training=false",
-        "trainer.save_model=false", "trainer.progress_bar=false", "trainer.log_every=1", "logger=csv",
+        "experiment=lychee_lora",
+        f"model.path={model_dir}",
+        "model.random_init=true",
+        "parallel=single",
+        "gpus=1",
+        "data=jsonl",
+        f"data.train_file={data}",
+        f"data.dev_file={data}",
+        "data.max_dev_queries=4",
+        f"data.batch_size={per_step_sequences // group}",
+        f"data.train_group_size={group}",
+        "data.eval_batch_size=8",
+        "model.prompt.query_max_len=32",
+        f"model.prompt.doc_max_len={seq_len - 96}",
+        "trainer.precision=bf16",
+        f"trainer.max_steps={steps}",
+        "trainer.eval_before_training=false",
+        "trainer.save_model=false",
+        "trainer.progress_bar=false",
+        "trainer.log_every=1",
+        "logger=csv",
         "speedup.calibrate=false",
     ]
     ok, metrics, tail = run_lychee(overrides, work / f"run_lora_{seq_len}", timeout_s=420)
@@ -142,15 +183,19 @@ def check_lora(seq_len: int, steps: int, work: Path, peak_tflops: float | None) 
         return {**result, "tail": tail}
     tokens_per_s = metrics["train_tokens_per_s"]
     achieved = tokens_per_s * model_flops_per_token(seq_len) / 1e12
-    result.update({
-        "tokens_per_s": round(tokens_per_s, 1),
-        "sequences_per_s": round(metrics["train_samples_per_s"] * group, 2),
-        "model_tflops": round(achieved, 1),
-        "mfu": round(achieved / peak_tflops, 4) if peak_tflops else None,
-        "peak_memory_mb": round(max(metrics["peak_memory_mb_per_rank"]), 1),
-        "data_wait_share": round(metrics["data_wait_share"], 4), "train_loss": metrics.get("train_loss"),
-        "steps": metrics.get("steps"), "precision": metrics.get("precision"),
-    })
+    result.update(
+        {
+            "tokens_per_s": round(tokens_per_s, 1),
+            "sequences_per_s": round(metrics["train_samples_per_s"] * group, 2),
+            "model_tflops": round(achieved, 1),
+            "mfu": round(achieved / peak_tflops, 4) if peak_tflops else None,
+            "peak_memory_mb": round(max(metrics["peak_memory_mb_per_rank"]), 1),
+            "data_wait_share": round(metrics["data_wait_share"], 4),
+            "train_loss": metrics.get("train_loss"),
+            "steps": metrics.get("steps"),
+            "precision": metrics.get("precision"),
+        }
+    )
     return result
 
 
@@ -171,22 +216,28 @@ def main() -> int:
     parser.add_argument("--seq-lens", default="512,2048")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); nothing to check",
-              file=sys.stderr)
+        print(
+            "gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); nothing to check", file=sys.stderr
+        )
         return 2
     name = torch.cuda.get_device_name(0)
     peak = bf16_peak_tflops(name)
     report: dict = {
-        "device": name, "device_count": torch.cuda.device_count(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "bf16_peak_tflops": peak, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "device": name,
+        "device_count": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "bf16_peak_tflops": peak,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "checks": {},
     }
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lychee_gpu_check_") as tmp:
         work = Path(tmp)
         steps = [("gpu_tests", check_gpu_tests)]
-        steps += [(f"lora_1p5b_{n}", lambda n=int(n): check_lora(n, args.steps, work, peak))
-                  for n in args.seq_lens.split(",")]
+        steps += [
+            (f"lora_1p5b_{n}", lambda n=int(n): check_lora(n, args.steps, work, peak)) for n in args.seq_lens.split(",")
+        ]
         steps += [("ddp_cli", lambda: check_cli("ddp", work)), ("dp_cli", lambda: check_cli("dp", work))]
         for check_name, check in steps:
             t0 = time.perf_counter()
@@ -196,15 +247,20 @@ def main() -> int:
                 result = {"passed": False, "error": f"{type(err).__name__}: {err}"}
             result["seconds"] = round(time.perf_counter() - t0, 1)
             report["checks"][check_name] = result
-            print(f"gpu_check: {check_name}: {'PASS' if result['passed'] else 'FAIL'} "
-                  f"({result['seconds']} s) {json.dumps({k: v for k, v in result.items() if k != 'tail'})}", flush=True)
+            print(
+                f"gpu_check: {check_name}: {'PASS' if result['passed'] else 'FAIL'} "
+                f"({result['seconds']} s) {json.dumps({k: v for k, v in result.items() if k != 'tail'})}",
+                flush=True,
+            )
             if not result["passed"] and result.get("tail"):
                 print(result["tail"], flush=True)
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["passed"] = all(c["passed"] for c in report["checks"].values())
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"gpu_check: {'all checks passed' if report['passed'] else 'FAILED'} in {report['seconds']} s; "
-          f"report in {args.out}")
+    print(
+        f"gpu_check: {'all checks passed' if report['passed'] else 'FAILED'} in {report['seconds']} s; "
+        f"report in {args.out}"
+    )
     return 0 if report["passed"] else 1
 
 

@@ -5,6 +5,7 @@
 Each run starts fresh ranks with the elastic launcher, trains a few steps and tears down; a launcher that
 leaks ports, process groups or signal handlers, or whose workers abort at exit, shows up as failures here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,14 @@ from pathlib import Path
 
 from lychee_exp.jobs import run_job
 
-TINY = ["experiment=tiny_smoke", "logger=none", "trainer.save_model=false", "trainer.eval_before_training=false",
-        "trainer.max_steps=2", "data.max_dev_queries=4"]
+TINY = [
+    "experiment=tiny_smoke",
+    "logger=none",
+    "trainer.save_model=false",
+    "trainer.eval_before_training=false",
+    "trainer.max_steps=2",
+    "data.max_dev_queries=4",
+]
 
 
 def main() -> int:
@@ -37,8 +44,10 @@ def main() -> int:
                 failures.append(f"run {index + 1}: {outcome}")
             seconds.append(time.perf_counter() - start)
             print(f"run {index + 1}/{args.runs}: {outcome} ({seconds[-1]:.1f} s)", flush=True)
-    print(f"{args.runs} launches of {args.gpus} ranks: {len(failures)} failures; "
-          f"median {statistics.median(seconds):.1f} s per run, max {max(seconds):.1f} s")
+    print(
+        f"{args.runs} launches of {args.gpus} ranks: {len(failures)} failures; "
+        f"median {statistics.median(seconds):.1f} s per run, max {max(seconds):.1f} s"
+    )
     for failure in failures:
         print(failure)
     return 1 if failures else 0

@@ -25,8 +25,7 @@ from lychee_exp.loggers import make_logger
 
 log = logging.getLogger("lychee_exp.bench")
 
-COLUMNS = ["devices", "samples_per_s", "speedup", "efficiency", "data_wait_share", "rank_time_spread",
-           "peak_memory_mb"]
+COLUMNS = ["devices", "samples_per_s", "speedup", "efficiency", "data_wait_share", "rank_time_spread", "peak_memory_mb"]
 
 
 def parse_args(argv: list[str]) -> tuple[list[int], list[str], Path, int]:
@@ -53,13 +52,28 @@ def parse_args(argv: list[str]) -> tuple[list[int], list[str], Path, int]:
 def measure(counts: list[int], overrides: list[str], out: Path, steps: int) -> list[dict]:
     rows = []
     for count in counts:
-        timed = ["parallel=ddp", f"gpus={count}", "parallel.cpu_threads_per_rank=1", "trainer.evaluate=false",
-                 f"trainer.max_steps={steps + 2}", "trainer.save_model=false", "trainer.checkpoint_every=0",
-                 "trainer.progress_bar=false", "logger=none", "speedup.calibrate=false"]
+        timed = [
+            "parallel=ddp",
+            f"gpus={count}",
+            "parallel.cpu_threads_per_rank=1",
+            "trainer.evaluate=false",
+            f"trainer.max_steps={steps + 2}",
+            "trainer.save_model=false",
+            "trainer.checkpoint_every=0",
+            "trainer.progress_bar=false",
+            "logger=none",
+            "speedup.calibrate=false",
+        ]
         _, m = run_job([*overrides, *timed], out / f"devices_{count}")
-        rows.append({"devices": count, "samples_per_s": m["train_samples_per_s"],
-                     "data_wait_share": m["data_wait_share"], "rank_time_spread": m["rank_time_spread"],
-                     "peak_memory_mb": max(m["peak_memory_mb_per_rank"])})
+        rows.append(
+            {
+                "devices": count,
+                "samples_per_s": m["train_samples_per_s"],
+                "data_wait_share": m["data_wait_share"],
+                "rank_time_spread": m["rank_time_spread"],
+                "peak_memory_mb": max(m["peak_memory_mb_per_rank"]),
+            }
+        )
     # speedup is relative to 1 device when measured, else to the smallest count, assumed linear up to it
     base = rows[0]["samples_per_s"] / rows[0]["devices"]
     for row in rows:
@@ -81,8 +95,9 @@ def write_outputs(rows: list[dict], out: Path) -> tuple[Path, Path]:
         writer.writerows({k: row[k] for k in COLUMNS} for row in rows)
     devices = [r["devices"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.bar(range(len(devices)), [r["samples_per_s"] for r in rows], tick_label=[str(d) for d in devices],
-             color="#4c72b0")
+    left.bar(
+        range(len(devices)), [r["samples_per_s"] for r in rows], tick_label=[str(d) for d in devices], color="#4c72b0"
+    )
     left.set(xlabel="devices", ylabel="train samples/s", title="Throughput")
     right.plot(devices, [r["speedup"] for r in rows], "o-", label="observed")
     right.plot(devices, devices, "--", color="grey", label="ideal (linear)")
@@ -95,12 +110,16 @@ def write_outputs(rows: list[dict], out: Path) -> tuple[Path, Path]:
 
 
 def format_table(rows: list[dict]) -> str:
-    header = f"{'devices':>7} {'samples/s':>10} {'speedup':>8} {'efficiency':>10} {'data wait':>9} " \
-             f"{'rank spread':>11} {'peak MB':>8}"
+    header = (
+        f"{'devices':>7} {'samples/s':>10} {'speedup':>8} {'efficiency':>10} {'data wait':>9} "
+        f"{'rank spread':>11} {'peak MB':>8}"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r['devices']:>7} {r['samples_per_s']:>10.2f} {r['speedup']:>7.2f}x {r['efficiency']:>9.0%} "
-                     f"{r['data_wait_share']:>9.1%} {r['rank_time_spread']:>11.2f} {r['peak_memory_mb']:>8.0f}")
+        lines.append(
+            f"{r['devices']:>7} {r['samples_per_s']:>10.2f} {r['speedup']:>7.2f}x {r['efficiency']:>9.0%} "
+            f"{r['data_wait_share']:>9.1%} {r['rank_time_spread']:>11.2f} {r['peak_memory_mb']:>8.0f}"
+        )
     return "\n".join(lines)
 
 
@@ -108,9 +127,20 @@ def log_to_wandb(rows: list[dict], overrides: list[str], out: Path, png: Path) -
     cfg = to_run_config(compose_job(overrides, out))
     if cfg.logger.name != "wandb":
         return
-    logger = make_logger(cfg.logger, out, True, name=f"bench-{out.name}", group="bench", job_type="bench",
-                         config={"model": cfg.model.name, "per_device_batch_size": cfg.data.batch_size,
-                                 "devices": [r["devices"] for r in rows], "overrides": overrides})
+    logger = make_logger(
+        cfg.logger,
+        out,
+        True,
+        name=f"bench-{out.name}",
+        group="bench",
+        job_type="bench",
+        config={
+            "model": cfg.model.name,
+            "per_device_batch_size": cfg.data.batch_size,
+            "devices": [r["devices"] for r in rows],
+            "overrides": overrides,
+        },
+    )
     logger.log_table("bench", COLUMNS, [[r[k] for k in COLUMNS] for r in rows], png)
     logger.log_summary({f"speedup_{r['devices']}": r["speedup"] for r in rows})
     logger.finish()

@@ -4,6 +4,7 @@ A run's config is composed from the benchmark's overrides; the first epoch's gro
 sampler and collator (one process, no bucketing), and the model from `load_reranker`, so that every peer starts
 from the same weights, prompts, truncation and batches as lychee_exp parallel=single.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,11 +35,14 @@ def build_steps(overrides: list[str], out: Path, count: int):
     collate = GroupCollator(encoder)
     steps = []
     for k in range(count):
-        chosen = [groups[i] for i in order[k * batch:(k + 1) * batch]]
+        chosen = [groups[i] for i in order[k * batch : (k + 1) * batch]]
         inputs = collate(chosen)
         labels = torch.tensor([1.0 if j == 0 else 0.0 for _ in chosen for j in range(cfg.data.train_group_size)])
-        pairs = [(_text(tokenizer, encoder.encode(instr, query, "")), _document(tokenizer, doc, cfg))
-                 for instr, query, docs, _ in chosen for doc in docs]
+        pairs = [
+            (_text(tokenizer, encoder.encode(instr, query, "")), _document(tokenizer, doc, cfg))
+            for instr, query, docs, _ in chosen
+            for doc in docs
+        ]
         steps.append(Step(inputs["input_ids"], inputs["attention_mask"], labels, pairs))
     model = load_reranker(cfg.model, encoder, cfg.seed)
     return cfg, encoder, model, steps
@@ -50,5 +54,5 @@ def _text(tokenizer, ids: list[int]) -> str:
 
 def _document(tokenizer, doc: str, cfg) -> str:
     """The document as lychee_exp truncates it (model.prompt.doc_max_len tokens), back as text."""
-    ids = tokenizer(" " + doc, add_special_tokens=False)["input_ids"][:cfg.model.prompt.doc_max_len]
+    ids = tokenizer(" " + doc, add_special_tokens=False)["input_ids"][: cfg.model.prompt.doc_max_len]
     return _text(tokenizer, ids)

@@ -12,6 +12,7 @@ each step time is counted after the same warm-up. `--mix longtail` trains the ti
 tokens instead (a long-tailed length mix), with and without `data.bucket_by_length`. `pip install -e .[bench]`
 installs the peers. Writes peers.csv, peers.png and peers.md (a README table) into the output directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,17 +28,42 @@ from pathlib import Path
 
 log = logging.getLogger("lychee_exp.bench_peers")
 
-COLUMNS = ["system", "processes", "threads", "pairs_per_s", "tokens_per_s", "vs_fastest_peer", "padding_share",
-           "peak_memory_mb", "rounds"]
+COLUMNS = [
+    "system",
+    "processes",
+    "threads",
+    "pairs_per_s",
+    "tokens_per_s",
+    "vs_fastest_peer",
+    "padding_share",
+    "peak_memory_mb",
+    "rounds",
+]
 PEERS = ("hf_trainer", "torch_loop", "st_cross_encoder")
 # What every system trains with (lychee_exp overrides; the peers read the same composed config)
-SETTINGS = ["data.train_group_size=4", "data.random_negatives=1", "trainer.precision=fp32", "model.dropout=0.0",
-            "optimizer.lr=1e-4", "optimizer.lr_scaling=none", "optimizer.warmup_ratio=0", "optimizer.scheduler=linear",
-            "optimizer.weight_decay=0.0", "optimizer.max_grad_norm=1.0", "loss=pointwise", "seed=42"]
+SETTINGS = [
+    "data.train_group_size=4",
+    "data.random_negatives=1",
+    "trainer.precision=fp32",
+    "model.dropout=0.0",
+    "optimizer.lr=1e-4",
+    "optimizer.lr_scaling=none",
+    "optimizer.warmup_ratio=0",
+    "optimizer.scheduler=linear",
+    "optimizer.weight_decay=0.0",
+    "optimizer.max_grad_norm=1.0",
+    "loss=pointwise",
+    "seed=42",
+]
 MIXES = {
     "sample": ["model=minilm_cross_encoder", "data=sample"],
-    "longtail": ["model=tiny_lychee", "data=jsonl", "model.prompt.doc_max_len=2048", "data.train_group_size=4",
-                 "data.random_negatives=0"],
+    "longtail": [
+        "model=tiny_lychee",
+        "data=jsonl",
+        "model.prompt.doc_max_len=2048",
+        "data.train_group_size=4",
+        "data.random_negatives=0",
+    ],
 }
 
 
@@ -52,11 +78,15 @@ def systems(mix: str, cores: int, cuda: int) -> list[dict]:
         rows.append(_system("st_cross_encoder", 1, cores))
     rows.append(_system("lychee_single", 1, cores, "parallel=single", "gpus=1"))
     if mix == "longtail":
-        rows.append(_system("lychee_single_bucketed", 1, cores, "parallel=single", "gpus=1", "data.bucket_by_length=true"))
+        rows.append(
+            _system("lychee_single_bucketed", 1, cores, "parallel=single", "gpus=1", "data.bucket_by_length=true")
+        )
     elif cuda != 1:
         rows.append(_system("lychee_ddp", 2, 1, "parallel=ddp", "gpus=2", "parallel.cpu_threads_per_rank=1"))
     if not cuda and mix == "sample":
-        rows.append(_system("lychee_single_1thread", 1, 1, "parallel=single", "gpus=1", "parallel.cpu_threads_per_rank=1"))
+        rows.append(
+            _system("lychee_single_1thread", 1, 1, "parallel=single", "gpus=1", "parallel.cpu_threads_per_rank=1")
+        )
     return rows
 
 
@@ -87,12 +117,27 @@ def child(name: str, spec: dict) -> dict:
     if name.startswith("lychee"):
         from lychee_exp.jobs import run_job
 
-        run_job([*overrides, "trainer.evaluate=false", f"trainer.max_steps={warmup + steps}", "logger=none",
-                 "trainer.save_model=false", "trainer.checkpoint_every=0", "trainer.progress_bar=false",
-                 "trainer.log_every=1000", "speedup.calibrate=false"], out)
+        run_job(
+            [
+                *overrides,
+                "trainer.evaluate=false",
+                f"trainer.max_steps={warmup + steps}",
+                "logger=none",
+                "trainer.save_model=false",
+                "trainer.checkpoint_every=0",
+                "trainer.progress_bar=false",
+                "trainer.log_every=1000",
+                "speedup.calibrate=false",
+            ],
+            out,
+        )
         m = json.loads((out / "metrics.json").read_text())
-        return {"pairs_per_s": m["train_samples_per_s"] * m["train_group_size"], "tokens_per_s": m["train_tokens_per_s"],
-                "padding_share": m["padding_share"], "peak_memory_mb": max(m["peak_memory_mb_per_rank"])}
+        return {
+            "pairs_per_s": m["train_samples_per_s"] * m["train_group_size"],
+            "tokens_per_s": m["train_tokens_per_s"],
+            "padding_share": m["padding_share"],
+            "peak_memory_mb": max(m["peak_memory_mb_per_rank"]),
+        }
     import torch
 
     from lychee_exp import peers
@@ -100,8 +145,13 @@ def child(name: str, spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     cfg, encoder, model, batches = build_steps(overrides, out, warmup + steps)
-    settings = peers.Settings(cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.max_grad_norm, cfg.seed,
-                              torch.device(spec["device"]))
+    settings = peers.Settings(
+        cfg.optimizer.lr,
+        cfg.optimizer.weight_decay,
+        cfg.optimizer.max_grad_norm,
+        cfg.seed,
+        torch.device(spec["device"]),
+    )
     if name == "torch_loop":
         result = peers.torch_loop(model, batches, settings)
     elif name == "hf_trainer":
@@ -109,7 +159,9 @@ def child(name: str, spec: dict) -> dict:
     else:
         from lychee_exp.model import model_dir
 
-        result = peers.st_cross_encoder(str(model_dir(cfg.model)), cfg.model.dropout, batches, settings, str(out / "st"))
+        result = peers.st_cross_encoder(
+            str(model_dir(cfg.model)), cfg.model.dropout, batches, settings, str(out / "st")
+        )
     return timed_row(result, batches, warmup, settings.device)
 
 
@@ -123,8 +175,12 @@ def timed_row(result: dict, batches: list, warmup: int, device) -> dict:
     if "tokens" in result:  # a peer that tokenizes for itself: its own counts, scaled to the timed steps
         share = len(timed) / len(batches)
         real, padded = result["tokens"] * share, result["padded"] * share
-    return {"pairs_per_s": sum(len(b.labels) for b in timed) / elapsed, "tokens_per_s": real / elapsed,
-            "padding_share": 1 - real / padded, "peak_memory_mb": peak_memory_mb(device)}
+    return {
+        "pairs_per_s": sum(len(b.labels) for b in timed) / elapsed,
+        "tokens_per_s": real / elapsed,
+        "padding_share": 1 - real / padded,
+        "peak_memory_mb": peak_memory_mb(device),
+    }
 
 
 def measure(mix: str, overrides: list[str], out: Path, steps: int, rounds: int, queries: int) -> list[dict]:
@@ -144,9 +200,16 @@ def measure(mix: str, overrides: list[str], out: Path, steps: int, rounds: int, 
     for round_ in range(rounds):
         for s in plan:  # interleaved: every round runs every system once, so load changes hit all of them
             run_dir = out / f"round{round_}" / s["system"]
-            spec = {"out": str(run_dir), "warmup": WARMUP_STEPS, "steps": steps, "queries": queries,
-                    "threads": s["threads"], "processes": s["processes"], "device": str(device),
-                    "overrides": [*base, *s["overrides"], *overrides]}
+            spec = {
+                "out": str(run_dir),
+                "warmup": WARMUP_STEPS,
+                "steps": steps,
+                "queries": queries,
+                "threads": s["threads"],
+                "processes": s["processes"],
+                "device": str(device),
+                "overrides": [*base, *s["overrides"], *overrides],
+            }
             run_dir.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "lychee_exp.bench_peers", "--child", s["system"], json.dumps(spec)]
             env = {**os.environ, "OMP_NUM_THREADS": str(s["threads"])}
@@ -164,8 +227,15 @@ def summarize(plan: list[dict], results: dict[str, list[dict]]) -> list[dict]:
     for s in plan:
         runs = results[s["system"]]
         if runs:
-            rows.append({"system": s["system"], "processes": s["processes"], "threads": s["threads"], "rounds": len(runs),
-                         **{k: statistics.median(r[k] for r in runs) for k in runs[0]}})
+            rows.append(
+                {
+                    "system": s["system"],
+                    "processes": s["processes"],
+                    "threads": s["threads"],
+                    "rounds": len(runs),
+                    **{k: statistics.median(r[k] for r in runs) for k in runs[0]},
+                }
+            )
     fastest = max((r["tokens_per_s"] for r in rows if r["system"] in PEERS), default=0.0)
     for r in rows:
         r["vs_fastest_peer"] = r["tokens_per_s"] / fastest if fastest else float("nan")
@@ -185,8 +255,11 @@ def write_outputs(rows: list[dict], out: Path, title: str) -> None:
     (out / "peers.md").write_text(markdown_table(rows) + "\n")
     fig, ax = plt.subplots(figsize=(9, 4))
     colors = ["#dd8452" if r["system"].startswith("lychee") else "#4c72b0" for r in rows]
-    ax.barh([f"{r['system']} ({r['processes']}x{r['threads']})" for r in rows], [r["tokens_per_s"] for r in rows],
-            color=colors)
+    ax.barh(
+        [f"{r['system']} ({r['processes']}x{r['threads']})" for r in rows],
+        [r["tokens_per_s"] for r in rows],
+        color=colors,
+    )
     ax.set(xlabel="non-pad tokens/s (median over rounds)", title=title)
     ax.invert_yaxis()
     fig.tight_layout()
@@ -195,10 +268,15 @@ def write_outputs(rows: list[dict], out: Path, title: str) -> None:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| system | processes x threads | pairs/s | non-pad tokens/s | vs fastest peer | padding | peak MB |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['system']} | {r['processes']} x {r['threads']} | {r['pairs_per_s']:.1f} | {r['tokens_per_s']:.0f} "
-              f"| {r['vs_fastest_peer']:.2f} | {r['padding_share']:.0%} | {r['peak_memory_mb']:.0f} |" for r in rows]
+    lines = [
+        "| system | processes x threads | pairs/s | non-pad tokens/s | vs fastest peer | padding | peak MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['system']} | {r['processes']} x {r['threads']} | {r['pairs_per_s']:.1f} | {r['tokens_per_s']:.0f} "
+        f"| {r['vs_fastest_peer']:.2f} | {r['padding_share']:.0%} | {r['peak_memory_mb']:.0f} |"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 

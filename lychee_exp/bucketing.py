@@ -6,6 +6,7 @@ windows, shuffle the full windows (a short last one stays last, where drop_last 
 positions r, r + world, ... as DistributedSampler does, so every window holds the same queries on any number of
 ranks (DDP == one process), every rank has the same number of batches, and a resumed run skips into the same order.
 """
+
 from __future__ import annotations
 
 import random
@@ -43,8 +44,10 @@ class PromptLengths:
             docs = [self.groups[i][2] for i in range(len(self.groups))]
         finally:
             self.groups.set_epoch(saved)
-        return [base + min(limit, max(self._doc_lengths(group)))
-                for base, limit, group in zip(self._query, self._doc_limit, docs)]
+        return [
+            base + min(limit, max(self._doc_lengths(group)))
+            for base, limit, group in zip(self._query, self._doc_limit, docs)
+        ]
 
 
 def bucketed_order(lengths: list[int], window: int, pool_windows: int, seed: int, epoch: int) -> list[int]:
@@ -54,26 +57,42 @@ def bucketed_order(lengths: list[int], window: int, pool_windows: int, seed: int
     pool = window * pool_windows
     windows: list[list[int]] = []
     for start in range(0, len(order), pool):
-        chunk = sorted(order[start:start + pool], key=lengths.__getitem__)  # stable: ties keep shuffled order
-        windows += [chunk[i:i + window] for i in range(0, len(chunk), window)]
+        chunk = sorted(order[start : start + pool], key=lengths.__getitem__)  # stable: ties keep shuffled order
+        windows += [chunk[i : i + window] for i in range(0, len(chunk), window)]
     tail = [windows.pop()] if windows and len(windows[-1]) < window else []
     random.Random(f"{seed}:{epoch}:buckets").shuffle(windows)
     return [index for w in windows + tail for index in w]
 
 
 class LengthBucketSampler(ResumableSampler):
-    def __init__(self, groups: TrainGroups, lengths: PromptLengths, window: int, pool_windows: int,
-                 num_replicas: int, rank: int, seed: int):
+    def __init__(
+        self,
+        groups: TrainGroups,
+        lengths: PromptLengths,
+        window: int,
+        pool_windows: int,
+        num_replicas: int,
+        rank: int,
+        seed: int,
+    ):
         super().__init__(groups, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.lengths, self.window, self.pool_windows = lengths, window, pool_windows
 
     def __iter__(self):
         order = bucketed_order(self.lengths(self.epoch), self.window, self.pool_windows, self.seed, self.epoch)
-        return islice(iter(order[self.rank:self.total_size:self.num_replicas]), self.start, None)
+        return islice(iter(order[self.rank : self.total_size : self.num_replicas]), self.start, None)
 
 
-def train_sampler(groups: TrainGroups, encoder: PromptEncoder, bucket: bool, pool_windows: int, window: int,
-                  world_size: int, rank: int, seed: int) -> ResumableSampler:
+def train_sampler(
+    groups: TrainGroups,
+    encoder: PromptEncoder,
+    bucket: bool,
+    pool_windows: int,
+    window: int,
+    world_size: int,
+    rank: int,
+    seed: int,
+) -> ResumableSampler:
     """`window`: queries per optimizer step over all devices (per-device batch x devices x accumulation)."""
     if not bucket:
         return ResumableSampler(groups, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)

@@ -6,6 +6,7 @@ then `latest` is replaced atomically: a crash mid-write leaves the previous chec
 model.safetensors holds the trainable parameters (all of them, or just LoRA's); state.pt holds optimizer,
 scheduler, scaler, progress and RNG states as tensors and plain containers, read with weights_only=True.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,12 @@ def checkpoint_root(output_dir: Path) -> Path:
 
 def rng_state() -> dict:
     np_state = np.random.get_state()
-    return {"python": json.dumps(random.getstate()), "torch": torch.get_rng_state(),
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "python": json.dumps(random.getstate()),
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def set_rng_state(state: dict) -> None:
@@ -90,8 +94,11 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 def older_checkpoints(path: Path) -> list[Path]:
     """Complete checkpoints of the same run older than path, newest first."""
-    return [other for other in sorted(path.parent.glob("step_*"), reverse=True) if other.name < path.name
-            and _complete(other)]
+    return [
+        other
+        for other in sorted(path.parent.glob("step_*"), reverse=True)
+        if other.name < path.name and _complete(other)
+    ]
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module) -> dict:
@@ -102,20 +109,29 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> dict:
     missing, unexpected = model.load_state_dict(weights, strict=False)
     wanted = {name for name, p in model.named_parameters() if p.requires_grad}
     if unexpected or wanted & set(missing):
-        raise RuntimeError(f"checkpoint {path} does not match the model: unexpected {unexpected[:3]}, "
-                           f"missing {sorted(wanted & set(missing))[:3]}")
+        raise RuntimeError(
+            f"checkpoint {path} does not match the model: unexpected {unexpected[:3]}, "
+            f"missing {sorted(wanted & set(missing))[:3]}"
+        )
     return state
 
 
-def save_training_state(output_dir: Path, model: torch.nn.Module, optimizer, scheduler, scaler, env,
-                        progress: dict, keep: int) -> Path | None:
+def save_training_state(
+    output_dir: Path, model: torch.nn.Module, optimizer, scheduler, scaler, env, progress: dict, keep: int
+) -> Path | None:
     """Collective (every rank's RNG state is gathered, so dropout continues as it would have); rank 0 writes."""
     rngs = env.gather_objects(rng_state())
     if not env.is_main:
         return None
-    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-             **{k: progress[k] for k in ("step", "epoch", "batch", "evaluated_at")},
-             "summary": json.dumps(progress["summary"]), "rng": rngs, "world_size": env.world_size}
+    state = {
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        **{k: progress[k] for k in ("step", "epoch", "batch", "evaluated_at")},
+        "summary": json.dumps(progress["summary"]),
+        "rng": rngs,
+        "world_size": env.world_size,
+    }
     return save_checkpoint(output_dir, progress["step"], model, state, keep)
 
 
@@ -130,11 +146,16 @@ def load_readable(path: Path, model: torch.nn.Module, fall_back: bool, report: b
         except Exception as err:  # safetensors, zip reader and unpickler errors have no common base
             reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
             if candidate is candidates[-1]:
-                raise RuntimeError(f"no readable checkpoint: {candidate} cannot be read ({type(err).__name__}: "
-                                   f"{reason})") from None
+                raise RuntimeError(
+                    f"no readable checkpoint: {candidate} cannot be read ({type(err).__name__}: {reason})"
+                ) from None
             if report:
-                log.warning("checkpoint %s cannot be read (%s: %s); resuming from the previous one", candidate,
-                            type(err).__name__, reason)
+                log.warning(
+                    "checkpoint %s cannot be read (%s: %s); resuming from the previous one",
+                    candidate,
+                    type(err).__name__,
+                    reason,
+                )
     raise AssertionError("unreachable")
 
 
@@ -144,11 +165,16 @@ def restore_training_state(path: Path, model: torch.nn.Module, optimizer, schedu
     in_a_run = path.parent.name == CHECKPOINT_DIR  # a step directory of a run: its older ones may stand in
     path, state = load_readable(path, model, fall_back=in_a_run, report=env.is_main)
     if state["world_size"] != env.world_size:
-        raise ValueError(f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
-                         f"{env.world_size}; resume with the same gpus")
+        raise ValueError(
+            f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
+            f"{env.world_size}; resume with the same gpus"
+        )
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"][env.rank])
-    return {**{k: state[k] for k in ("step", "epoch", "batch", "evaluated_at")},
-            "summary": json.loads(state["summary"]), "path": path}
+    return {
+        **{k: state[k] for k in ("step", "epoch", "batch", "evaluated_at")},
+        "summary": json.loads(state["summary"]),
+        "path": path,
+    }

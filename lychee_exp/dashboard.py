@@ -14,6 +14,7 @@ local report (lychee_exp.report):
 --dry-run builds the definition offline and writes its JSON (what --save would upload); --save needs a W&B API
 key (WANDB_API_KEY or `wandb login`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,12 +30,27 @@ from lychee_exp.errors import UserError
 from lychee_exp.loggers import has_wandb_api_key
 
 # Names the W&B logger (lychee_exp.loggers) writes: history keys per step / evaluation ...
-HISTORY = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-           "samples_per_s": "train/samples_per_s", "tokens_per_s": "train/tokens_per_s",
-           "data_wait": "train/data_wait_share", "dev_ndcg": "dev/ndcg@10", "dev_mrr": "dev/mrr@10"}
+HISTORY = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "samples_per_s": "train/samples_per_s",
+    "tokens_per_s": "train/tokens_per_s",
+    "data_wait": "train/data_wait_share",
+    "dev_ndcg": "dev/ndcg@10",
+    "dev_mrr": "dev/mrr@10",
+}
 # ... summary keys (one value per run; dev/ndcg@10's summary is its best, by define_metric) ...
-SUMMARY = ["ndcg@10", "mrr@10", "effective_batch_size", "world_size", "speedup", "scaling_efficiency",
-           "baseline_samples_per_s", "peak_memory_mb"]
+SUMMARY = [
+    "ndcg@10",
+    "mrr@10",
+    "effective_batch_size",
+    "world_size",
+    "speedup",
+    "scaling_efficiency",
+    "baseline_samples_per_s",
+    "peak_memory_mb",
+]
 # ... and config keys: the resolved Hydra config (nested, so "optimizer.lr" is config.optimizer.lr) plus the
 # derived values; `lr` is the learning rate after scaling to the effective batch.
 CONFIG = ["optimizer.lr", "data.batch_size", "effective_batch_size", "world_size", "lr"]
@@ -52,53 +68,95 @@ def workspace(entity: str, project: str, name: str = DEFAULT_NAME) -> ws.Workspa
 
     def by_group(metric: str, title: str):
         # one mean curve per run group with its min-max band: a sweep's trials side by side with other sweeps
-        return wr.LinePlot(title=title, x="Step", y=[metric], groupby="Group", groupby_aggfunc="mean",
-                           groupby_rangefunc="minmax")
+        return wr.LinePlot(
+            title=title, x="Step", y=[metric], groupby="Group", groupby_aggfunc="mean", groupby_rangefunc="minmax"
+        )
 
     def per_run(metrics: list[str], title: str):
         return wr.LinePlot(title=title, x="Step", y=metrics)
 
     sections = [
-        ws.Section(name="Scaling", is_open=True, panels=[
-            _scatter(world, s("speedup"), "speedup vs world size"),
-            _scatter(world, s("scaling_efficiency"), "scaling efficiency (speedup / world size) vs world size",
-                     range_y=(0, 1.1)),
-            _scatter(world, s(HISTORY["samples_per_s"]), "train samples/s vs world size"),
-            _scatter(world, s("baseline_samples_per_s"), "single-device baseline samples/s"),
-        ]),
-        ws.Section(name="Hyperparameters", is_open=True, panels=[
-            wr.ParallelCoordinatesPlot(title="lr / batch -> dev ndcg@10 (best)", columns=[
-                wr.ParallelCoordinatesPlotColumn(metric=c("optimizer.lr"), display_name="lr (base)", log=True),
-                wr.ParallelCoordinatesPlotColumn(metric=c("lr"), display_name="lr (scaled)", log=True),
-                wr.ParallelCoordinatesPlotColumn(metric=c("data.batch_size"), display_name="per-device batch"),
-                wr.ParallelCoordinatesPlotColumn(metric=c("world_size"), display_name="world size"),
-                wr.ParallelCoordinatesPlotColumn(metric=c("effective_batch_size"), display_name="effective batch"),
-                wr.ParallelCoordinatesPlotColumn(metric=s(HISTORY["dev_ndcg"]), display_name="dev ndcg@10"),
-            ], layout=wr.Layout(w=24, h=8)),
-            _scatter(c("optimizer.lr"), s("ndcg@10"), "ndcg@10 vs lr", log_x=True),
-            _scatter(c("effective_batch_size"), s("ndcg@10"), "ndcg@10 vs effective batch size", log_x=True),
-            wr.RunComparer(diff_only="split"),
-        ]),
-        ws.Section(name="Training", is_open=True, panels=[
-            by_group(HISTORY["loss"], "train/loss by group (sweep)"),
-            by_group(HISTORY["dev_ndcg"], "dev/ndcg@10 by group (sweep)"),
-            per_run([HISTORY["loss"]], "train/loss per run"),
-            per_run([HISTORY["dev_ndcg"], HISTORY["dev_mrr"]], "dev ndcg@10 / mrr@10 per run"),
-            per_run([HISTORY["lr"]], "learning rate"),
-            per_run([HISTORY["grad_norm"]], "gradient norm"),
-        ]),
-        ws.Section(name="Throughput & memory", is_open=True, panels=[
-            per_run([HISTORY["samples_per_s"]], "train samples/s"),
-            per_run([HISTORY["tokens_per_s"]], "train tokens/s"),
-            per_run([HISTORY["data_wait"]], "data-wait share of step time"),
-            wr.BarPlot(title="peak memory, busiest rank (MB)", metrics=[s("peak_memory_mb")]),
-            _scatter(world, s("peak_memory_mb"), "peak memory (MB) vs world size"),
-        ]),
+        ws.Section(
+            name="Scaling",
+            is_open=True,
+            panels=[
+                _scatter(world, s("speedup"), "speedup vs world size"),
+                _scatter(
+                    world,
+                    s("scaling_efficiency"),
+                    "scaling efficiency (speedup / world size) vs world size",
+                    range_y=(0, 1.1),
+                ),
+                _scatter(world, s(HISTORY["samples_per_s"]), "train samples/s vs world size"),
+                _scatter(world, s("baseline_samples_per_s"), "single-device baseline samples/s"),
+            ],
+        ),
+        ws.Section(
+            name="Hyperparameters",
+            is_open=True,
+            panels=[
+                wr.ParallelCoordinatesPlot(
+                    title="lr / batch -> dev ndcg@10 (best)",
+                    columns=[
+                        wr.ParallelCoordinatesPlotColumn(metric=c("optimizer.lr"), display_name="lr (base)", log=True),
+                        wr.ParallelCoordinatesPlotColumn(metric=c("lr"), display_name="lr (scaled)", log=True),
+                        wr.ParallelCoordinatesPlotColumn(metric=c("data.batch_size"), display_name="per-device batch"),
+                        wr.ParallelCoordinatesPlotColumn(metric=c("world_size"), display_name="world size"),
+                        wr.ParallelCoordinatesPlotColumn(
+                            metric=c("effective_batch_size"), display_name="effective batch"
+                        ),
+                        wr.ParallelCoordinatesPlotColumn(metric=s(HISTORY["dev_ndcg"]), display_name="dev ndcg@10"),
+                    ],
+                    layout=wr.Layout(w=24, h=8),
+                ),
+                _scatter(c("optimizer.lr"), s("ndcg@10"), "ndcg@10 vs lr", log_x=True),
+                _scatter(c("effective_batch_size"), s("ndcg@10"), "ndcg@10 vs effective batch size", log_x=True),
+                wr.RunComparer(diff_only="split"),
+            ],
+        ),
+        ws.Section(
+            name="Training",
+            is_open=True,
+            panels=[
+                by_group(HISTORY["loss"], "train/loss by group (sweep)"),
+                by_group(HISTORY["dev_ndcg"], "dev/ndcg@10 by group (sweep)"),
+                per_run([HISTORY["loss"]], "train/loss per run"),
+                per_run([HISTORY["dev_ndcg"], HISTORY["dev_mrr"]], "dev ndcg@10 / mrr@10 per run"),
+                per_run([HISTORY["lr"]], "learning rate"),
+                per_run([HISTORY["grad_norm"]], "gradient norm"),
+            ],
+        ),
+        ws.Section(
+            name="Throughput & memory",
+            is_open=True,
+            panels=[
+                per_run([HISTORY["samples_per_s"]], "train samples/s"),
+                per_run([HISTORY["tokens_per_s"]], "train tokens/s"),
+                per_run([HISTORY["data_wait"]], "data-wait share of step time"),
+                wr.BarPlot(title="peak memory, busiest rank (MB)", metrics=[s("peak_memory_mb")]),
+                _scatter(world, s("peak_memory_mb"), "peak memory (MB) vs world size"),
+            ],
+        ),
     ]
-    columns = [f"summary:{key}" for key in ("world_size", "effective_batch_size", "ndcg@10", "mrr@10", "speedup",
-                                            "scaling_efficiency", "peak_memory_mb")]
-    return ws.Workspace(entity=entity, project=project, name=name, sections=sections,
-                        runset_settings=ws.RunsetSettings(pinned_columns=columns))
+    columns = [
+        f"summary:{key}"
+        for key in (
+            "world_size",
+            "effective_batch_size",
+            "ndcg@10",
+            "mrr@10",
+            "speedup",
+            "scaling_efficiency",
+            "peak_memory_mb",
+        )
+    ]
+    return ws.Workspace(
+        entity=entity,
+        project=project,
+        name=name,
+        sections=sections,
+        runset_settings=ws.RunsetSettings(pinned_columns=columns),
+    )
 
 
 def definition(space: ws.Workspace) -> dict:

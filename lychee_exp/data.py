@@ -7,6 +7,7 @@ files; default 1 each) and "qid". Other keys are reported once per file, then ig
 A training example is a group: 1 positive + (train_group_size - 1) sampled negatives, with their teacher scores.
 Dev files use the same format; each query's pos + neg are the candidates to rerank.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,13 @@ def load_queries(spec: str, key: str, limit: int = 0, warn_unknown: bool = True)
         raise UserError(f"{key}={spec}: {path} holds no queries")
     if unknown and warn_unknown:
         # once per file, not per line: a typo in a key must not pass silently, nor flood the log
-        log.warning("%s: ignoring unknown key(s) %s (first on line %s); known keys: %s", path,
-                    ", ".join(sorted(unknown)), min(unknown.values()), ", ".join(sorted(KNOWN_KEYS)))
+        log.warning(
+            "%s: ignoring unknown key(s) %s (first on line %s); known keys: %s",
+            path,
+            ", ".join(sorted(unknown)),
+            min(unknown.values()),
+            ", ".join(sorted(KNOWN_KEYS)),
+        )
     return queries
 
 
@@ -92,15 +98,16 @@ def _parse_line(line: str, where: str, index: int, unknown: dict[str, int], numb
     neg_scores = _numbers(record, "neg_scores", neg, where, float)
     if (pos_scores is None) != (neg_scores is None) and neg:
         given = "pos_scores" if pos_scores is not None else "neg_scores"
-        raise UserError(f"{where}: '{given}' without '{'neg_scores' if given == 'pos_scores' else 'pos_scores'}': "
-                        "teacher scores must cover every document")
+        raise UserError(
+            f"{where}: '{given}' without '{'neg_scores' if given == 'pos_scores' else 'pos_scores'}': "
+            "teacher scores must cover every document"
+        )
     pos_labels = _numbers(record, "pos_labels", pos, where, int)
     if pos_labels is not None and min(pos_labels) < 1:
         raise UserError(f"{where}: 'pos_labels' must be integer gains >= 1 (negatives are 0)")
     for key in record.keys() - KNOWN_KEYS:
         unknown.setdefault(key, number)
-    return RankingQuery(query, pos, neg, instruction, str(record.get("qid", index)), pos_scores, neg_scores,
-                        pos_labels)
+    return RankingQuery(query, pos, neg, instruction, str(record.get("qid", index)), pos_scores, neg_scores, pos_labels)
 
 
 def _numbers(record: dict, name: str, docs: list[str], where: str, kind: type) -> list | None:
@@ -108,8 +115,11 @@ def _numbers(record: dict, name: str, docs: list[str], where: str, kind: type) -
     values = record.get(name)
     if values is None:
         return None
-    ok = (lambda v: isinstance(v, int) and not isinstance(v, bool)) if kind is int else \
-        (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+    ok = (
+        (lambda v: isinstance(v, int) and not isinstance(v, bool))
+        if kind is int
+        else (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+    )
     if not isinstance(values, list) or not all(ok(v) for v in values):
         raise UserError(f"{where}: '{name}' must be a list of {'integers' if kind is int else 'numbers'}")
     if len(values) != len(docs):
@@ -122,16 +132,20 @@ def check_negatives(queries: list[RankingQuery], group_size: int, random_negativ
     if group_size - 1 > random_negatives:  # some negatives must come from the file
         for q in queries:
             if not q.neg:
-                raise UserError(f"data.train_file: query {q.qid!r} has no negatives, but "
-                                f"data.train_group_size={group_size} needs {group_size - 1}")
+                raise UserError(
+                    f"data.train_file: query {q.qid!r} has no negatives, but "
+                    f"data.train_group_size={group_size} needs {group_size - 1}"
+                )
 
 
 def check_teacher_scores(queries: list[RankingQuery], key: str) -> None:
     """Distillation needs teacher scores on every line: say so before training, naming the first line without."""
     missing = next((q for q in queries if not q.has_teacher_scores), None)
     if missing is not None:
-        raise UserError(f"loss.distill_weight > 0 needs teacher scores ('pos_scores' and 'neg_scores'), but {key} "
-                        f"query {missing.qid!r} has none; add them or set loss.distill_weight=0")
+        raise UserError(
+            f"loss.distill_weight > 0 needs teacher scores ('pos_scores' and 'neg_scores'), but {key} "
+            f"query {missing.qid!r} has none; add them or set loss.distill_weight=0"
+        )
 
 
 class TrainGroups(Dataset):
@@ -142,8 +156,9 @@ class TrainGroups(Dataset):
     sees exactly the groups a single process would.
     """
 
-    def __init__(self, queries: list[RankingQuery], group_size: int, instruction: str, seed: int,
-                 random_negatives: int = 0):
+    def __init__(
+        self, queries: list[RankingQuery], group_size: int, instruction: str, seed: int, random_negatives: int = 0
+    ):
         check_negatives(queries, group_size, random_negatives)
         self.queries, self.group_size, self.instruction, self.seed = queries, group_size, instruction, seed
         # easy negatives: other queries' positives, mixed in so that a short run learns what relevance
@@ -164,8 +179,11 @@ class TrainGroups(Dataset):
         # Indices, so that teacher scores follow their documents. Too few negatives: sample with replacement,
         # as FlagEmbedding does.
         picked = rng.sample(range(len(q.neg)), need) if len(q.neg) >= need else rng.choices(range(len(q.neg)), k=need)
-        others = [i for i in rng.sample(range(len(self.queries)), min(len(self.queries), self.random_negatives + 1))
-                  if i != index][:self.random_negatives]
+        others = [
+            i
+            for i in rng.sample(range(len(self.queries)), min(len(self.queries), self.random_negatives + 1))
+            if i != index
+        ][: self.random_negatives]
         easy = [rng.choice(self.queries[i].pos) for i in others]
         pos = rng.choice(range(len(q.pos)))
         docs = [q.pos[pos], *(q.neg[j] for j in picked), *easy]

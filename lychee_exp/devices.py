@@ -3,6 +3,7 @@
 Without CUDA, `gpus=N` with parallel=ddp means N CPU ranks (gloo), each with an equal share of the cores, so
 that everything multi-device runs and is tested on a laptop or CI machine.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,10 @@ class DevicePlan:
 
     def describe(self) -> str:
         if self.device_type == "cpu" and self.strategy == "ddp":
-            return (f"no CUDA GPU: running {self.num_devices} CPU rank(s) with gloo, "
-                    f"{self.threads_per_rank} torch thread(s) each")
+            return (
+                f"no CUDA GPU: running {self.num_devices} CPU rank(s) with gloo, "
+                f"{self.threads_per_rank} torch thread(s) each"
+            )
         unit = "GPU" if self.device_type == "cuda" else "CPU"
         return f"{self.strategy}: {self.num_devices} {unit}(s), {self.num_processes} process(es)"
 
@@ -56,8 +59,9 @@ def parse_gpus(gpus: object) -> int | None:
     return count
 
 
-def plan_devices(strategy: str, gpus: object, cuda_count: int | None = None, cores: int | None = None,
-                 cpu_threads_per_rank: int = 0) -> DevicePlan:
+def plan_devices(
+    strategy: str, gpus: object, cuda_count: int | None = None, cores: int | None = None, cpu_threads_per_rank: int = 0
+) -> DevicePlan:
     requested = parse_gpus(gpus)
     cuda_count = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if cuda_count is None else cuda_count
     cores = available_cores() if cores is None else cores
@@ -67,8 +71,9 @@ def plan_devices(strategy: str, gpus: object, cuda_count: int | None = None, cor
         threads = 1 if cuda_count else cpu_threads_per_rank or cores
         return DevicePlan("single", "cuda" if cuda_count else "cpu", 1, threads)
     if strategy == "dp" and not cuda_count:
-        raise UserError("parallel=dp needs CUDA GPUs (torch.nn.DataParallel); without them use parallel=ddp, "
-                        "which runs CPU ranks")
+        raise UserError(
+            "parallel=dp needs CUDA GPUs (torch.nn.DataParallel); without them use parallel=ddp, which runs CPU ranks"
+        )
     if cuda_count:
         count = cuda_count if requested is None else requested
         if count > cuda_count:

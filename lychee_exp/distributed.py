@@ -1,4 +1,5 @@
 """Where this process sits in a run: its rank, the world size and its device, plus the collectives used."""
+
 from __future__ import annotations
 
 import inspect
@@ -53,8 +54,12 @@ def wrap_for_training(model: torch.nn.Module, env: DistEnv, plan, find_unused_pa
         # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets instead of being copied into them
         # (one gradient-sized buffer less; measured no slower on 2 gloo CPU ranks)
         return torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-            find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True, **no_sync)
+            model,
+            device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=True,
+            **no_sync,
+        )
     if plan.strategy == "dp":
         return torch.nn.DataParallel(model, device_ids=list(range(plan.num_devices)))
     return model

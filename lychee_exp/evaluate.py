@@ -6,6 +6,7 @@ MRR counts any gain > 0 as relevant.
 Metrics come from torchmetrics' retrieval functions, per query, averaged over queries. Scoring is sharded
 across ranks and gathered, so every rank ends with the metrics a single process computes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,9 @@ TOP_K = 10
 log = logging.getLogger(__name__)
 
 
-def ranking_metrics(scores: Sequence[float], labels: Sequence[int], query_index: Sequence[int],
-                    prefix: str = "") -> dict[str, float]:
+def ranking_metrics(
+    scores: Sequence[float], labels: Sequence[int], query_index: Sequence[int], prefix: str = ""
+) -> dict[str, float]:
     by_query: dict[int, list[int]] = defaultdict(list)
     for row, qi in enumerate(query_index):
         by_query[qi].append(row)
@@ -71,15 +73,19 @@ def reference_metrics(pairs: DevPairs) -> dict[str, float]:
 
 
 @torch.inference_mode()
-def score_token_ids(model: torch.nn.Module, encoder: PromptEncoder, token_ids: Sequence[list[int]],
-                    batch_size: int, device: torch.device,
-                    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                    ) -> list[float]:
+def score_token_ids(
+    model: torch.nn.Module,
+    encoder: PromptEncoder,
+    token_ids: Sequence[list[int]],
+    batch_size: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> list[float]:
     """Relevance logits for tokenized prompts, batched by length so that little compute goes to padding."""
     order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]), reverse=True)
     scores = [0.0] * len(token_ids)
     for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
+        rows = order[start : start + batch_size]
         batch = encoder.pad([token_ids[i] for i in rows])
         with autocast():
             logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
@@ -88,10 +94,17 @@ def score_token_ids(model: torch.nn.Module, encoder: PromptEncoder, token_ids: S
     return scores
 
 
-def evaluate(model: torch.nn.Module, encoder: PromptEncoder, pairs: DevPairs, batch_size: int,
-             device: torch.device, rank: int = 0, world_size: int = 1,
-             gather: Callable[[object], list] = lambda obj: [obj],
-             autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module,
+    encoder: PromptEncoder,
+    pairs: DevPairs,
+    batch_size: int,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+    gather: Callable[[object], list] = lambda obj: [obj],
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict[str, float]:
     """Each rank scores every world_size-th pair (by length, so shards cost alike); results are all-gathered."""
     by_length = sorted(range(len(pairs.token_ids)), key=lambda i: len(pairs.token_ids[i]))
     mine = by_length[rank::world_size]

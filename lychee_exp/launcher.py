@@ -10,6 +10,7 @@
 - in a SLURM job on several nodes (lychee_exp.cluster): this node's ranks, as above, with the agents of all
   nodes meeting at the first node.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -41,6 +42,7 @@ from lychee_exp.train import run_training
 
 log = logging.getLogger(__name__)
 
+
 def failure_kind(message: str) -> str:
     if "TrainingDiverged" in message or "loss is nan" in message or "loss is inf" in message:
         return "diverged"
@@ -49,8 +51,9 @@ def failure_kind(message: str) -> str:
     return "crashed"
 
 
-def launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None = None,
-           inputs: RunInputs | None = None) -> dict:
+def launch(
+    cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None = None, inputs: RunInputs | None = None
+) -> dict:
     with PreemptionWatch(output_dir) as watch:
         metrics = _launch(cfg, plan, output_dir, log_file, inputs)
     if "preempted_at_step" in metrics:
@@ -58,8 +61,7 @@ def launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | N
     return metrics
 
 
-def _launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None,
-            inputs: RunInputs | None) -> dict:
+def _launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None, inputs: RunInputs | None) -> dict:
     if plan.strategy != "ddp":
         return train_in_process(cfg, plan, output_dir, inputs)
     if under_torchrun():
@@ -84,19 +86,26 @@ def train_in_process(cfg: RunConfig, plan: DevicePlan, output_dir: Path, inputs:
             torch.cuda.empty_cache()
 
 
-def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None,
-                    nodes: NodeSpec | None = None) -> dict:
+def _elastic_launch(
+    cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None, nodes: NodeSpec | None = None
+) -> dict:
     log_dir = output_dir / "logs"
     log.info(plan.describe())
     nnodes = nodes.nnodes if nodes else 1
     config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=plan.num_devices,
-        run_id=nodes.run_id if nodes else f"lychee-{uuid.uuid4().hex[:12]}", rdzv_backend="c10d",
-        rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0", max_restarts=cfg.parallel.max_restarts,
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=plan.num_devices,
+        run_id=nodes.run_id if nodes else f"lychee-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0",
+        max_restarts=cfg.parallel.max_restarts,
         rdzv_configs={"is_host": nodes.node_rank == 0} if nodes else {},
-        monitor_interval=0.2, start_method="spawn",
+        monitor_interval=0.2,
+        start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL}),
-        log_line_prefix_template="[rank${rank}] ")
+        log_line_prefix_template="[rank${rank}] ",
+    )
     if cfg.parallel.max_restarts > 0 and cfg.trainer.resume == "never":
         # a restarted attempt continues from the latest checkpoint (trainer.checkpoint_every) of this run
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="auto"))
@@ -105,8 +114,9 @@ def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file
     # The agent logs each failure with a full dump; the one line below (with the rank's log) replaces it.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, worker)(payload, str(output_dir), plan.threads_per_rank, plan.device_type,
-                                                 log_file)
+        results = elastic_launch(config, worker)(
+            payload, str(output_dir), plan.threads_per_rank, plan.device_type, log_file
+        )
     except SignalException as err:
         # Ctrl-C / SIGTERM reached the launcher, which has stopped the ranks: stop the job (and any sweep) too.
         if err.sigval == signal.SIGINT:
@@ -123,8 +133,16 @@ def _elastic_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file
 
 
 # Errors that ranks report because ANOTHER rank died (its sockets closed, or the agent stopped them).
-_COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "SIGTERM", "NCCL",
-               "gloo", "Gloo", "ProcessGroup")
+_COLLATERAL = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "SIGTERM",
+    "NCCL",
+    "gloo",
+    "Gloo",
+    "ProcessGroup",
+)
 
 
 def _root_cause(failures: dict, notes: Path) -> tuple[int, str]:
@@ -139,9 +157,8 @@ def _root_cause(failures: dict, notes: Path) -> tuple[int, str]:
         described[rank] = (float(failure.timestamp), message)
     for note in notes.glob("rank*.txt"):
         stamp, _, message = note.read_text().strip().partition("\t")
-        described[int(note.stem[len("rank"):])] = (float(stamp), message)
-    ranked = sorted((_collateral(message), stamp, rank, message)
-                    for rank, (stamp, message) in described.items())
+        described[int(note.stem[len("rank") :])] = (float(stamp), message)
+    ranked = sorted((_collateral(message), stamp, rank, message) for rank, (stamp, message) in described.items())
     _, _, rank, message = ranked[0]
     return rank, message
 
@@ -153,10 +170,11 @@ def _collateral(message: str) -> bool:
 def _lost_nodes(nodes: NodeSpec, notes: Path, rank: int, message: str) -> str:
     """The one line for a rank that lost its peers: the nodes whose ranks left no failure note are the ones
     that went away (killed, preempted, or cut off)."""
-    noted = {int(p.stem[len("node"):]) for p in notes.glob("node*")}
+    noted = {int(p.stem[len("node") :]) for p in notes.glob("node*")}
     lost = [nodes.node_name(k) for k in range(nodes.nnodes) if k != nodes.node_rank and k not in noted]
-    return (f"lost {', '.join(lost) or 'another node'}: rank {rank} on {nodes.node_name(nodes.node_rank)} "
-            f"failed: {message}")
+    return (
+        f"lost {', '.join(lost) or 'another node'}: rank {rank} on {nodes.node_name(nodes.node_rank)} failed: {message}"
+    )
 
 
 def _as_rank(cfg: RunConfig, plan: DevicePlan, output_dir: Path, inputs: RunInputs | None) -> dict:
@@ -194,8 +212,12 @@ def _configure_worker_logging(rank: int, log_file: str | None) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if rank == 0 and log_file:
         handlers.append(logging.FileHandler(log_file))  # rank 0 continues the Hydra job's log
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, handlers=handlers, force=True,
-                        format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        handlers=handlers,
+        force=True,
+        format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s",
+    )
 
 
 def worker(payload: dict, output_dir: str, threads: int, device_type: str, log_file: str | None) -> dict:

@@ -74,9 +74,17 @@ class WandbLogger(NullLogger):
         import wandb
 
         mode = str(cfg.mode) if cfg.mode != "auto" else ("online" if has_wandb_api_key() else "offline")
-        kwargs = {"project": cfg.project, "entity": cfg.entity, "name": name, "group": cfg.group or group,
-                  "job_type": cfg.job_type or job_type, "tags": list(cfg.tags), "config": config,
-                  "dir": str(output_dir), "reinit": "create_new"}  # consecutive trials in one process: new runs
+        kwargs = {
+            "project": cfg.project,
+            "entity": cfg.entity,
+            "name": name,
+            "group": cfg.group or group,
+            "job_type": cfg.job_type or job_type,
+            "tags": list(cfg.tags),
+            "config": config,
+            "dir": str(output_dir),
+            "reinit": "create_new",
+        }  # consecutive trials in one process: new runs
         settings = wandb.Settings(init_timeout=cfg.init_timeout_s, silent=True, console="off")
         wandb_dir = output_dir / "wandb"
         before = set(wandb_dir.glob("run-*")) if wandb_dir.is_dir() else set()
@@ -141,8 +149,15 @@ class Loggers(NullLogger):
             logger.finish()
 
 
-def make_logger(cfg: LoggerConfig, output_dir: Path, is_main: bool, name: str = "", group: str = "",
-                job_type: str = "train", config: dict | None = None) -> NullLogger:
+def make_logger(
+    cfg: LoggerConfig,
+    output_dir: Path,
+    is_main: bool,
+    name: str = "",
+    group: str = "",
+    job_type: str = "train",
+    config: dict | None = None,
+) -> NullLogger:
     if not is_main or cfg.name == "none":
         return NullLogger()
     loggers: list[NullLogger] = [CSVLogger(output_dir)]
@@ -156,34 +171,99 @@ def run_logger(cfg: RunConfig, output_dir: Path, is_main: bool, derived: dict) -
     trial = cfg.trial
     in_sweep = bool(trial.storage)
     name = f"{trial.study_name}-trial{trial.number}" if in_sweep else output_dir.name
-    return make_logger(cfg.logger, output_dir, is_main, name=name, group=trial.study_name if in_sweep else name,
-                       job_type="trial" if in_sweep else "train", config={**plain_dict(cfg), **derived})
+    return make_logger(
+        cfg.logger,
+        output_dir,
+        is_main,
+        name=name,
+        group=trial.study_name if in_sweep else name,
+        job_type="trial" if in_sweep else "train",
+        config={**plain_dict(cfg), **derived},
+    )
 
 
-def log_setup(cfg: RunConfig, facts: dict, train_queries: int, dev_pairs, total_steps: int, steps_per_epoch: int,
-              warmup_steps: int) -> None:
+def log_setup(
+    cfg: RunConfig,
+    facts: dict,
+    train_queries: int,
+    dev_pairs,
+    total_steps: int,
+    steps_per_epoch: int,
+    warmup_steps: int,
+) -> None:
     """What the run is about to do, on the main rank: model, data, devices, batch and schedule."""
-    log.info("model %s (%s): %.1fM parameters, %.2fM trainable", cfg.model.name, cfg.model.kind,
-             facts["parameters"] / 1e6, facts["trainable_parameters"] / 1e6)
-    log.info("data: %d train queries, %d dev queries (%d pairs); device %s x %d, precision %s", train_queries,
-             len(set(dev_pairs.query_index)), len(dev_pairs.labels), facts["device"], facts["num_devices"],
-             facts["precision"])
-    log.info("effective batch %d queries (%d per device x %d devices x %d accumulation); lr %.3g (base %.3g at "
-             "batch %d, scaling %s); %d steps (%d per epoch), warmup %d", facts["effective_batch_size"],
-             cfg.data.batch_size, facts["num_devices"], cfg.trainer.grad_accum_steps, facts["lr"], cfg.optimizer.lr,
-             cfg.optimizer.base_batch_size, cfg.optimizer.lr_scaling, total_steps, steps_per_epoch, warmup_steps)
+    log.info(
+        "model %s (%s): %.1fM parameters, %.2fM trainable",
+        cfg.model.name,
+        cfg.model.kind,
+        facts["parameters"] / 1e6,
+        facts["trainable_parameters"] / 1e6,
+    )
+    log.info(
+        "data: %d train queries, %d dev queries (%d pairs); device %s x %d, precision %s",
+        train_queries,
+        len(set(dev_pairs.query_index)),
+        len(dev_pairs.labels),
+        facts["device"],
+        facts["num_devices"],
+        facts["precision"],
+    )
+    log.info(
+        "effective batch %d queries (%d per device x %d devices x %d accumulation); lr %.3g (base %.3g at "
+        "batch %d, scaling %s); %d steps (%d per epoch), warmup %d",
+        facts["effective_batch_size"],
+        cfg.data.batch_size,
+        facts["num_devices"],
+        cfg.trainer.grad_accum_steps,
+        facts["lr"],
+        cfg.optimizer.lr,
+        cfg.optimizer.base_batch_size,
+        cfg.optimizer.lr_scaling,
+        total_steps,
+        steps_per_epoch,
+        warmup_steps,
+    )
 
 
-def log_train_step(logger: NullLogger, is_main: bool, step: int, total_steps: int, epoch: int, loss: float, lr: float,
-                   grad_norm: float, queries: float, tokens: float, elapsed: float, wait: float) -> None:
+def log_train_step(
+    logger: NullLogger,
+    is_main: bool,
+    step: int,
+    total_steps: int,
+    epoch: int,
+    loss: float,
+    lr: float,
+    grad_norm: float,
+    queries: float,
+    tokens: float,
+    elapsed: float,
+    wait: float,
+) -> None:
     """One training row; queries and (non-pad) tokens of the step over all ranks."""
     samples_per_s, tokens_per_s = queries / elapsed, tokens / elapsed
-    logger.log_metrics({"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
-                        "train/samples_per_s": samples_per_s, "train/tokens_per_s": tokens_per_s,
-                        "train/data_wait_share": wait / elapsed, "epoch": epoch}, step)
+    logger.log_metrics(
+        {
+            "train/loss": loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "train/samples_per_s": samples_per_s,
+            "train/tokens_per_s": tokens_per_s,
+            "train/data_wait_share": wait / elapsed,
+            "epoch": epoch,
+        },
+        step,
+    )
     if is_main:
-        log.info("step %d/%d | loss %.4f | lr %.3g | %.1f samples/s | %.0f tokens/s | data wait %.0f%%",
-                 step, total_steps, loss, lr, samples_per_s, tokens_per_s, 100 * wait / elapsed)
+        log.info(
+            "step %d/%d | loss %.4f | lr %.3g | %.1f samples/s | %.0f tokens/s | data wait %.0f%%",
+            step,
+            total_steps,
+            loss,
+            lr,
+            samples_per_s,
+            tokens_per_s,
+            100 * wait / elapsed,
+        )
 
 
 def log_eval(logger: NullLogger, is_main: bool, metrics: dict[str, float], step: int) -> None:

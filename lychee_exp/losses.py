@@ -81,7 +81,9 @@ class RankingLoss:
             return loss, None
         if teacher is None:
             raise ValueError("loss.distill_weight > 0 but the batch has no teacher scores")
-        distill = DISTILL.lookup(self.name)(logits.float(), teacher.to(logits.device, torch.float32), self.distill_temperature)
+        distill = DISTILL.lookup(self.name)(
+            logits.float(), teacher.to(logits.device, torch.float32), self.distill_temperature
+        )
         return loss + self.distill_weight * distill, distill
 
 

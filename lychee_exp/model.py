@@ -5,6 +5,7 @@ left-padded batch, so sigmoid(logit) = softmax over (yes, no) = p(yes); with `mo
 yes logit, as FlagEmbedding's decoder-only rerankers score. A sequence classifier (the MiniLM cross-encoder) has
 one logit that plays the same role. Losses and rankings use this logit; `probability` gives sigmoid of it.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,14 @@ KINDS = {
 
 
 class Reranker(nn.Module):
-    def __init__(self, backbone: nn.Module, kind: str, yes_id: int | None = None, no_id: int | None = None,
-                 score: str = "yes_minus_no"):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        kind: str,
+        yes_id: int | None = None,
+        no_id: int | None = None,
+        score: str = "yes_minus_no",
+    ):
         super().__init__()
         self.backbone = backbone
         self.kind = kind
@@ -61,8 +68,13 @@ class Reranker(nn.Module):
             return self.backbone(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
         # Positions count real tokens only, so a left-padded row is computed exactly as it would be alone.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            logits_to_keep=1, use_cache=False)
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=1,
+            use_cache=False,
+        )
         last = out.logits[:, -1, :].float()
         if self.score == "yes_logit":
             return last[:, self.yes_id]
@@ -121,8 +133,10 @@ def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int) -> Rerank
     else:
         has_weights = any(Path(path).glob("*.safetensors")) or any(Path(path).glob("*.bin"))
         if not has_weights:
-            raise UserError(f"model.path={cfg.path}: no weights in {path} (set model.random_init=true to "
-                            "initialise this architecture from scratch)")
+            raise UserError(
+                f"model.path={cfg.path}: no weights in {path} (set model.random_init=true to "
+                "initialise this architecture from scratch)"
+            )
         backbone = auto_cls.from_pretrained(path, config=config, **kwargs)
     if backbone.config.pad_token_id is None:
         backbone.config.pad_token_id = encoder.pad_id
@@ -152,9 +166,13 @@ def _add_lora(backbone: nn.Module, cfg: ModelConfig) -> nn.Module:
     missing = [m for m in cfg.lora.target_modules if m not in names]
     if missing:
         raise UserError(f"model.lora.target_modules: {missing} not found in the model")
-    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                      target_modules=list(cfg.lora.target_modules),
-                      task_type=KINDS[cfg.kind].lora_task_type)
+    lora = LoraConfig(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=list(cfg.lora.target_modules),
+        task_type=KINDS[cfg.kind].lora_task_type,
+    )
     return get_peft_model(backbone, lora)
 
 

@@ -6,6 +6,7 @@ cross-entropy on the relevance logit, the mean over the step's pairs), one step 
 Each returns the `perf_counter` time at the end of every step, so that warm-up can be cut off the same way.
 sentence-transformers tokenizes its own text pairs, so it counts its own tokens (`tokens`).
 """
+
 from __future__ import annotations
 
 import time
@@ -79,16 +80,32 @@ class _StepClock:
 
 
 def _pair_rows(steps: list[Step]) -> list[dict]:
-    return [{"input_ids": ids[mask.bool()].tolist(), "labels": float(label)}
-            for step in steps for ids, mask, label in zip(step.input_ids, step.attention_mask, step.labels)]
+    return [
+        {"input_ids": ids[mask.bool()].tolist(), "labels": float(label)}
+        for step in steps
+        for ids, mask, label in zip(step.input_ids, step.attention_mask, step.labels)
+    ]
 
 
 def _common_args(out_dir: str, steps: list[Step], s: Settings) -> dict:
-    return dict(output_dir=out_dir, per_device_train_batch_size=len(steps[0].labels), max_steps=len(steps),
-                learning_rate=s.lr, weight_decay=s.weight_decay, max_grad_norm=s.max_grad_norm,
-                lr_scheduler_type="linear", warmup_steps=0, optim="adamw_torch", logging_steps=10**6,
-                save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0, seed=s.seed,
-                use_cpu=s.device.type == "cpu")
+    return {
+        "output_dir": out_dir,
+        "per_device_train_batch_size": len(steps[0].labels),
+        "max_steps": len(steps),
+        "learning_rate": s.lr,
+        "weight_decay": s.weight_decay,
+        "max_grad_norm": s.max_grad_norm,
+        "lr_scheduler_type": "linear",
+        "warmup_steps": 0,
+        "optim": "adamw_torch",
+        "logging_steps": 10**6,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "seed": s.seed,
+        "use_cpu": s.device.type == "cpu",
+    }
 
 
 def hf_trainer(model: nn.Module, steps: list[Step], s: Settings, encoder, out_dir: str) -> dict:
@@ -107,8 +124,13 @@ def hf_trainer(model: nn.Module, steps: list[Step], s: Settings, encoder, out_di
 
     ends: list[float] = []
     args = TrainingArguments(**_common_args(out_dir, steps, s), remove_unused_columns=False)
-    trainer = InOrderTrainer(model=PairLoss(model), args=args, train_dataset=_pair_rows(steps), data_collator=collate,
-                             callbacks=[_StepClock.make(ends)])
+    trainer = InOrderTrainer(
+        model=PairLoss(model),
+        args=args,
+        train_dataset=_pair_rows(steps),
+        data_collator=collate,
+        callbacks=[_StepClock.make(ends)],
+    )
     trainer.train()
     return {"ends": ends}
 
@@ -124,14 +146,20 @@ def st_cross_encoder(path: str, dropout: float | None, steps: list[Step], s: Set
     config = AutoConfig.from_pretrained(path).to_dict()
     no_dropout = {k: dropout for k, v in config.items() if "dropout" in k and isinstance(v, float)}
     torch.manual_seed(s.seed)
-    model = CrossEncoder(path, num_labels=1, device=str(s.device),
-                         config_kwargs=no_dropout if dropout is not None else None)
+    model = CrossEncoder(
+        path, num_labels=1, device=str(s.device), config_kwargs=no_dropout if dropout is not None else None
+    )
     batch_size = len(steps[0].labels)
     pairs = [p for step in steps for p in step.pairs]
     tokens = sum(int(model.preprocess(step.pairs)["attention_mask"].sum()) for step in steps)
     padded = sum(model.preprocess(step.pairs)["attention_mask"].numel() for step in steps)
-    rows = Dataset.from_dict({"text1": [a for a, _ in pairs], "text2": [b for _, b in pairs],
-                              "label": [float(x) for step in steps for x in step.labels]})
+    rows = Dataset.from_dict(
+        {
+            "text1": [a for a, _ in pairs],
+            "text2": [b for _, b in pairs],
+            "label": [float(x) for step in steps for x in step.labels],
+        }
+    )
 
     class InOrderTrainer(CrossEncoderTrainer):
         def get_batch_sampler(self, dataset, batch_size, drop_last, *args, **kwargs):
@@ -139,8 +167,13 @@ def st_cross_encoder(path: str, dropout: float | None, steps: list[Step], s: Set
 
     ends: list[float] = []
     args = CrossEncoderTrainingArguments(**_common_args(out_dir, steps, s))
-    trainer = InOrderTrainer(model=model, args=args, train_dataset=rows, loss=BinaryCrossEntropyLoss(model),
-                             callbacks=[_StepClock.make(ends)])
+    trainer = InOrderTrainer(
+        model=model,
+        args=args,
+        train_dataset=rows,
+        loss=BinaryCrossEntropyLoss(model),
+        callbacks=[_StepClock.make(ends)],
+    )
     assert batch_size == args.per_device_train_batch_size
     trainer.train()
     return {"ends": ends, "tokens": tokens, "padded": padded}

@@ -12,6 +12,7 @@ Budgets: the instruction and the query are cut to their caps (`instruction_max_l
 `max_len` (total tokens, template and special tokens included) the document gets what is left, so a short
 query leaves more room for its document; `doc_max_len` (0 = no cap of its own) caps the document as well.
 """
+
 from __future__ import annotations
 
 import string
@@ -39,12 +40,15 @@ def render_format(tokenizer, prompt: PromptConfig) -> str:
     if not prompt.chat_template:
         return prompt.prefix + prompt.separator + prompt.template + prompt.suffix + prompt.answer_prefix
     if not getattr(tokenizer, "chat_template", None):
-        raise UserError("model.prompt.chat_template=true, but this tokenizer has no chat template "
-                        "(set the template pieces by hand: model.prompt.prefix/template/suffix)")
+        raise UserError(
+            "model.prompt.chat_template=true, but this tokenizer has no chat template "
+            "(set the template pieces by hand: model.prompt.prefix/template/suffix)"
+        )
     names = ("instruction", "query", "document")
     user = prompt.template.format(**{n: _MARK.format(n) for n in names})
-    messages = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + \
-        [{"role": "user", "content": user}]
+    messages = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + [
+        {"role": "user", "content": user}
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     text = (text + prompt.answer_prefix).replace("{", "{{").replace("}", "}}")
     for name in names:
@@ -63,17 +67,25 @@ class PromptEncoder:
         self.prompt = prompt
         self.padding_side = padding_side
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.caps = {"instruction": prompt.instruction_max_len, "query": prompt.query_max_len,
-                     "document": prompt.doc_max_len}  # 0 = no cap of its own
+        self.caps = {
+            "instruction": prompt.instruction_max_len,
+            "query": prompt.query_max_len,
+            "document": prompt.doc_max_len,
+        }  # 0 = no cap of its own
         self._format = render_format(tokenizer, prompt)
         self._pieces = self._parse(self._format)
         # A chat template writes its own special tokens (BOS included); otherwise the tokenizer's are added.
         self._special_before, self._special_after = ([], []) if prompt.chat_template else self._special_tokens()
-        self.template_len = len(self._special_before) + len(self._special_after) + sum(
-            len(piece) for piece in self._pieces if not isinstance(piece, _Field))
+        self.template_len = (
+            len(self._special_before)
+            + len(self._special_after)
+            + sum(len(piece) for piece in self._pieces if not isinstance(piece, _Field))
+        )
         if prompt.max_len and self.template_len >= prompt.max_len:
-            raise UserError(f"model.prompt.max_len={prompt.max_len} leaves no room for the fields: the template "
-                            f"alone is {self.template_len} tokens")
+            raise UserError(
+                f"model.prompt.max_len={prompt.max_len} leaves no room for the fields: the template "
+                f"alone is {self.template_len} tokens"
+            )
 
     def _tokens(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
@@ -96,8 +108,8 @@ class PromptEncoder:
         """The tokens the tokenizer wraps a single text in ([CLS] ... [SEP] for BERT, <bos> for Gemma)."""
         bare = self._tokens("a")
         wrapped = self.tokenizer("a", add_special_tokens=True)["input_ids"]
-        start = next(i for i in range(len(wrapped)) if wrapped[i:i + len(bare)] == bare)
-        return wrapped[:start], wrapped[start + len(bare):]
+        start = next(i for i in range(len(wrapped)) if wrapped[i : i + len(bare)] == bare)
+        return wrapped[:start], wrapped[start + len(bare) :]
 
     def encode(self, instruction: str, query: str, document: str) -> list[int]:
         values = {"instruction": instruction, "query": query, "document": document}

@@ -6,6 +6,7 @@ table, speedup and scaling efficiency vs world size, ndcg@10 against lr and effe
 grouped by sweep, throughput and memory; plus each Optuna sweep's trials (trials.csv) and each scaling
 benchmark (bench.csv) found there. Inline CSS and SVG only: it opens offline, from a mail attachment too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,22 +42,51 @@ nav a{margin-right:14px;color:#2f5fb3;text-decoration:none}
 """
 
 # the runs table: what the W&B workspace compares runs by, one row per run
-RUN_COLUMNS = ["run", "model / loss", "world size", "effective batch", "lr (base → scaled)", "ndcg@10 (gain)",
-               "mrr@10", "speedup", "efficiency", "samples/s", "peak memory (MB)"]
-THROUGHPUT_COLUMNS = ["run", "samples/s", "tokens/s", "data wait", "rank spread", "peak memory per rank (MB)",
-                      "train time (s)", "eval time (s)", "steps", "precision", "device"]
+RUN_COLUMNS = [
+    "run",
+    "model / loss",
+    "world size",
+    "effective batch",
+    "lr (base → scaled)",
+    "ndcg@10 (gain)",
+    "mrr@10",
+    "speedup",
+    "efficiency",
+    "samples/s",
+    "peak memory (MB)",
+]
+THROUGHPUT_COLUMNS = [
+    "run",
+    "samples/s",
+    "tokens/s",
+    "data wait",
+    "rank spread",
+    "peak memory per rank (MB)",
+    "train time (s)",
+    "eval time (s)",
+    "steps",
+    "precision",
+    "device",
+]
 
 
 def _esc(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], table_id: str = "", cls: str = "",
-           highlight: int | None = None) -> str:
+def _table(
+    headers: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    table_id: str = "",
+    cls: str = "",
+    highlight: int | None = None,
+) -> str:
     """Cells arrive escaped (some carry markup such as the gain span)."""
     head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
-    body = "".join(f"<tr{' class=best' if i == highlight else ''}>" + "".join(f"<td>{c}</td>" for c in row)
-                   + "</tr>" for i, row in enumerate(rows))
+    body = "".join(
+        f"<tr{' class=best' if i == highlight else ''}>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>"
+        for i, row in enumerate(rows)
+    )
     attrs = (f' id="{table_id}"' if table_id else "") + (f' class="{cls}"' if cls else "")
     return f'<div class="card"><table{attrs}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
@@ -81,22 +111,39 @@ def _run_row(run: Run) -> list[str]:
     lr = fmt(used if used is not None else base, "lr")
     if used is not None and base is not None and fmt(base, "lr") != lr:
         lr = f"{fmt(base, 'lr')} → {lr}"
-    head = [run.name, fmt(model or None), fmt(m.get("world_size"), "int"), fmt(m.get("effective_batch_size"), "int"),
-            lr]
-    tail = [fmt(m.get("mrr@10"), "f3"), fmt(m.get("speedup"), "f2"), fmt(m.get("scaling_efficiency"), "pct"),
-            fmt(m.get("train_samples_per_s"), "f2"), fmt(run.peak_memory_mb, "int")]
+    head = [
+        run.name,
+        fmt(model or None),
+        fmt(m.get("world_size"), "int"),
+        fmt(m.get("effective_batch_size"), "int"),
+        lr,
+    ]
+    tail = [
+        fmt(m.get("mrr@10"), "f3"),
+        fmt(m.get("speedup"), "f2"),
+        fmt(m.get("scaling_efficiency"), "pct"),
+        fmt(m.get("train_samples_per_s"), "f2"),
+        fmt(run.peak_memory_mb, "int"),
+    ]
     return [_esc(c) for c in head] + [_ndcg_cell(run)] + [_esc(c) for c in tail]
 
 
 def _throughput_row(run: Run) -> list[str]:
     m = run.metrics
     per_rank = [fmt(v, "int") for v in m.get("peak_memory_mb_per_rank") or []]
-    cells = [run.name, fmt(m.get("train_samples_per_s"), "f2"), fmt(m.get("train_tokens_per_s"), "int"),
-             fmt(m.get("data_wait_share"), "pct"), fmt(m.get("rank_time_spread"), "f2"),
-             ", ".join(per_rank) or fmt(None), fmt(m.get("train_time_s"), "f2"), fmt(m.get("eval_time_s"), "f2"),
-             fmt(m.get("steps"), "int") + (" (stopped early)" if m.get("stopped_early") else ""),
-             fmt(m.get("precision")), fmt(" · ".join(str(m[k]) for k in ("device_type", "strategy") if m.get(k))
-                                          or m.get("device"))]
+    cells = [
+        run.name,
+        fmt(m.get("train_samples_per_s"), "f2"),
+        fmt(m.get("train_tokens_per_s"), "int"),
+        fmt(m.get("data_wait_share"), "pct"),
+        fmt(m.get("rank_time_spread"), "f2"),
+        ", ".join(per_rank) or fmt(None),
+        fmt(m.get("train_time_s"), "f2"),
+        fmt(m.get("eval_time_s"), "f2"),
+        fmt(m.get("steps"), "int") + (" (stopped early)" if m.get("stopped_early") else ""),
+        fmt(m.get("precision")),
+        fmt(" · ".join(str(m[k]) for k in ("device_type", "strategy") if m.get(k)) or m.get("device")),
+    ]
     return [_esc(c) for c in cells]
 
 
@@ -108,22 +155,30 @@ def _csv_table(table: Table, cls: str, highlight_best: bool = False) -> str:
 def _sweep_section(sweep: Table) -> str:
     best, s = best_trial(sweep), sweep.summary
     parts = [f"<h3>Sweep {_esc(sweep.name)}</h3>"]
-    facts = [f"{k}: {fmt(s[k])}" for k in ("study_name", "metric", "direction", "n_trials", "complete", "pruned",
-                                       "failed") if k in s]
+    facts = [
+        f"{k}: {fmt(s[k])}"
+        for k in ("study_name", "metric", "direction", "n_trials", "complete", "pruned", "failed")
+        if k in s
+    ]
     if facts:
         parts.append(f'<p class="meta">{_esc(" · ".join(facts))}</p>')
     if best:
         params = ", ".join(f"{k} = {fmt(v)}" for k, v in best["params"].items()) or fmt(None)
-        parts.append(f'<p class="best-params"><b>Best trial {_esc(fmt(best["trial"]))}</b>: metric '
-                     f'{_esc(fmt(best["value"]))} with {_esc(params)}</p>')
+        parts.append(
+            f'<p class="best-params"><b>Best trial {_esc(fmt(best["trial"]))}</b>: metric '
+            f"{_esc(fmt(best['value']))} with {_esc(params)}</p>"
+        )
     no_table = '<p class="note">no trials.csv</p>'
     parts.append(_csv_table(sweep, "sweep", highlight_best=True) if sweep.columns else no_table)
     return "".join(parts)
 
 
 def _bench_section(table: Table) -> str:
-    return (f"<h3>Scaling benchmark {_esc(table.name)}</h3>" + _csv_table(table, "bench")
-            + _figure(plots.bench(table), "bench.csv has no devices/speedup columns to plot"))
+    return (
+        f"<h3>Scaling benchmark {_esc(table.name)}</h3>"
+        + _csv_table(table, "bench")
+        + _figure(plots.bench(table), "bench.csv has no devices/speedup columns to plot")
+    )
 
 
 def render(found: Found, root: Path, title: str | None = None) -> str:
@@ -133,15 +188,21 @@ def render(found: Found, root: Path, title: str | None = None) -> str:
     groups: dict[str, list[Run]] = {}
     for run in runs:
         groups.setdefault(run.group, []).append(run)
-    curves = [f"<h3>{_esc(g)}</h3>" + _figure(plots.curves(rs), "no metrics.csv with train/loss in these runs")
-              for g, rs in groups.items()]
+    curves = [
+        f"<h3>{_esc(g)}</h3>" + _figure(plots.curves(rs), "no metrics.csv with train/loss in these runs")
+        for g, rs in groups.items()
+    ]
     sections = {
-        "Runs": (_table(RUN_COLUMNS, (_run_row(r) for r in runs), "runs", highlight=best)
-                 + '<p class="note">ndcg@10 in brackets: gain over the untrained model (initial_ndcg@10). '
-                   "Highlighted: the best ndcg@10. Speedup = samples/s over one device's; efficiency = "
-                   "speedup / world size.</p>") if runs else '<p class="note">no metrics.json found</p>',
-        "Scaling": _figure(plots.scaling(runs), "no run recorded a speedup") + "".join(
-            _bench_section(b) for b in found.benches),
+        "Runs": (
+            _table(RUN_COLUMNS, (_run_row(r) for r in runs), "runs", highlight=best)
+            + '<p class="note">ndcg@10 in brackets: gain over the untrained model (initial_ndcg@10). '
+            "Highlighted: the best ndcg@10. Speedup = samples/s over one device's; efficiency = "
+            "speedup / world size.</p>"
+        )
+        if runs
+        else '<p class="note">no metrics.json found</p>',
+        "Scaling": _figure(plots.scaling(runs), "no run recorded a speedup")
+        + "".join(_bench_section(b) for b in found.benches),
         "Sweeps": "".join(_sweep_section(s) for s in found.sweeps) or '<p class="note">no trials.csv found</p>',
         "Hyperparameters": _figure(plots.hyperparameters(runs), "no run recorded ndcg@10"),
         "Training": "".join(curves) or '<p class="note">no runs</p>',
@@ -150,14 +211,19 @@ def render(found: Found, root: Path, title: str | None = None) -> str:
     }
     anchors = {name: name.lower().replace(" & ", "-").replace(" ", "-") for name in sections}
     nav = "".join(f'<a href="#{anchors[n]}">{_esc(n)}</a>' for n in sections)
-    body = "".join(f'<section id="{anchors[n]}"><h2>{_esc(n)}</h2>{content}</section>'
-                   for n, content in sections.items())
+    body = "".join(
+        f'<section id="{anchors[n]}"><h2>{_esc(n)}</h2>{content}</section>' for n, content in sections.items()
+    )
     stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
-    meta = (f"{len(runs)} runs, {len(found.sweeps)} sweeps, {len(found.benches)} benchmarks under "
-            f"{root} · generated {stamp}")
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_esc(title)}</title>'
-            f"<style>{CSS}</style></head><body><main><h1>{_esc(title)}</h1><p class=meta>{_esc(meta)}</p>"
-            f"<nav>{nav}</nav>{body}</main></body></html>")
+    meta = (
+        f"{len(runs)} runs, {len(found.sweeps)} sweeps, {len(found.benches)} benchmarks under "
+        f"{root} · generated {stamp}"
+    )
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_esc(title)}</title>'
+        f"<style>{CSS}</style></head><body><main><h1>{_esc(title)}</h1><p class=meta>{_esc(meta)}</p>"
+        f"<nav>{nav}</nav>{body}</main></body></html>"
+    )
 
 
 def build(root: Path | str, out: Path | str | None = None, title: str | None = None) -> Path:
@@ -176,9 +242,21 @@ def headless_chromium(page: Path, *flags: str, timeout: float = 120) -> subproce
     no background traffic, so it runs offline and leaves nothing behind."""
     binary = shutil.which("chromium") or "/usr/bin/chromium"
     with tempfile.TemporaryDirectory(prefix="lychee-chromium-") as profile:
-        cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               "--hide-scrollbars", f"--user-data-dir={profile}", *flags, Path(page).resolve().as_uri()]
+        cmd = [
+            binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            *flags,
+            Path(page).resolve().as_uri(),
+        ]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
 
 

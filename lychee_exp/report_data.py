@@ -4,6 +4,7 @@ optimization_results.yaml) and scaling benchmarks (bench.csv), all found recursi
 Every input is optional past metrics.json and may come from an older lychee_exp, so a missing key or file is a
 missing value (shown as "—"), never an error; a file that cannot be parsed is skipped with a warning.
 """
+
 from __future__ import annotations
 
 import csv
@@ -47,6 +48,7 @@ class Run:
 @dataclass
 class Table:
     """A CSV as read: its own header (sweeps and benchmarks add columns over time) and rows."""
+
     name: str  # directory relative to the root
     columns: list[str]
     rows: list[dict[str, str]]
@@ -86,8 +88,11 @@ def find(root: Path) -> Found:
     if not root.is_dir():
         raise UserError(f"{root}: no such directory")
     root = root.resolve()
-    runs = [run for path in sorted(root.rglob("metrics.json"), key=lambda p: natural_key(str(p)))
-            if (run := _read_run(path.parent, root)) is not None]
+    runs = [
+        run
+        for path in sorted(root.rglob("metrics.json"), key=lambda p: natural_key(str(p)))
+        if (run := _read_run(path.parent, root)) is not None
+    ]
     sweeps = [_read_sweep(path.parent, root) for path in _files(root, "trials.csv", "optimization_results.yaml")]
     benches = [t for path in _files(root, "bench.csv") if (t := _read_csv(path, relative(path.parent, root)))]
     if not runs and not any(sweeps) and not benches:

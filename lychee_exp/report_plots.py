@@ -1,5 +1,6 @@
 """The local report's figures: matplotlib (Agg, no display needed) rendered to inline SVG, so the page needs no
 network and no files beside it. Each function returns an <svg> string, or "" when there is nothing to plot."""
+
 from __future__ import annotations
 
 import io
@@ -26,7 +27,7 @@ def _svg(fig) -> str:
         fig.savefig(buf, format="svg", bbox_inches="tight")
     plt.close(fig)
     text = buf.getvalue()
-    return text[text.index("<svg"):]
+    return text[text.index("<svg") :]
 
 
 def _figure(ncols: int = 1, width: float = 5.2, height: float = 3.4, **kwargs):
@@ -111,6 +112,7 @@ def hyperparameters(runs: Sequence[Run]) -> str:
     if not any(r.get("ndcg@10") is not None for r in runs):
         return ""
     fig, (ax1, ax2) = _figure(2)
+
     def lr(r: Run) -> float | None:  # the swept value: the lr at the base batch, before scaling
         return r.get("base_lr") if r.get("base_lr") is not None else r.get("lr")
 
@@ -136,8 +138,9 @@ def curves(runs: Sequence[Run]) -> str:
         for ax, key in ((ax1, "train/loss"), (ax2, "dev/ndcg@10")):
             pts = [(row["step"], row[key]) for row in run.history if key in row]
             if pts:
-                ax.plot(*zip(*pts), color=color, label=label, lw=1.4, marker="o" if key.startswith("dev") else None,
-                        ms=3)
+                ax.plot(
+                    *zip(*pts), color=color, label=label, lw=1.4, marker="o" if key.startswith("dev") else None, ms=3
+                )
                 drawn = True
     if not drawn:
         plt.close(fig)
@@ -158,8 +161,10 @@ def bars(runs: Sequence[Run]) -> str:
     colors = group_colors(runs)
     names = [name for name, _, _ in rows][::-1]
     palette = [colors[r.group] for r in runs][::-1]
-    for ax, values, title in ((ax1, [a for _, a, _ in rows], "train samples/s"),
-                              (ax2, [b for _, _, b in rows], "peak memory, max over ranks (MB)")):
+    for ax, values, title in (
+        (ax1, [a for _, a, _ in rows], "train samples/s"),
+        (ax2, [b for _, _, b in rows], "peak memory, max over ranks (MB)"),
+    ):
         values = [v or 0.0 for v in values][::-1]
         ax.barh(names, values, color=palette)
         ax.set(title=title)

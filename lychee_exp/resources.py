@@ -1,4 +1,5 @@
 """Resolve the paths users write in configs, including files shipped inside installed packages."""
+
 from __future__ import annotations
 
 import importlib.resources
@@ -12,7 +13,7 @@ PKG_SCHEME = "pkg://"
 def resolve_path(spec: str, key: str, must_exist: bool = True) -> Path:
     """`pkg://package.name/sub/path` points inside an installed package (Hydra's spelling for search paths)."""
     if spec.startswith(PKG_SCHEME):
-        package, _, rest = spec[len(PKG_SCHEME):].partition("/")
+        package, _, rest = spec[len(PKG_SCHEME) :].partition("/")
         try:
             root = importlib.resources.files(package)
         except ModuleNotFoundError:

@@ -45,8 +45,11 @@ def run_stamp() -> str:
         return os.environ["LYCHEE_RUN_STAMP"]
     if under_torchrun():
         run_id = os.environ["TORCHELASTIC_RUN_ID"]
-        return f"{datetime.now():%Y-%m-%d}_torchrun-{run_id}" if run_id != "none" else \
-            f"{datetime.now():%Y-%m-%d_%H-%M}_torchrun"
+        return (
+            f"{datetime.now():%Y-%m-%d}_torchrun-{run_id}"
+            if run_id != "none"
+            else f"{datetime.now():%Y-%m-%d_%H-%M}_torchrun"
+        )
     # the suffix keeps two runs started in the same second apart
     return f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{secrets.token_hex(2)}"
 
@@ -78,8 +81,10 @@ def run(cfg: DictConfig) -> float:
     except OmegaConfBaseException as err:
         raise UserError(f"{err.full_key or 'config'}: {str(err).splitlines()[0]}") from None
     if under_torchrun() and _in_sweep():
-        raise UserError("-m sweeps cannot run under torchrun (every rank would sample its own hyperparameters); "
-                        "run the sweep without torchrun: each trial launches its own ranks")
+        raise UserError(
+            "-m sweeps cannot run under torchrun (every rank would sample its own hyperparameters); "
+            "run the sweep without torchrun: each trial launches its own ranks"
+        )
     is_main = is_main_process()  # under torchrun global rank 0, on SLURM the first node: the one that writes
     output_dir = Path(run_cfg.output_dir)
     metrics_path = output_dir / "metrics.json"
@@ -88,8 +93,11 @@ def run(cfg: DictConfig) -> float:
         metrics_path.unlink(missing_ok=True)  # a stale result must not pass for this run's
     inputs = preflight(run_cfg)
     # under torchrun `gpus` is its ranks on this node, so CPU threads per rank follow the in-process rule
-    plan = plan_devices(run_cfg.parallel.strategy, local_ranks() or run_cfg.gpus,
-                        cpu_threads_per_rank=run_cfg.parallel.cpu_threads_per_rank)
+    plan = plan_devices(
+        run_cfg.parallel.strategy,
+        local_ranks() or run_cfg.gpus,
+        cpu_threads_per_rank=run_cfg.parallel.cpu_threads_per_rank,
+    )
     if is_main:
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))
 
@@ -97,10 +105,14 @@ def run(cfg: DictConfig) -> float:
         # ranks started elsewhere (torchrun, other nodes) cannot wait for a calibration here: cache or given only
         calibrate = run_cfg.speedup.calibrate and not launched_externally()
         speedup = dataclasses.replace(run_cfg.speedup, calibrate=calibrate)
-        baseline = resolve_baseline(dataclasses.replace(run_cfg, speedup=speedup), plan,
-                                    lambda cfg, one: train_in_process(cfg, one, output_dir, inputs))
-        run_cfg = dataclasses.replace(run_cfg, speedup=dataclasses.replace(run_cfg.speedup,
-                                                                          baseline_samples_per_s=baseline))
+        baseline = resolve_baseline(
+            dataclasses.replace(run_cfg, speedup=speedup),
+            plan,
+            lambda cfg, one: train_in_process(cfg, one, output_dir, inputs),
+        )
+        run_cfg = dataclasses.replace(
+            run_cfg, speedup=dataclasses.replace(run_cfg.speedup, baseline_samples_per_s=baseline)
+        )
     metrics = launch(run_cfg, plan, output_dir, _job_log_file(), inputs)
     metrics["optimized_metric"] = str(run_cfg.optimized_metric)
     if is_main and plan.num_devices == 1 and plan.strategy != "dp" and not launched_externally():
@@ -108,19 +120,38 @@ def run(cfg: DictConfig) -> float:
     if is_main and not math.isfinite(metrics.get("speedup", 0.0)):
         for key in ("speedup", "scaling_efficiency"):
             metrics.pop(key, None)  # absent, not NaN: there was nothing to compare with
-        log.info("speedup: no single-device baseline for this setting (cached in %s, or speedup.baseline_samples_per_s)"
-                 "; metrics.json has no speedup", run_cfg.speedup.baseline_file)
+        log.info(
+            "speedup: no single-device baseline for this setting (cached in %s, or speedup.baseline_samples_per_s)"
+            "; metrics.json has no speedup",
+            run_cfg.speedup.baseline_file,
+        )
     if is_main:
         write_json_atomic(metrics_path, metrics)
         if "ndcg@10" in metrics:
-            log.info("dev ndcg@10 %.4f (untrained %.4f, BM25 %.4f), mrr@10 %.4f", metrics["ndcg@10"],
-                     metrics.get("initial_ndcg@10", float("nan")), metrics.get("bm25_ndcg@10", float("nan")),
-                     metrics["mrr@10"])
-        speedup_note = (f"; speedup {metrics['speedup']:.2f}x over {metrics['speedup_baseline']} (scaling "
-                        f"efficiency {100 * metrics['scaling_efficiency']:.0f}%)") if "speedup" in metrics else ""
-        log.info("%d steps in %.0f s: %.1f samples/s on %d device(s), effective batch %d%s", metrics["steps"],
-                 metrics["train_time_s"], metrics["train_samples_per_s"], metrics["world_size"],
-                 metrics["effective_batch_size"], speedup_note)
+            log.info(
+                "dev ndcg@10 %.4f (untrained %.4f, BM25 %.4f), mrr@10 %.4f",
+                metrics["ndcg@10"],
+                metrics.get("initial_ndcg@10", float("nan")),
+                metrics.get("bm25_ndcg@10", float("nan")),
+                metrics["mrr@10"],
+            )
+        speedup_note = (
+            (
+                f"; speedup {metrics['speedup']:.2f}x over {metrics['speedup_baseline']} (scaling "
+                f"efficiency {100 * metrics['scaling_efficiency']:.0f}%)"
+            )
+            if "speedup" in metrics
+            else ""
+        )
+        log.info(
+            "%d steps in %.0f s: %.1f samples/s on %d device(s), effective batch %d%s",
+            metrics["steps"],
+            metrics["train_time_s"],
+            metrics["train_samples_per_s"],
+            metrics["world_size"],
+            metrics["effective_batch_size"],
+            speedup_note,
+        )
         log.info("results in %s", output_dir)
     return float(metrics.get(run_cfg.optimized_metric, float("nan")))  # nan: trainer.evaluate=false
 

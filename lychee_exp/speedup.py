@@ -28,10 +28,19 @@ log = logging.getLogger(__name__)
 def baseline_key(cfg: RunConfig, plan: DevicePlan) -> str:
     m, p = cfg.model, cfg.model.prompt
     device = torch.cuda.get_device_name(0) if plan.device_type == "cuda" else f"cpu x{plan.threads_per_rank} threads"
-    parts = [m.name, m.path, m.kind, f"lora{m.lora.r if m.lora.enabled else 0}", f"gc{int(m.gradient_checkpointing)}",
-             f"q{p.query_max_len}", f"d{p.doc_max_len}", f"group{cfg.data.train_group_size}",
-             f"batch{cfg.data.batch_size}", resolve_precision(cfg.trainer.precision, torch_device(plan.device_type)),
-             device]
+    parts = [
+        m.name,
+        m.path,
+        m.kind,
+        f"lora{m.lora.r if m.lora.enabled else 0}",
+        f"gc{int(m.gradient_checkpointing)}",
+        f"q{p.query_max_len}",
+        f"d{p.doc_max_len}",
+        f"group{cfg.data.train_group_size}",
+        f"batch{cfg.data.batch_size}",
+        resolve_precision(cfg.trainer.precision, torch_device(plan.device_type)),
+        device,
+    ]
     return "|".join(str(part) for part in parts)
 
 
@@ -53,8 +62,11 @@ def store_baseline(cfg: RunConfig, plan: DevicePlan, samples_per_s: float, sourc
     path = Path(cfg.speedup.baseline_file)
     path.parent.mkdir(parents=True, exist_ok=True)
     table = _load(path)
-    table[baseline_key(cfg, plan)] = {"samples_per_s": samples_per_s, "source": source,
-                                      "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    table[baseline_key(cfg, plan)] = {
+        "samples_per_s": samples_per_s,
+        "source": source,
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     write_json_atomic(path, table)
 
 
@@ -64,8 +76,15 @@ def single_device_plan(plan: DevicePlan) -> DevicePlan:
 
 def calibration_config(cfg: RunConfig) -> RunConfig:
     """The run's config cut to warm-up + `calibration_steps` timed steps: no evaluation, saving or logging."""
-    trainer = dataclasses.replace(cfg.trainer, max_steps=cfg.speedup.calibration_steps + 2, evaluate=False,
-                                  save_model=False, checkpoint_every=0, resume="never", progress_bar=False)
+    trainer = dataclasses.replace(
+        cfg.trainer,
+        max_steps=cfg.speedup.calibration_steps + 2,
+        evaluate=False,
+        save_model=False,
+        checkpoint_every=0,
+        resume="never",
+        progress_bar=False,
+    )
     return dataclasses.replace(cfg, trainer=trainer, logger=dataclasses.replace(cfg.logger, name="none"))
 
 
@@ -80,8 +99,10 @@ def resolve_baseline(cfg: RunConfig, plan: DevicePlan, train: Callable[[RunConfi
         return cached
     if plan.num_devices == 1 or not cfg.speedup.calibrate:
         return 0.0
-    log.info("speedup: no single-device baseline cached for this setting; timing %d steps on one device",
-             cfg.speedup.calibration_steps)
+    log.info(
+        "speedup: no single-device baseline cached for this setting; timing %d steps on one device",
+        cfg.speedup.calibration_steps,
+    )
     value = train(calibration_config(cfg), single_device_plan(plan))["train_samples_per_s"]
     store_baseline(cfg, plan, value, "calibration")
     return value

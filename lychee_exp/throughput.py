@@ -30,8 +30,9 @@ class StepTimer:
         self.timed_from = first_step + WARMUP_STEPS if total_steps - first_step > WARMUP_STEPS else first_step
         self.sums = {"time": 0.0, "wait": 0.0, "busy": 0.0, "queries": 0.0, "tokens": 0.0, "padded": 0.0}
 
-    def add(self, step: int, elapsed: float, wait: float, busy: float, queries: float, tokens: float,
-            padded: float) -> None:
+    def add(
+        self, step: int, elapsed: float, wait: float, busy: float, queries: float, tokens: float, padded: float
+    ) -> None:
         """`tokens`: real (non-pad) tokens; `padded`: batch slots, pad included."""
         if step > self.timed_from:
             for key, value in zip(self.sums, (elapsed, wait, busy, queries, tokens, padded)):
@@ -41,21 +42,32 @@ class StepTimer:
         return {**self.sums, "peak_memory_mb": peak_memory_mb(device)}
 
 
-def setup_facts(cfg: RunConfig, env: DistEnv, plan: DevicePlan, lr: float, precision: str,
-                parameters: tuple[int, int]) -> dict:
+def setup_facts(
+    cfg: RunConfig, env: DistEnv, plan: DevicePlan, lr: float, precision: str, parameters: tuple[int, int]
+) -> dict:
     """The run's parallel setup, as logged to W&B's config and written to metrics.json. Two counts differ
     under DataParallel: num_devices (GPUs whose batches make a step; metrics.json's world_size, the name its
     readers know) and num_processes (torch's world size)."""
-    return {"world_size": plan.num_devices, "num_devices": plan.num_devices, "num_processes": env.world_size,
-            "device_count": plan.num_devices, "strategy": str(plan.strategy),
-            "backend": torch.distributed.get_backend() if env.distributed else "none",
-            "per_device_batch_size": cfg.data.batch_size, "grad_accum_steps": cfg.trainer.grad_accum_steps,
-            "effective_batch_size": effective_batch_size(cfg, plan.num_devices),
-            "train_group_size": cfg.data.train_group_size,
-            "lr": lr, "base_lr": cfg.optimizer.lr,  # lr: optimizer.lr scaled to the effective batch
-            "precision": str(precision), "device": device_name(env.device), "device_type": env.device.type,
-            "cpu_threads_per_rank": torch.get_num_threads(),
-            "parameters": parameters[0], "trainable_parameters": parameters[1]}
+    return {
+        "world_size": plan.num_devices,
+        "num_devices": plan.num_devices,
+        "num_processes": env.world_size,
+        "device_count": plan.num_devices,
+        "strategy": str(plan.strategy),
+        "backend": torch.distributed.get_backend() if env.distributed else "none",
+        "per_device_batch_size": cfg.data.batch_size,
+        "grad_accum_steps": cfg.trainer.grad_accum_steps,
+        "effective_batch_size": effective_batch_size(cfg, plan.num_devices),
+        "train_group_size": cfg.data.train_group_size,
+        "lr": lr,
+        "base_lr": cfg.optimizer.lr,  # lr: optimizer.lr scaled to the effective batch
+        "precision": str(precision),
+        "device": device_name(env.device),
+        "device_type": env.device.type,
+        "cpu_threads_per_rank": torch.get_num_threads(),
+        "parameters": parameters[0],
+        "trainable_parameters": parameters[1],
+    }
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -81,11 +93,17 @@ def summarize(per_rank: list[dict]) -> dict:
 
 def log_hints(facts: dict, num_workers: int) -> None:
     if facts["data_wait_share"] > DATA_WAIT_HINT:
-        log.warning("data loading: %.0f%% of step time waits for batches; raise data.num_workers (now %d)",
-                    100 * facts["data_wait_share"], num_workers)
+        log.warning(
+            "data loading: %.0f%% of step time waits for batches; raise data.num_workers (now %d)",
+            100 * facts["data_wait_share"],
+            num_workers,
+        )
     if facts["rank_time_spread"] > RANK_SPREAD_HINT:
-        log.warning("uneven ranks: the slowest takes %.2fx the fastest; check other jobs on those devices, "
-                    "CPU threads per rank, or length-skewed batches", facts["rank_time_spread"])
+        log.warning(
+            "uneven ranks: the slowest takes %.2fx the fastest; check other jobs on those devices, "
+            "CPU threads per rank, or length-skewed batches",
+            facts["rank_time_spread"],
+        )
 
 
 def speedup_facts(samples_per_s: float, baseline: float, num_devices: int, baseline_name: str = "") -> dict:
@@ -94,5 +112,9 @@ def speedup_facts(samples_per_s: float, baseline: float, num_devices: int, basel
     if baseline <= 0:
         baseline = samples_per_s if num_devices == 1 else 0.0
     speedup = samples_per_s / baseline if baseline > 0 else float("nan")
-    return {"baseline_samples_per_s": baseline, "speedup": speedup, "scaling_efficiency": speedup / num_devices,
-            "speedup_baseline": baseline_name if baseline > 0 else "none measured"}
+    return {
+        "baseline_samples_per_s": baseline,
+        "speedup": speedup,
+        "scaling_efficiency": speedup / num_devices,
+        "speedup_baseline": baseline_name if baseline > 0 else "none measured",
+    }

@@ -53,8 +53,15 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path,
-                 eval_callbacks: Sequence[Callable[[int, dict], bool]] = (), inputs: RunInputs | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        env: DistEnv,
+        plan: DevicePlan,
+        output_dir: Path,
+        eval_callbacks: Sequence[Callable[[int, dict], bool]] = (),
+        inputs: RunInputs | None = None,
+    ):
         self.cfg, self.env, self.plan, self.output_dir = cfg, env, plan, output_dir
         self.eval_callbacks = list(eval_callbacks)  # (step, dev metrics) -> True to stop; main rank only
         self.inputs = inputs  # read by this process's preflight already, else loaded in setup
@@ -77,8 +84,15 @@ class Trainer:
         self.eval_time_s = 0.0
         self.stopped = False  # set when an evaluation callback (e.g. a sweep's pruner) ends the run early
         if self.env.is_main:
-            log_setup(cfg, self.facts, len(self.train_set), self.dev_pairs, self.total_steps, self.steps_per_epoch,
-                      self.warmup_steps)
+            log_setup(
+                cfg,
+                self.facts,
+                len(self.train_set),
+                self.dev_pairs,
+                self.total_steps,
+                self.steps_per_epoch,
+                self.warmup_steps,
+            )
 
     def _setup_model(self, inputs: RunInputs) -> None:
         self.tokenizer, self.encoder = inputs.tokenizer, inputs.encoder
@@ -89,23 +103,36 @@ class Trainer:
     def _setup_data(self, inputs: RunInputs) -> None:
         cfg, env, data = self.cfg, self.env, self.cfg.data
         instruction = data.instruction or cfg.model.prompt.default_instruction
-        self.train_set = TrainGroups(inputs.train_queries, data.train_group_size, instruction, cfg.seed,
-                                     data.random_negatives)
+        self.train_set = TrainGroups(
+            inputs.train_queries, data.train_group_size, instruction, cfg.seed, data.random_negatives
+        )
         self.dev_pairs = build_dev_pairs(inputs.dev_queries, self.encoder, instruction, cfg.seed)
         # One sampler for every world size: its permutation depends on (seed, epoch) only, and rank r takes
         # items r, r + world, ..., so a run on N ranks sees the same global batches as one process.
         # drop_last: each query at most once per epoch, and every rank has the same number of batches.
         # DataParallel splits one process's batch over its GPUs, so that process loads all of their batches.
         loader_batch = data.batch_size * (self.num_devices if self.plan.strategy == "dp" else 1)
-        self.sampler = train_sampler(self.train_set, self.encoder, data.bucket_by_length, data.bucket_pool_batches,
-                                     loader_batch * env.world_size * cfg.trainer.grad_accum_steps, env.world_size,
-                                     env.rank, cfg.seed)
+        self.sampler = train_sampler(
+            self.train_set,
+            self.encoder,
+            data.bucket_by_length,
+            data.bucket_pool_batches,
+            loader_batch * env.world_size * cfg.trainer.grad_accum_steps,
+            env.world_size,
+            env.rank,
+            cfg.seed,
+        )
         if self.sampler.num_samples == 0:
             raise ValueError(f"{len(self.train_set)} training queries cannot be split over {env.world_size} ranks")
-        self.loader = DataLoader(self.train_set, batch_size=loader_batch, sampler=self.sampler,
-                                 collate_fn=GroupCollator(self.encoder), num_workers=data.num_workers,
-                                 # not persistent: workers must see set_epoch's resampled negatives
-                                 pin_memory=self.device.type == "cuda")
+        self.loader = DataLoader(
+            self.train_set,
+            batch_size=loader_batch,
+            sampler=self.sampler,
+            collate_fn=GroupCollator(self.encoder),
+            num_workers=data.num_workers,
+            # not persistent: workers must see set_epoch's resampled negatives
+            pin_memory=self.device.type == "cuda",
+        )
         self.num_batches = math.ceil(self.sampler.num_samples / loader_batch)
         self.steps_per_epoch = math.ceil(self.num_batches / cfg.trainer.grad_accum_steps)
         trainer = cfg.trainer
@@ -113,8 +140,9 @@ class Trainer:
 
     def _setup_optimizer(self) -> None:
         self.lr = scaled_lr(self.cfg, self.num_devices)
-        self.optimizer, self.scheduler, self.warmup_steps = build_optimizer(self.cfg.optimizer, self.model, self.lr,
-                                                                            self.total_steps)
+        self.optimizer, self.scheduler, self.warmup_steps = build_optimizer(
+            self.cfg.optimizer, self.model, self.lr, self.total_steps
+        )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
 
     def _resume_path(self) -> Path | None:
@@ -131,8 +159,17 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         start = time.perf_counter()
         scorer = self.train_model if self.plan.strategy == "dp" else self.model  # DP: score on every GPU
-        metrics = ev.evaluate(scorer, self.encoder, self.dev_pairs, self.cfg.data.eval_batch_size, self.device,
-                              self.env.rank, self.env.world_size, self.env.gather_objects, self.autocast)
+        metrics = ev.evaluate(
+            scorer,
+            self.encoder,
+            self.dev_pairs,
+            self.cfg.data.eval_batch_size,
+            self.device,
+            self.env.rank,
+            self.env.world_size,
+            self.env.gather_objects,
+            self.autocast,
+        )
         self.eval_time_s += time.perf_counter() - start
         return metrics
 
@@ -153,8 +190,13 @@ class Trainer:
         timer = StepTimer(step, self.total_steps)
         losses: list[float] = []
         distill_losses: list[float] = []
-        bar = tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True,
-                   disable=not (env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()))
+        bar = tqdm(
+            total=self.total_steps,
+            initial=step,
+            desc="train",
+            dynamic_ncols=True,
+            disable=not (env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()),
+        )
         self.train_model.train()
         train_start, eval_time_before = time.perf_counter(), self.eval_time_s
         while step < self.total_steps and not self.stopped:
@@ -169,8 +211,10 @@ class Trainer:
                 loss_sum, tokens, queries, distill_sum, padded = stats.tolist()  # one device-to-host copy per step
                 loss = loss_sum / queries
                 if not math.isfinite(loss):
-                    raise TrainingDiverged(f"loss is {loss} at step {step + 1} (lr {self.lr:.3g}); lower "
-                                           "optimizer.lr or use trainer.precision=bf16/fp32")
+                    raise TrainingDiverged(
+                        f"loss is {loss} at step {step + 1} (lr {self.lr:.3g}); lower "
+                        "optimizer.lr or use trainer.precision=bf16/fp32"
+                    )
                 grad_norm = self._optimizer_step()
                 step += 1
                 if self.after_step:
@@ -186,8 +230,20 @@ class Trainer:
                     if cfg.loss.distill_weight > 0:
                         summary["train_distill_loss"] = sum(distill_losses) / len(distill_losses)
                     distill_losses.clear()
-                    log_train_step(self.logger, env.is_main, step, self.total_steps, epoch, summary["train_loss"],
-                                   self.scheduler.get_last_lr()[0], grad_norm, queries, tokens, elapsed, wait)
+                    log_train_step(
+                        self.logger,
+                        env.is_main,
+                        step,
+                        self.total_steps,
+                        epoch,
+                        summary["train_loss"],
+                        self.scheduler.get_last_lr()[0],
+                        grad_norm,
+                        queries,
+                        tokens,
+                        elapsed,
+                        wait,
+                    )
                     losses.clear()
                 if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
                     summary.update(self._eval_and_log(step))
@@ -209,10 +265,23 @@ class Trainer:
         bar.close()
         train_time = time.perf_counter() - train_start - (self.eval_time_s - eval_time_before)
         throughput = summarize(env.gather_objects(timer.rank_record(self.device)))
-        summary.update(self.facts, steps=step, epochs=epoch, train_time_s=train_time, eval_time_s=self.eval_time_s,
-                       stopped_early=self.stopped, **throughput)
-        summary.update(speedup_facts(summary["train_samples_per_s"], cfg.speedup.baseline_samples_per_s,
-                                     self.num_devices, baseline_description(self.plan)))
+        summary.update(
+            self.facts,
+            steps=step,
+            epochs=epoch,
+            train_time_s=train_time,
+            eval_time_s=self.eval_time_s,
+            stopped_early=self.stopped,
+            **throughput,
+        )
+        summary.update(
+            speedup_facts(
+                summary["train_samples_per_s"],
+                cfg.speedup.baseline_samples_per_s,
+                self.num_devices,
+                baseline_description(self.plan),
+            )
+        )
         if env.is_main:
             log_hints(summary, cfg.data.num_workers)
         self.logger.log_summary({**summary, "peak_memory_mb": max(summary["peak_memory_mb_per_rank"])})
@@ -236,15 +305,22 @@ class Trainer:
             # DDP all-reduces gradients on the window's last backward only
             sync = micro == micro_steps - 1 or not env.distributed
             with contextlib.nullcontext() if sync else self.train_model.no_sync(), self.autocast():
-                logits = self.train_model(inputs["input_ids"].to(self.device, non_blocking=True),
-                                          inputs["attention_mask"].to(self.device, non_blocking=True))
+                logits = self.train_model(
+                    inputs["input_ids"].to(self.device, non_blocking=True),
+                    inputs["attention_mask"].to(self.device, non_blocking=True),
+                )
                 per_query, distill = self.loss_fn(logits, inputs.get("teacher_scores"))
             busy += time.perf_counter() - computed
             self.scaler.scale(per_query.sum() / window_queries).backward()
-            stats += torch.stack([per_query.detach().sum().double(),
-                                  inputs["attention_mask"].sum().to(stats), torch.tensor(len(per_query)).to(stats),
-                                  (distill.detach().sum() if distill is not None else torch.zeros(())).to(stats),
-                                  torch.tensor(inputs["attention_mask"].numel()).to(stats)])
+            stats += torch.stack(
+                [
+                    per_query.detach().sum().double(),
+                    inputs["attention_mask"].sum().to(stats),
+                    torch.tensor(len(per_query)).to(stats),
+                    (distill.detach().sum() if distill is not None else torch.zeros(())).to(stats),
+                    torch.tensor(inputs["attention_mask"].numel()).to(stats),
+                ]
+            )
         return env.all_reduce_sum(stats), wait, busy + wait
 
     def _optimizer_step(self) -> float:
@@ -274,19 +350,38 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ checkpoint
     def _checkpoint(self, step: int, position: tuple[int, int], summary: dict, evaluated_at: int) -> None:
-        progress = {"step": step, "epoch": position[0], "batch": position[1], "evaluated_at": evaluated_at,
-                    "summary": summary}
-        path = save_training_state(self.output_dir, self.model, self.optimizer, self.scheduler, self.scaler,
-                                   self.env, progress, self.cfg.trainer.keep_checkpoints)
+        progress = {
+            "step": step,
+            "epoch": position[0],
+            "batch": position[1],
+            "evaluated_at": evaluated_at,
+            "summary": summary,
+        }
+        path = save_training_state(
+            self.output_dir,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.env,
+            progress,
+            self.cfg.trainer.keep_checkpoints,
+        )
         if path:
             log.info("checkpoint: %s", path)
 
     def _restore(self) -> dict:
-        progress = restore_training_state(self.resume_from, self.model, self.optimizer, self.scheduler,
-                                          self.scaler, self.env)
+        progress = restore_training_state(
+            self.resume_from, self.model, self.optimizer, self.scheduler, self.scaler, self.env
+        )
         if self.env.is_main:
-            log.info("resumed from %s at step %d (epoch %d, batch %d)", progress["path"], progress["step"],
-                     progress["epoch"], progress["batch"])
+            log.info(
+                "resumed from %s at step %d (epoch %d, batch %d)",
+                progress["path"],
+                progress["step"],
+                progress["epoch"],
+                progress["batch"],
+            )
         self.logger.truncate(progress["step"])
         return progress
 
@@ -299,8 +394,9 @@ class Trainer:
         self.logger.finish()
 
 
-def run_training(cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path,
-                 inputs: RunInputs | None = None) -> dict:
+def run_training(
+    cfg: RunConfig, env: DistEnv, plan: DevicePlan, output_dir: Path, inputs: RunInputs | None = None
+) -> dict:
     """setup -> fit -> save -> cleanup on this rank; every rank returns the same metrics."""
     callbacks = []
     if cfg.trial.storage and env.is_main:

@@ -5,6 +5,7 @@ version), then 32 KiB blocks of records, each with a 7-byte header (crc32c, leng
 protobuf `Record`; a record too long for its block is split FIRST / MIDDLE... / LAST across blocks.
 Offline runs write no wandb-summary.json, so this is how tests (and users) check what a run recorded.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,8 @@ def iter_records(path: Path):
         if left_in_block < HEADER:  # block tail too short for a header: zero padding
             pos += left_in_block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
-        chunk = data[pos + HEADER:pos + HEADER + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        chunk = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind == 0 and length == 0:  # preallocated, unwritten space
             break
@@ -47,17 +48,24 @@ def read_run(path: Path) -> dict:
     for record in iter_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            out["run"] = {"id": record.run.run_id, "group": record.run.run_group, "job_type": record.run.job_type,
-                          "tags": list(record.run.tags), "name": record.run.display_name}
+            out["run"] = {
+                "id": record.run.run_id,
+                "group": record.run.run_group,
+                "job_type": record.run.job_type,
+                "tags": list(record.run.tags),
+                "name": record.run.display_name,
+            }
             out["config"].update({i.key: json.loads(i.value_json) for i in record.run.config.update})
         elif kind == "config":
             out["config"].update({i.key: json.loads(i.value_json) for i in record.config.update})
         elif kind == "summary":
-            out["summary"].update({i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                                   for i in record.summary.update})
+            out["summary"].update(
+                {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.summary.update}
+            )
         elif kind == "history":
-            out["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                                   for i in record.history.item})
+            out["history"].append(
+                {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            )
     return out
 
 

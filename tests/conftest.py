@@ -72,8 +72,14 @@ def run_cli(args: Sequence[str], run_dir: Path, timeout: float = 300) -> subproc
     """`python -m lychee_exp.run <args> hydra.run.dir=<run_dir>` from a scratch directory."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
     env.pop("PYTHONWARNINGS", None)
-    return subprocess.run([sys.executable, "-m", "lychee_exp.run", *args, f"hydra.run.dir={run_dir}"],
-                          cwd=str(run_dir.parent), env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "lychee_exp.run", *args, f"hydra.run.dir={run_dir}"],
+        cwd=str(run_dir.parent),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def output_lines(proc: subprocess.CompletedProcess) -> list[str]:

@@ -1,5 +1,6 @@
 """The peer benchmark's mechanism: every system gets lychee_exp's own batches and trains the same model the same
 way (figures are the benchmark's business, not the tests')."""
+
 from __future__ import annotations
 
 import copy
@@ -13,8 +14,16 @@ from lychee_exp.bench_inputs import build_steps  # noqa: E402
 from lychee_exp.bench_peers import markdown_table, summarize, timed_row  # noqa: E402
 from lychee_exp.peers import Settings, hf_trainer, torch_loop  # noqa: E402
 
-TINY = ["model=tiny_lychee", "data=sample", "data.batch_size=2", "data.train_group_size=4", "data.random_negatives=1",
-        "model.dropout=0.0", "trainer.precision=fp32", "optimizer.lr=1e-3"]
+TINY = [
+    "model=tiny_lychee",
+    "data=sample",
+    "data.batch_size=2",
+    "data.train_group_size=4",
+    "data.random_negatives=1",
+    "model.dropout=0.0",
+    "trainer.precision=fp32",
+    "optimizer.lr=1e-3",
+]
 
 
 def test_batches_are_the_ones_lychee_exp_trains_on(tmp_path):
@@ -26,7 +35,9 @@ def test_batches_are_the_ones_lychee_exp_trains_on(tmp_path):
     sampler = ResumableSampler(groups, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed, drop_last=True)
     loader = torch.utils.data.DataLoader(groups, batch_size=2, sampler=sampler, collate_fn=GroupCollator(encoder))
     for step, batch in zip(steps, loader):
-        assert torch.equal(step.input_ids, batch["input_ids"]) and torch.equal(step.attention_mask, batch["attention_mask"])
+        assert torch.equal(step.input_ids, batch["input_ids"]) and torch.equal(
+            step.attention_mask, batch["attention_mask"]
+        )
         assert step.labels.tolist() == [1.0, 0, 0, 0] * 2 and len(step.pairs) == 8
 
 
@@ -50,10 +61,16 @@ def test_hf_trainer_and_bare_loop_take_the_same_steps(tmp_path):
 
 
 def test_summary_compares_with_the_fastest_peer():
-    plan = [dict(system="torch_loop", processes=1, threads=2), dict(system="lychee_single", processes=1, threads=2)]
-    runs = {"torch_loop": [{"pairs_per_s": 1, "tokens_per_s": 100, "padding_share": 0.2, "peak_memory_mb": 1}] * 2,
-            "lychee_single": [{"pairs_per_s": 1, "tokens_per_s": v, "padding_share": 0.1, "peak_memory_mb": 1}
-                              for v in (90, 130, 120)]}
+    plan = [
+        {"system": "torch_loop", "processes": 1, "threads": 2},
+        {"system": "lychee_single", "processes": 1, "threads": 2},
+    ]
+    runs = {
+        "torch_loop": [{"pairs_per_s": 1, "tokens_per_s": 100, "padding_share": 0.2, "peak_memory_mb": 1}] * 2,
+        "lychee_single": [
+            {"pairs_per_s": 1, "tokens_per_s": v, "padding_share": 0.1, "peak_memory_mb": 1} for v in (90, 130, 120)
+        ],
+    }
     rows = summarize(plan, runs)
     assert [r["vs_fastest_peer"] for r in rows] == [1.0, 1.2]  # the median over rounds, over the best peer
     assert "| lychee_single | 1 x 2 |" in markdown_table(rows)

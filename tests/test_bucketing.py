@@ -1,15 +1,15 @@
 """Length-bucketed sampling: deterministic per (seed, epoch), rank-consistent, resumable, and less padding."""
+
 from __future__ import annotations
 
 import pytest
+from conftest import TINY_QWEN2
 from transformers import AutoTokenizer
 
 from lychee_exp.bucketing import PromptLengths, bucketed_order, train_sampler
 from lychee_exp.config import PromptConfig
 from lychee_exp.data import GroupCollator, TrainGroups, load_queries
 from lychee_exp.prompt import PromptEncoder
-
-from conftest import TINY_QWEN2
 
 SAMPLE = "pkg://lychee_exp.assets/sample/train.jsonl"
 
@@ -31,7 +31,7 @@ def _global_batches(groups, encoder, bucket, world, batch, accum=1, epoch=0, sta
         shards.append(list(sampler))
     assert len({len(s) for s in shards}) == 1  # every rank has the same number of items, so of batches
     per_step = batch * accum
-    return [set().union(*(s[i:i + per_step] for s in shards)) for i in range(0, len(shards[0]), per_step)]
+    return [set().union(*(s[i : i + per_step] for s in shards)) for i in range(0, len(shards[0]), per_step)]
 
 
 def test_order_is_a_deterministic_permutation_per_seed_and_epoch():
@@ -43,8 +43,9 @@ def test_order_is_a_deterministic_permutation_per_seed_and_epoch():
     assert order != bucketed_order(lengths, 8, 4, seed=2, epoch=0)
     # windows hold similar lengths: a pool of 32 of the 0..100 lengths sorted into 4 windows spreads ~25 each,
     # a random window of 8 ~78
-    spreads = [max(lengths[i] for i in order[k:k + 8]) - min(lengths[i] for i in order[k:k + 8])
-               for k in range(0, 96, 8)]
+    spreads = [
+        max(lengths[i] for i in order[k : k + 8]) - min(lengths[i] for i in order[k : k + 8]) for k in range(0, 96, 8)
+    ]
     assert max(spreads) < 45 and sum(spreads) / len(spreads) < 30
 
 
@@ -84,7 +85,7 @@ def test_bucketing_cuts_padding(setup):
         order = list(sampler)
         real = padded = 0
         for k in range(0, len(order) - 7, 8):
-            mask = collate([groups[i] for i in order[k:k + 8]])["attention_mask"]
+            mask = collate([groups[i] for i in order[k : k + 8]])["attention_mask"]
             real, padded = real + int(mask.sum()), padded + mask.numel()
         return 1 - real / padded
 

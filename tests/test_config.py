@@ -1,4 +1,5 @@
 """Every config group option composes and passes the schema + value checks; mistakes fail naming the key."""
+
 from __future__ import annotations
 
 import sys
@@ -79,16 +80,20 @@ def test_tiny_fixture_config(tiny_cfg, tmp_path):
     assert run_cfg.output_dir == str(tmp_path)
 
 
-@pytest.mark.parametrize(("overrides", "key"), [
-    (["optimizer.lr=0"], "optimizer.lr"),
-    (["optimizer.lr=-1"], "optimizer.lr"),
-    (["data.batch_size=0"], "data.batch_size"),
-    (["loss=listwise", "data.train_group_size=1"], "data.train_group_size"),
-    (["model.prompt.template='Instruct: {instruction} Query: {query}'"], "model.prompt.template"),
-    (["optimizer.warmup_ratio=1.0"], "optimizer.warmup_ratio"),
-    (["loss.temperature=0"], "loss.temperature"),
-    (["model.prompt.template='{query} {document} {oops}'"], "model.prompt.template"),
-], ids=lambda v: v if isinstance(v, str) else " ".join(v))
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["optimizer.lr=0"], "optimizer.lr"),
+        (["optimizer.lr=-1"], "optimizer.lr"),
+        (["data.batch_size=0"], "data.batch_size"),
+        (["loss=listwise", "data.train_group_size=1"], "data.train_group_size"),
+        (["model.prompt.template='Instruct: {instruction} Query: {query}'"], "model.prompt.template"),
+        (["optimizer.warmup_ratio=1.0"], "optimizer.warmup_ratio"),
+        (["loss.temperature=0"], "loss.temperature"),
+        (["model.prompt.template='{query} {document} {oops}'"], "model.prompt.template"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else " ".join(v),
+)
 def test_impossible_values_give_user_error_naming_key(overrides, key, tmp_path):
     cfg = compose_config(["model=tiny_lychee", *overrides], tmp_path)
     with pytest.raises(UserError, match=key.replace(".", r"\.")):
@@ -103,15 +108,17 @@ def test_pointwise_allows_group_size_one(tmp_path):
 
 
 def test_template_check_does_not_depend_on_text_around_fields(tmp_path):
-    cfg = compose_config(["model=tiny_lychee",
-                          "model.prompt.template='Q={query}; D={document}. Relevant?'"], tmp_path)
+    cfg = compose_config(["model=tiny_lychee", "model.prompt.template='Q={query}; D={document}. Relevant?'"], tmp_path)
     assert to_run_config(cfg).model.prompt.template.endswith("Relevant?")
 
 
 def test_composed_config_round_trips_to_yaml(tmp_path):
     run_cfg = to_run_config(compose_config(["model=tiny_lychee"], tmp_path))
-    again = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig),
-                                                OmegaConf.create(OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))))
+    again = OmegaConf.to_object(
+        OmegaConf.merge(
+            OmegaConf.structured(RunConfig), OmegaConf.create(OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))
+        )
+    )
     assert again == run_cfg
 
 
@@ -126,13 +133,16 @@ def test_cli_bad_value_is_one_line_exit_2(tmp_path):
     assert not (run_dir / "metrics.json").exists()
 
 
-@pytest.mark.parametrize(("override", "allowed"), [
-    ("trainer.precision=fp8", "[auto, fp32, bf16, fp16]"),
-    ("optimized_metric=map", "[ndcg@10, mrr@10]"),
-    ("parallel.strategy=fsdp", "[single, dp, ddp]"),
-    ("optimizer.lr_scaling=cubic", "[none, linear, sqrt]"),
-    ("model.kind=seq2seq", "[causal_lm, sequence_classification]"),
-])
+@pytest.mark.parametrize(
+    ("override", "allowed"),
+    [
+        ("trainer.precision=fp8", "[auto, fp32, bf16, fp16]"),
+        ("optimized_metric=map", "[ndcg@10, mrr@10]"),
+        ("parallel.strategy=fsdp", "[single, dp, ddp]"),
+        ("optimizer.lr_scaling=cubic", "[none, linear, sqrt]"),
+        ("model.kind=seq2seq", "[causal_lm, sequence_classification]"),
+    ],
+)
 def test_closed_choice_fails_at_compose_naming_key_and_choices(override, allowed, compose_cfg, tmp_path):
     key = override.split("=")[0]
     with pytest.raises(ConfigCompositionException) as caught:
@@ -152,17 +162,23 @@ def test_choice_names_are_the_values_users_write():
 
 def test_bounds_live_beside_their_fields(tmp_path):
     """Every numeric field that must be positive fails naming its key (no separate list to keep in step)."""
-    for override, key in [("data.eval_batch_size=0", "data.eval_batch_size"), ("parallel.timeout_s=0",
-                          "parallel.timeout_s"), ("trainer.keep_checkpoints=-1", "trainer.keep_checkpoints"),
-                          ("speedup.calibration_steps=0", "speedup.calibration_steps")]:
+    for override, key in [
+        ("data.eval_batch_size=0", "data.eval_batch_size"),
+        ("parallel.timeout_s=0", "parallel.timeout_s"),
+        ("trainer.keep_checkpoints=-1", "trainer.keep_checkpoints"),
+        ("speedup.calibration_steps=0", "speedup.calibration_steps"),
+    ]:
         with pytest.raises(UserError, match=rf"^{key.replace('.', '[.]')} must be >= "):
             to_run_config(compose_config(["model=tiny_lychee", override], tmp_path))
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("loss.name=hinge", "loss.name='hinge' is not one of listwise, pointwise"),
-    ("optimizer.name=lion", "optimizer.name='lion' is not one of adamw"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("loss.name=hinge", "loss.name='hinge' is not one of listwise, pointwise"),
+        ("optimizer.name=lion", "optimizer.name='lion' is not one of adamw"),
+    ],
+)
 def test_unregistered_part_fails_before_training_listing_the_registered(override, message, tmp_path):
     run_cfg = to_run_config(compose_config(["model=tiny_lychee", override], tmp_path))
     with pytest.raises(UserError) as caught:
@@ -170,11 +186,14 @@ def test_unregistered_part_fails_before_training_listing_the_registered(override
     assert str(caught.value) == message
 
 
-@pytest.mark.parametrize(("override", "expected"), [
-    ("trainer.precision=fp8", "trainer.precision: Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16]"),
-    ("optimizer.lrr=1", "optimizer.lrr: Key 'lrr' not in 'OptimizerConfig'"),
-    ("loss=hinge", "loss=hinge: no such option in conf/loss; options: listwise, pointwise"),
-])
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trainer.precision=fp8", "trainer.precision: Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16]"),
+        ("optimizer.lrr=1", "optimizer.lrr: Key 'lrr' not in 'OptimizerConfig'"),
+        ("loss=hinge", "loss=hinge: no such option in conf/loss; options: listwise, pointwise"),
+    ],
+)
 def test_config_that_does_not_compose_reads_as_one_line(override, expected, compose_cfg, tmp_path):
     with pytest.raises(ConfigCompositionException) as caught:
         compose_cfg([override], tmp_path)

@@ -1,5 +1,6 @@
 """The W&B workspace definition (python -m lychee_exp.dashboard): built offline and inspected as the JSON that
 --save would upload; no network is touched."""
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,11 @@ def test_workspace_has_the_four_sections(spec):
 def test_scaling_plots_speedup_and_efficiency_against_world_size(spec):
     scatter = [p["config"] for p in sections(spec)["Scaling"] if p["viewType"] == "Scatter Plot"]
     pairs = {(c["xAxis"], c["yAxis"]) for c in scatter}
-    assert {("summary:world_size", "summary:speedup"), ("summary:world_size", "summary:scaling_efficiency"),
-            ("summary:world_size", "summary:train/samples_per_s")} <= pairs
+    assert {
+        ("summary:world_size", "summary:speedup"),
+        ("summary:world_size", "summary:scaling_efficiency"),
+        ("summary:world_size", "summary:train/samples_per_s"),
+    } <= pairs
 
 
 def test_hyperparameters_compare_ndcg_against_lr_and_batch(spec):
@@ -60,10 +64,17 @@ def test_hyperparameters_compare_ndcg_against_lr_and_batch(spec):
     (parallel,) = [p for p in panels if p["viewType"] == "Parallel Coordinates Plot"]
     accessors = [c["accessor"] for c in parallel["config"]["columns"]]
     # nested Hydra config: optimizer.lr is config.optimizer.lr; derived values are top-level keys
-    assert accessors == ["config:optimizer.value.lr", "config:lr.value", "config:data.value.batch_size",
-                         "config:world_size.value", "config:effective_batch_size.value", "summary:dev/ndcg@10"]
-    scatter = {(p["config"]["xAxis"], p["config"]["yAxis"]): p["config"] for p in panels
-               if p["viewType"] == "Scatter Plot"}
+    assert accessors == [
+        "config:optimizer.value.lr",
+        "config:lr.value",
+        "config:data.value.batch_size",
+        "config:world_size.value",
+        "config:effective_batch_size.value",
+        "summary:dev/ndcg@10",
+    ]
+    scatter = {
+        (p["config"]["xAxis"], p["config"]["yAxis"]): p["config"] for p in panels if p["viewType"] == "Scatter Plot"
+    }
     assert scatter[("config:optimizer.value.lr", "summary:ndcg@10")]["xAxisLogScale"] is True
     assert ("config:effective_batch_size.value", "summary:ndcg@10") in scatter
     assert any(p["viewType"] == "Run Comparer" for p in panels)
@@ -85,8 +96,9 @@ def test_every_logged_name_appears_on_a_panel_or_the_runs_table(spec):
         assert key in used, key
     for key in dashboard.SUMMARY:
         assert {f"summary:{key}", f"summary_metrics.{key}"} & (used | pinned), key
-    assert {"summary_metrics.peak_memory_mb", "train/tokens_per_s", "train/data_wait_share"} \
-        <= references(sections(spec)["Throughput & memory"])
+    assert {"summary_metrics.peak_memory_mb", "train/tokens_per_s", "train/data_wait_share"} <= references(
+        sections(spec)["Throughput & memory"]
+    )
     for key in dashboard.CONFIG:
         head, *rest = key.split(".")
         assert f"config:{head}.value{''.join('.' + r for r in rest)}" in used, key
@@ -98,13 +110,23 @@ def test_dry_run_writes_json_offline_and_save_needs_a_key(tmp_path):
     out = tmp_path / "workspace.json"
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "lychee_exp.dashboard", "--entity", "e", "--project", "p", *args],
-                              env=env, capture_output=True, text=True, timeout=120, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "lychee_exp.dashboard", "--entity", "e", "--project", "p", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
 
     proc = cli("--dry-run", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert list(sections(json.loads(out.read_text()))) == ["Scaling", "Hyperparameters", "Training",
-                                                            "Throughput & memory"]
+    assert list(sections(json.loads(out.read_text()))) == [
+        "Scaling",
+        "Hyperparameters",
+        "Training",
+        "Throughput & memory",
+    ]
     proc = cli("--save")
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "API key" in lines[0], proc.stderr

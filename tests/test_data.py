@@ -1,4 +1,5 @@
 """JSONL loading errors name file:line; training groups; bad inputs through the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,11 @@ BAD_INPUTS = {
     "malformed_after_blank": ([good_line(0), "", "", "{oops}"], 4, "not valid JSON"),
     "no_positive": ([good_line(0), json.dumps({"query": "q", "pos": [], "neg": ["n"]})], 2, "no positive"),
     "missing_positive": ([json.dumps({"query": "q", "neg": ["n"]})], 1, "pos"),
-    "pos_not_list": ([good_line(0), good_line(1), json.dumps({"query": "q", "pos": "a doc"})], 3,
-                     "'pos' must be a list"),
+    "pos_not_list": (
+        [good_line(0), good_line(1), json.dumps({"query": "q", "pos": "a doc"})],
+        3,
+        "'pos' must be a list",
+    ),
     "neg_not_strings": ([json.dumps({"query": "q", "pos": ["p"], "neg": [1, 2]})], 1, "'neg' must be a list"),
     "empty_query": ([json.dumps({"query": " ", "pos": ["p"]})], 1, "query"),
     "not_an_object": ([good_line(0), "[1, 2]"], 2, "JSON object"),
@@ -68,11 +72,14 @@ def test_directory_is_user_error(tmp_path):
 
 
 def test_unknown_keys_ignored_and_fields_read(tmp_path):
-    path = write_lines(tmp_path / "ok.jsonl", [
-        json.dumps({**GOOD, "score": 3.5, "meta": {"a": 1}}),
-        "",
-        json.dumps({"query": "q2", "pos": ["p2"], "instruction": "Find it", "qid": "Q-2"}),
-    ])
+    path = write_lines(
+        tmp_path / "ok.jsonl",
+        [
+            json.dumps({**GOOD, "score": 3.5, "meta": {"a": 1}}),
+            "",
+            json.dumps({"query": "q2", "pos": ["p2"], "instruction": "Find it", "qid": "Q-2"}),
+        ],
+    )
     queries = load_queries(str(path), "data.train_file")
     assert len(queries) == 2
     assert queries[0].query == GOOD["query"] and queries[0].pos == GOOD["pos"] and queries[0].neg == GOOD["neg"]
@@ -153,8 +160,9 @@ def test_groups_differ_across_epochs():
 
 
 # every kind of bad train file, and the dev file through the same path twice
-CLI_CASES = [(name, "train") for name in ("malformed_json", "no_positive", "pos_not_list", "empty_file",
-                                          "missing_file")] + [("malformed_json", "dev"), ("missing_file", "dev")]
+CLI_CASES = [
+    (name, "train") for name in ("malformed_json", "no_positive", "pos_not_list", "empty_file", "missing_file")
+] + [("malformed_json", "dev"), ("missing_file", "dev")]
 
 
 @pytest.mark.parametrize(("name", "which"), CLI_CASES, ids=lambda v: v)
@@ -163,8 +171,18 @@ def test_cli_bad_input_exit_2_one_line_no_metrics(name, which, tmp_path):
     good = write_lines(tmp_path / "good.jsonl", [good_line(i) for i in range(4)])
     train, dev = (path, good) if which == "train" else (good, path)
     run_dir = tmp_path / "run"
-    proc = run_cli(["model=tiny_lychee", "data=jsonl", f"data.train_file={train}", f"data.dev_file={dev}",
-                    "data.train_group_size=2", "trainer.progress_bar=false"], run_dir, timeout=120)
+    proc = run_cli(
+        [
+            "model=tiny_lychee",
+            "data=jsonl",
+            f"data.train_file={train}",
+            f"data.dev_file={dev}",
+            "data.train_group_size=2",
+            "trainer.progress_bar=false",
+        ],
+        run_dir,
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "Traceback" not in out
@@ -176,16 +194,29 @@ def test_cli_bad_input_exit_2_one_line_no_metrics(name, which, tmp_path):
     assert not (run_dir / "metrics.json").exists()
 
 
-@pytest.mark.parametrize("parallel", [
-    "single",
-    "ddp",
-])
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        "single",
+        "ddp",
+    ],
+)
 def test_cli_train_query_without_negatives_exit_2(parallel, tmp_path):
     train = write_lines(tmp_path / "train.jsonl", [good_line(0), json.dumps({"query": "q", "pos": ["p"]})])
     run_dir = tmp_path / "run"
-    proc = run_cli(["model=tiny_lychee", "data=jsonl", f"data.train_file={train}", f"data.dev_file={train}",
-                    "data.train_group_size=4", "trainer.progress_bar=false", f"parallel={parallel}"],
-                   run_dir, timeout=180)
+    proc = run_cli(
+        [
+            "model=tiny_lychee",
+            "data=jsonl",
+            f"data.train_file={train}",
+            f"data.dev_file={train}",
+            "data.train_group_size=4",
+            "trainer.progress_bar=false",
+            f"parallel={parallel}",
+        ],
+        run_dir,
+        timeout=180,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "Traceback" not in out

@@ -1,5 +1,6 @@
 """The DDP runner on CPU ranks (gloo): equivalence with one process, repeated and concurrent launches,
 failures that end the job quickly, and resume after SIGKILL."""
+
 from __future__ import annotations
 
 import json
@@ -20,11 +21,21 @@ from lychee_exp.errors import UserError
 from lychee_exp.jobs import run_job
 
 # Tiny Lychee path, fp32, no dropout: one process with batch 2b and 2 ranks with batch b must agree.
-TINY_DDP = ["model=tiny_lychee", "data.max_train_queries=16", "data.max_dev_queries=6", "data.train_group_size=4",
-            "trainer.max_steps=4", "trainer.log_every=1", "trainer.progress_bar=false", "trainer.precision=fp32",
-            "optimizer.lr=1e-3", "optimizer.lr_scaling=none", "logger=csv",
-            # no single-device calibration: it would run (and fire LYCHEE_FAULT) in the launching process
-            "speedup.calibrate=false"]
+TINY_DDP = [
+    "model=tiny_lychee",
+    "data.max_train_queries=16",
+    "data.max_dev_queries=6",
+    "data.train_group_size=4",
+    "trainer.max_steps=4",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+    "trainer.precision=fp32",
+    "optimizer.lr=1e-3",
+    "optimizer.lr_scaling=none",
+    "logger=csv",
+    # no single-device calibration: it would run (and fire LYCHEE_FAULT) in the launching process
+    "speedup.calibrate=false",
+]
 
 
 def _metrics(run_dir: Path) -> dict:
@@ -43,18 +54,36 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lychee_exp.run", *args], cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, "-m", "lychee_exp.run", *args],
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
 
 
-@pytest.mark.parametrize("ddp_batch, accum, bucket", [(2, 1, False), (1, 2, False), (1, 2, True)],
-                         ids=["batch", "accumulation", "accumulation-bucketed"])
+@pytest.mark.parametrize(
+    "ddp_batch, accum, bucket",
+    [(2, 1, False), (1, 2, False), (1, 2, True)],
+    ids=["batch", "accumulation", "accumulation-bucketed"],
+)
 def test_ddp_matches_single_process(tmp_path, ddp_batch, accum, bucket):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     bucketing = [f"data.bucket_by_length={bucket}", "data.bucket_pool_batches=2"]
     run_job([*TINY_DDP, *bucketing, "parallel=single", "data.batch_size=4"], single)
-    run_job([*TINY_DDP, *bucketing, "parallel=ddp", "gpus=2", f"data.batch_size={ddp_batch}",
-             f"trainer.grad_accum_steps={accum}"], ddp)
+    run_job(
+        [
+            *TINY_DDP,
+            *bucketing,
+            "parallel=ddp",
+            "gpus=2",
+            f"data.batch_size={ddp_batch}",
+            f"trainer.grad_accum_steps={accum}",
+        ],
+        ddp,
+    )
     m_single, m_ddp = _metrics(single), _metrics(ddp)
     assert m_ddp["world_size"] == 2 and m_ddp["effective_batch_size"] == m_single["effective_batch_size"] == 4
     assert _losses(ddp) == pytest.approx(_losses(single), abs=1e-5)
@@ -85,8 +114,14 @@ def _outcome(metrics: dict) -> tuple:
 
 def test_five_runs_in_one_process(tmp_path):
     """Five launches from one process (fresh ranks each time) give five equal, finite results."""
-    quick = [*TINY_DDP, "parallel=ddp", "gpus=2", "trainer.max_steps=2", "trainer.save_model=false",
-             "trainer.eval_before_training=false"]
+    quick = [
+        *TINY_DDP,
+        "parallel=ddp",
+        "gpus=2",
+        "trainer.max_steps=2",
+        "trainer.save_model=false",
+        "trainer.eval_before_training=false",
+    ]
     runs = [run_job(quick, tmp_path / f"run{i}") for i in range(5)]
     values, outcomes = [value for value, _ in runs], [_outcome(metrics) for _, metrics in runs]
     assert all(math.isfinite(v) for v in values) and all(math.isfinite(v) for v in outcomes[0][:3]), outcomes[0]
@@ -110,8 +145,11 @@ def test_two_runs_at_the_same_moment(tmp_path):
 
 @pytest.mark.parametrize("action", ["raise", "kill"])
 def test_failing_rank_ends_the_job_quickly(tmp_path, action):
-    proc = _cli([*TINY_DDP, "parallel=ddp", "gpus=2", f"hydra.run.dir={tmp_path}"], tmp_path,
-                env={"LYCHEE_FAULT": f"1:2:{action}"})
+    proc = _cli(
+        [*TINY_DDP, "parallel=ddp", "gpus=2", f"hydra.run.dir={tmp_path}"],
+        tmp_path,
+        env={"LYCHEE_FAULT": f"1:2:{action}"},
+    )
     out, err = proc.communicate(timeout=180)
     ended = time.time()
     assert proc.returncode == 1
@@ -126,8 +164,12 @@ def test_failing_rank_ends_the_job_quickly(tmp_path, action):
 
 def _fired_at(run_dir: Path, rank: int) -> float:
     """When LYCHEE_FAULT fired on that rank, from the line it printed into the rank's log."""
-    fired = [line for log in run_dir.glob(f"logs/**/{rank}/stderr.log") for line in log.read_text().splitlines()
-             if line.startswith("LYCHEE_FAULT")]
+    fired = [
+        line
+        for log in run_dir.glob(f"logs/**/{rank}/stderr.log")
+        for line in log.read_text().splitlines()
+        if line.startswith("LYCHEE_FAULT")
+    ]
     assert len(fired) == 1, fired
     return float(fired[0].split()[-1])
 
@@ -139,8 +181,11 @@ TEARDOWN_BOUND_S = 30
 
 def test_hanging_rank_is_bounded_by_the_collective_timeout(tmp_path):
     timeout_s = 5
-    proc = _cli([*TINY_DDP, "parallel=ddp", "gpus=2", f"parallel.timeout_s={timeout_s}", f"hydra.run.dir={tmp_path}"],
-                tmp_path, env={"LYCHEE_FAULT": "1:2:hang"})  # rank 1 sleeps an hour after step 2
+    proc = _cli(
+        [*TINY_DDP, "parallel=ddp", "gpus=2", f"parallel.timeout_s={timeout_s}", f"hydra.run.dir={tmp_path}"],
+        tmp_path,
+        env={"LYCHEE_FAULT": "1:2:hang"},
+    )  # rank 1 sleeps an hour after step 2
     out, err = proc.communicate(timeout=120)
     took = time.time() - _fired_at(tmp_path, 1)
     assert proc.returncode == 1 and not (tmp_path / "metrics.json").exists()
@@ -151,8 +196,17 @@ def test_hanging_rank_is_bounded_by_the_collective_timeout(tmp_path):
 
 
 def test_nan_loss_stops_the_job(tmp_path):
-    proc = _cli([*TINY_DDP, "parallel=single", "optimizer.lr=1e30", "optimizer.max_grad_norm=0",
-                 "trainer.max_steps=20", f"hydra.run.dir={tmp_path}"], tmp_path)
+    proc = _cli(
+        [
+            *TINY_DDP,
+            "parallel=single",
+            "optimizer.lr=1e30",
+            "optimizer.max_grad_norm=0",
+            "trainer.max_steps=20",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        tmp_path,
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "loss is nan" in out + err or "loss is inf" in out + err
@@ -161,8 +215,16 @@ def test_nan_loss_stops_the_job(tmp_path):
 
 @pytest.mark.parametrize("bucket", [False, True], ids=["plain", "bucketed"])
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, bucket):
-    args = [*TINY_DDP, "parallel=ddp", "gpus=2", "data.batch_size=2", "trainer.max_steps=8",
-            "trainer.checkpoint_every=2", "trainer.eval_every=4", f"data.bucket_by_length={bucket}"]
+    args = [
+        *TINY_DDP,
+        "parallel=ddp",
+        "gpus=2",
+        "data.batch_size=2",
+        "trainer.max_steps=8",
+        "trainer.checkpoint_every=2",
+        "trainer.eval_every=4",
+        f"data.bucket_by_length={bucket}",
+    ]
     reference = tmp_path / "reference"
     run_job(args, reference)
 
@@ -189,8 +251,16 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, bucket):
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
-    run_job([*TINY_DDP, "parallel=single", "trainer.max_steps=6", "trainer.checkpoint_every=2",
-             "trainer.keep_checkpoints=2"], tmp_path)
+    run_job(
+        [
+            *TINY_DDP,
+            "parallel=single",
+            "trainer.max_steps=6",
+            "trainer.checkpoint_every=2",
+            "trainer.keep_checkpoints=2",
+        ],
+        tmp_path,
+    )
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.glob("step_*")) == ["step_000004", "step_000006"]
     assert (root / "latest").read_text().strip() == "step_000006"

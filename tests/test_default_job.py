@@ -1,4 +1,5 @@
 """The built-in default job (MiniLM cross-encoder on the sample data) learns: minutes on CPU."""
+
 from __future__ import annotations
 
 import json
@@ -14,15 +15,23 @@ pytestmark = pytest.mark.slow
 def test_default_job_improves_ndcg(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ)
-    proc = subprocess.run([sys.executable, "-m", "lychee_exp.run", f"hydra.run.dir={run_dir}"], cwd=str(tmp_path),
-                          env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lychee_exp.run", f"hydra.run.dir={run_dir}"],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "Traceback" not in proc.stderr
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    print(f"\ndefault job: ndcg@10 {metrics['ndcg@10']:.4f} (untrained {metrics['initial_ndcg@10']:.4f}, "
-          f"BM25 {metrics['bm25_ndcg@10']:.4f}); mrr@10 {metrics['mrr@10']:.4f} "
-          f"(untrained {metrics['initial_mrr@10']:.4f}, BM25 {metrics['bm25_mrr@10']:.4f}); "
-          f"{metrics['steps']} steps in {metrics['train_time_s']:.0f} s, "
-          f"{metrics['train_samples_per_s']:.1f} samples/s, world size {metrics.get('world_size')}")
+    print(
+        f"\ndefault job: ndcg@10 {metrics['ndcg@10']:.4f} (untrained {metrics['initial_ndcg@10']:.4f}, "
+        f"BM25 {metrics['bm25_ndcg@10']:.4f}); mrr@10 {metrics['mrr@10']:.4f} "
+        f"(untrained {metrics['initial_mrr@10']:.4f}, BM25 {metrics['bm25_mrr@10']:.4f}); "
+        f"{metrics['steps']} steps in {metrics['train_time_s']:.0f} s, "
+        f"{metrics['train_samples_per_s']:.1f} samples/s, world size {metrics.get('world_size')}"
+    )
     assert metrics["ndcg@10"] >= metrics["initial_ndcg@10"] + 0.05
     assert (run_dir / "model" / "config.json").is_file()

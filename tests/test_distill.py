@@ -146,7 +146,10 @@ def test_listwise_distill_is_flagembedding_cross_entropy_to_teacher_softmax():
 def test_pointwise_distill_is_soft_target_bce():
     student = torch.tensor([2.0, -1.0, 0.5, 0.1])
     teacher = torch.tensor([[3.0, -2.0, 0.0, 1.0]])
-    sig = lambda x: 1 / (1 + math.exp(-x))
+
+    def sig(x):
+        return 1 / (1 + math.exp(-x))
+
     expected = (
         sum(
             -(sig(t) * math.log(sig(s)) + (1 - sig(t)) * math.log(1 - sig(s)))

@@ -1,4 +1,5 @@
 """Mixed precision on a CUDA GPU: bf16 autocast, and fp16 with a GradScaler."""
+
 from __future__ import annotations
 
 import math
@@ -7,8 +8,7 @@ import pytest
 import torch
 from conftest import run_tiny
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 NUMERIC = ("ndcg@10", "mrr@10", "initial_ndcg@10", "train_loss", "train_samples_per_s")
 

@@ -1,4 +1,5 @@
 """ranking_metrics agrees with trec_eval (pytrec_eval); the BM25 baseline ranks the lexical match first."""
+
 from __future__ import annotations
 
 import random
@@ -42,8 +43,10 @@ def pytrec_reference(scores, labels, query_index, k=10):
     top = {q: dict(sorted(docs.items(), key=lambda kv: -kv[1])[:k]) for q, docs in run.items()}
     rr = pytrec_eval.RelevanceEvaluator(qrels, {"recip_rank"}).evaluate(top)
     queries = sorted(qrels)
-    return {"ndcg@10": sum(ndcg[q]["ndcg_cut_10"] for q in queries) / len(queries),
-            "mrr@10": sum(rr[q]["recip_rank"] for q in queries) / len(queries)}
+    return {
+        "ndcg@10": sum(ndcg[q]["ndcg_cut_10"] for q in queries) / len(queries),
+        "mrr@10": sum(rr[q]["recip_rank"] for q in queries) / len(queries),
+    }
 
 
 def assert_matches_pytrec(scores, labels, query_index):
@@ -79,6 +82,7 @@ def test_hand_computed_example():
     query_index = [0] * 3 + [1] * 12
     metrics = ranking_metrics(scores, labels, query_index)
     import math
+
     assert metrics["mrr@10"] == pytest.approx((1 / 2 + 0) / 2)
     assert metrics["ndcg@10"] == pytest.approx((1 / math.log2(3) + 0) / 2)
 
@@ -97,14 +101,18 @@ def test_query_order_and_interleaving_do_not_matter():
 
 def test_bm25_ranks_lexical_match_first():
     queries = {
-        "lychee fruit sweetness": ["The lychee is a sweet tropical fruit with fragrant white flesh",
-                                   "Diesel engines power most heavy trucks on highways",
-                                   "Compilers translate source code into machine instructions",
-                                   "The violin has four strings tuned in perfect fifths"],
-        "compiler machine code": ["Compilers translate source code into machine instructions",
-                                  "The lychee is a sweet tropical fruit with fragrant white flesh",
-                                  "Glaciers carve valleys over thousands of years",
-                                  "Diesel engines power most heavy trucks on highways"],
+        "lychee fruit sweetness": [
+            "The lychee is a sweet tropical fruit with fragrant white flesh",
+            "Diesel engines power most heavy trucks on highways",
+            "Compilers translate source code into machine instructions",
+            "The violin has four strings tuned in perfect fifths",
+        ],
+        "compiler machine code": [
+            "Compilers translate source code into machine instructions",
+            "The lychee is a sweet tropical fruit with fragrant white flesh",
+            "Glaciers carve valleys over thousands of years",
+            "Diesel engines power most heavy trucks on highways",
+        ],
     }
     pairs = DevPairs([], [], [], [])
     for qi, (query, docs) in enumerate(queries.items()):

@@ -1,4 +1,5 @@
 """Reranker scoring equals an independent p(yes) computation; loading errors; LoRA; save and reload."""
+
 from __future__ import annotations
 
 import json
@@ -67,8 +68,7 @@ def _prompts(encoder):
 
 
 def test_probability_matches_independent_per_example_computation(saved_tiny, tmp_path):
-    cfg, tokenizer, encoder, reranker = tiny_reranker(tmp_path, f"model.path={saved_tiny}",
-                                                      "model.random_init=false")
+    cfg, tokenizer, encoder, reranker = tiny_reranker(tmp_path, f"model.path={saved_tiny}", "model.random_init=false")
     reranker.eval()
     ids = _prompts(encoder)
     batch = encoder.pad(ids)
@@ -91,8 +91,7 @@ def test_probability_matches_independent_per_example_computation(saved_tiny, tmp
 
 
 def test_logit_is_yes_minus_no(saved_tiny, tmp_path):
-    cfg, tokenizer, encoder, reranker = tiny_reranker(tmp_path, f"model.path={saved_tiny}",
-                                                      "model.random_init=false")
+    cfg, tokenizer, encoder, reranker = tiny_reranker(tmp_path, f"model.path={saved_tiny}", "model.random_init=false")
     batch = encoder.pad(_prompts(encoder))
     with torch.no_grad():
         logits = reranker(batch["input_ids"], batch["attention_mask"])
@@ -101,8 +100,7 @@ def test_logit_is_yes_minus_no(saved_tiny, tmp_path):
 
 
 def test_scores_do_not_depend_on_batch_company(saved_tiny, tmp_path):
-    cfg, tokenizer, encoder, reranker = tiny_reranker(tmp_path, f"model.path={saved_tiny}",
-                                                      "model.random_init=false")
+    cfg, tokenizer, encoder, reranker = tiny_reranker(tmp_path, f"model.path={saved_tiny}", "model.random_init=false")
     ids = _prompts(encoder)
     together = reranker.probability(**encoder.pad(ids))
     alone = torch.cat([reranker.probability(**encoder.pad([seq])) for seq in ids])
@@ -149,8 +147,13 @@ def test_multi_token_answer_is_user_error(key, tmp_path):
         load_reranker(cfg, encoder, 0)
 
 
-LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8",
-        "model.lora.target_modules=[q_proj,v_proj]", "model.lora.dropout=0.0"]
+LORA = [
+    "model.lora.enabled=true",
+    "model.lora.r=4",
+    "model.lora.alpha=8",
+    "model.lora.target_modules=[q_proj,v_proj]",
+    "model.lora.dropout=0.0",
+]
 
 
 def test_lora_trains_only_adapters(tmp_path):
@@ -201,8 +204,9 @@ def test_save_and_reload_scores_identically(lora, tmp_path):
 
     cfg2, _, encoder2, reloaded = tiny_reranker(tmp_path, f"model.path={out}", "model.random_init=false")
     reloaded.eval()
-    assert count_parameters(reloaded)[0] == count_parameters(
-        tiny_reranker(tmp_path)[3])[0]  # same architecture as the plain model
+    assert (
+        count_parameters(reloaded)[0] == count_parameters(tiny_reranker(tmp_path)[3])[0]
+    )  # same architecture as the plain model
     after = reloaded.probability(**encoder2.pad(_prompts(encoder2)))
     assert before.std() > 0.01
     torch.testing.assert_close(after, before, atol=1e-5, rtol=0)

@@ -1,4 +1,5 @@
 """PromptEncoder: truncation of the fields only, the template's end kept, padding side, and the Lychee layout."""
+
 from __future__ import annotations
 
 import re
@@ -42,12 +43,12 @@ def _bare(tok, text):
 def _specials(tok):
     """What the tokenizer itself puts around one text: ([CLS], [SEP]) for BERT, nothing for Qwen."""
     bare, wrapped = _bare(tok, "hello"), tok("hello")["input_ids"]
-    i = next(i for i in range(len(wrapped)) if wrapped[i:i + len(bare)] == bare)
-    return wrapped[:i], wrapped[i + len(bare):]
+    i = next(i for i in range(len(wrapped)) if wrapped[i : i + len(bare)] == bare)
+    return wrapped[:i], wrapped[i + len(bare) :]
 
 
 def _contains(seq, sub):
-    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
 def _squash(text):
@@ -80,9 +81,9 @@ def test_long_document_truncated_template_end_kept(tok_and_side):
     # The template's tail and the suffix close the sequence, then the tokenizer's own end token (BERT [SEP]).
     _, after = _specials(tok)
     tail = _bare(tok, " Relevant:" + SUFFIX) + after
-    assert ids[-len(tail):] == tail
+    assert ids[-len(tail) :] == tail
     before, _ = _specials(tok)
-    assert ids[:len(before)] == before
+    assert ids[: len(before)] == before
 
 
 def test_long_query_truncated(tok_and_side):
@@ -98,7 +99,7 @@ def test_long_query_truncated(tok_and_side):
     # The document is still there, untouched, after the truncated query.
     doc = _bare(tok, " a short document")
     assert _contains(ids, doc)
-    assert ids.index(doc[0]) > max(i for i in range(len(ids)) if ids[i:i + 8] == q_tokens[:8])
+    assert ids.index(doc[0]) > max(i for i in range(len(ids)) if ids[i : i + 8] == q_tokens[:8])
 
 
 def test_short_example_is_not_truncated(tok_and_side):
@@ -131,8 +132,8 @@ def test_exact_tokens_for_tiny_qwen2(tiny_tok):
     enc = PromptEncoder(tiny_tok, PromptConfig(), "left")
     ids = enc.encode("I", "Q text", "D text")
     prefix = _bare(tiny_tok, LYCHEE_PREFIX + "\nInstruct:")
-    assert ids[:len(prefix)] == prefix
-    assert ids[-len(_bare(tiny_tok, " D text")):] == _bare(tiny_tok, " D text")
+    assert ids[: len(prefix)] == prefix
+    assert ids[-len(_bare(tiny_tok, " D text")) :] == _bare(tiny_tok, " D text")
 
 
 @pytest.mark.parametrize(("kind", "side"), [("causal_lm", "left"), ("sequence_classification", "right")])
@@ -154,7 +155,7 @@ def test_minilm_pads_right_with_its_pad_token(minilm_tok):
     enc = PromptEncoder(minilm_tok, PromptConfig(), "right")
     a, b = enc.encode("i", "q", "a much longer document than the other one"), enc.encode("i", "q", "d")
     batch = enc.pad([a, b])
-    assert batch["input_ids"][1, len(b):].eq(minilm_tok.pad_token_id).all()
+    assert batch["input_ids"][1, len(b) :].eq(minilm_tok.pad_token_id).all()
     assert batch["input_ids"][1, len(b) - 1].item() == minilm_tok.sep_token_id
     assert batch["attention_mask"].sum(1).tolist() == [len(a), len(b)]
 

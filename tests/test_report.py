@@ -1,5 +1,6 @@
 """The local report (python -m lychee_exp.report): built from hand-written run directories, read back with
 html.parser (and, marked slow, loaded in headless Chromium)."""
+
 from __future__ import annotations
 
 import csv
@@ -46,8 +47,9 @@ class Tables(HTMLParser):
             self._cell.append(data)
 
     def find(self, *, id: str | None = None, cls: str | None = None) -> list[dict]:
-        return [t for t in self.tables
-                if (id and t["attrs"].get("id") == id) or (cls and t["attrs"].get("class") == cls)]
+        return [
+            t for t in self.tables if (id and t["attrs"].get("id") == id) or (cls and t["attrs"].get("class") == cls)
+        ]
 
 
 def parse(text: str) -> Tables:
@@ -80,38 +82,103 @@ def write_csv(path: Path, rows: list[list]) -> None:
         csv.writer(handle).writerows(rows)
 
 
-FULL = {"ndcg@10": 0.65, "mrr@10": 0.6, "initial_ndcg@10": 0.5, "initial_mrr@10": 0.45, "train_loss": 0.3,
-        "steps": 20, "effective_batch_size": 16, "per_device_batch_size": 8, "world_size": 2, "grad_accum_steps": 1,
-        "lr": 2e-4, "base_lr": 1e-4, "precision": "fp32", "device": "cpu", "train_samples_per_s": 41.5,
-        "train_tokens_per_s": 9000, "data_wait_share": 0.12, "rank_time_spread": 1.1,
-        "peak_memory_mb_per_rank": [1024, 2048], "train_time_s": 12.5, "eval_time_s": 1.5, "speedup": 1.85,
-        "scaling_efficiency": 0.93, "baseline_samples_per_s": 22.4, "device_type": "cpu", "strategy": "ddp",
-        "stopped_early": True}
+FULL = {
+    "ndcg@10": 0.65,
+    "mrr@10": 0.6,
+    "initial_ndcg@10": 0.5,
+    "initial_mrr@10": 0.45,
+    "train_loss": 0.3,
+    "steps": 20,
+    "effective_batch_size": 16,
+    "per_device_batch_size": 8,
+    "world_size": 2,
+    "grad_accum_steps": 1,
+    "lr": 2e-4,
+    "base_lr": 1e-4,
+    "precision": "fp32",
+    "device": "cpu",
+    "train_samples_per_s": 41.5,
+    "train_tokens_per_s": 9000,
+    "data_wait_share": 0.12,
+    "rank_time_spread": 1.1,
+    "peak_memory_mb_per_rank": [1024, 2048],
+    "train_time_s": 12.5,
+    "eval_time_s": 1.5,
+    "speedup": 1.85,
+    "scaling_efficiency": 0.93,
+    "baseline_samples_per_s": 22.4,
+    "device_type": "cpu",
+    "strategy": "ddp",
+    "stopped_early": True,
+}
 
 
 @pytest.fixture
 def root(tmp_path) -> Path:
     root = tmp_path / "outputs"
-    history = [{"step": 0, "dev/ndcg@10": 0.5, "dev/mrr@10": 0.45},
-               {"step": 5, "train/loss": 0.6, "train/lr": 1e-4, "train/samples_per_s": 40, "epoch": 0},
-               {"step": 10, "train/loss": 0.4, "train/lr": 1e-4, "train/samples_per_s": 42, "epoch": 0},
-               {"step": 10, "dev/ndcg@10": 0.65, "dev/mrr@10": 0.6}]
-    write_run(root / "runs" / "ddp2", FULL, history, {"model": {"name": "tiny_lychee"}, "loss": {"name": "pointwise"},
-                                                       "optimizer": {"lr": 1e-4}, "data": {"batch_size": 8}})
+    history = [
+        {"step": 0, "dev/ndcg@10": 0.5, "dev/mrr@10": 0.45},
+        {"step": 5, "train/loss": 0.6, "train/lr": 1e-4, "train/samples_per_s": 40, "epoch": 0},
+        {"step": 10, "train/loss": 0.4, "train/lr": 1e-4, "train/samples_per_s": 42, "epoch": 0},
+        {"step": 10, "dev/ndcg@10": 0.65, "dev/mrr@10": 0.6},
+    ]
+    write_run(
+        root / "runs" / "ddp2",
+        FULL,
+        history,
+        {
+            "model": {"name": "tiny_lychee"},
+            "loss": {"name": "pointwise"},
+            "optimizer": {"lr": 1e-4},
+            "data": {"batch_size": 8},
+        },
+    )
     write_run(root / "runs" / "old", {"ndcg@10": 0.4, "world_size": 1})  # an older run: most keys missing
     for n, (lr, ndcg) in enumerate([(1e-4, 0.55), (3e-4, 0.7)]):
-        write_run(root / "sweep" / str(n), {**FULL, "ndcg@10": ndcg, "lr": lr, "base_lr": lr, "world_size": 1,
-                                             "speedup": 1.0, "scaling_efficiency": 1.0}, history)
-    write_csv(root / "sweep" / "trials.csv", [
-        ["number", "state", "lr", "per_device_batch_size", "effective_batch_size", "metric", "duration_s", "reason",
-         "speedup", "scaling_efficiency"],
-        [0, "COMPLETE", 1e-4, 8, 8, 0.55, 10.0, "", 1.0, 1.0], [1, "COMPLETE", 3e-4, 8, 8, 0.7, 11.0, "", 1.0, 1.0],
-        [2, "FAIL", 1e-3, 8, 8, "", 2.0, "loss is NaN", "", ""]])
-    (root / "sweep" / "optimization_results.yaml").write_text(yaml.safe_dump(
-        {"study_name": "s1", "best_params": {"optimizer.lr": 3e-4}, "best_value": 0.7, "best_trial": 1}))
-    write_csv(root / "bench" / "bench.csv", [
-        ["devices", "samples_per_s", "speedup", "efficiency", "data_wait_share", "rank_time_spread"],
-        [1, 20.0, 1.0, 1.0, 0.1, 1.0], [2, 36.0, 1.8, 0.9, 0.12, 1.05]])
+        write_run(
+            root / "sweep" / str(n),
+            {
+                **FULL,
+                "ndcg@10": ndcg,
+                "lr": lr,
+                "base_lr": lr,
+                "world_size": 1,
+                "speedup": 1.0,
+                "scaling_efficiency": 1.0,
+            },
+            history,
+        )
+    write_csv(
+        root / "sweep" / "trials.csv",
+        [
+            [
+                "number",
+                "state",
+                "lr",
+                "per_device_batch_size",
+                "effective_batch_size",
+                "metric",
+                "duration_s",
+                "reason",
+                "speedup",
+                "scaling_efficiency",
+            ],
+            [0, "COMPLETE", 1e-4, 8, 8, 0.55, 10.0, "", 1.0, 1.0],
+            [1, "COMPLETE", 3e-4, 8, 8, 0.7, 11.0, "", 1.0, 1.0],
+            [2, "FAIL", 1e-3, 8, 8, "", 2.0, "loss is NaN", "", ""],
+        ],
+    )
+    (root / "sweep" / "optimization_results.yaml").write_text(
+        yaml.safe_dump({"study_name": "s1", "best_params": {"optimizer.lr": 3e-4}, "best_value": 0.7, "best_trial": 1})
+    )
+    write_csv(
+        root / "bench" / "bench.csv",
+        [
+            ["devices", "samples_per_s", "speedup", "efficiency", "data_wait_share", "rank_time_spread"],
+            [1, 20.0, 1.0, 1.0, 0.1, 1.0],
+            [2, 36.0, 1.8, 0.9, 0.12, 1.05],
+        ],
+    )
     return root
 
 
@@ -140,8 +207,10 @@ def test_report_tables_hold_the_runs(root, tmp_path):
     assert "Best trial 1" in out.read_text() and "optimizer.lr = 0.0003" in out.read_text()
 
     (bench,) = page.find(cls="bench")
-    assert [(b["devices"], b["speedup"], b["efficiency"]) for b in as_dicts(bench)] == [("1", "1", "1"),
-                                                                                          ("2", "1.8", "0.9")]
+    assert [(b["devices"], b["speedup"], b["efficiency"]) for b in as_dicts(bench)] == [
+        ("1", "1", "1"),
+        ("2", "1.8", "0.9"),
+    ]
     (throughput,) = page.find(id="throughput")
     first = as_dicts(throughput)[0]
     assert first["peak memory per rank (MB)"] == "1,024, 2,048" and first["steps"] == "20 (stopped early)"
@@ -157,13 +226,17 @@ def test_report_tables_hold_the_runs(root, tmp_path):
 def test_best_trial_without_optimization_results(root):
     (root / "sweep" / "optimization_results.yaml").unlink()
     (sweep,) = find(root).sweeps
-    assert best_trial(sweep) == {"trial": "1", "value": 0.7, "params": {"lr": "0.0003", "per_device_batch_size": "8",
-                                                                         "effective_batch_size": "8"}}
+    assert best_trial(sweep) == {
+        "trial": "1",
+        "value": 0.7,
+        "params": {"lr": "0.0003", "per_device_batch_size": "8", "effective_batch_size": "8"},
+    }
 
 
 def report_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lychee_exp.report", *args], capture_output=True, text=True,
-                          timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "lychee_exp.report", *args], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def test_cli_prints_the_output_path(root):

@@ -1,4 +1,5 @@
 """W&B tracking, observed speedup and the scaling benchmark, all offline."""
+
 from __future__ import annotations
 
 import csv
@@ -14,9 +15,17 @@ import pytest
 from lychee_exp.jobs import run_job
 from lychee_exp.wandb_records import find_run_files, read_run
 
-TINY = ["model=tiny_lychee", "data.batch_size=2", "data.max_train_queries=16", "data.max_dev_queries=4",
-        "data.train_group_size=4", "trainer.max_steps=4", "trainer.progress_bar=false", "trainer.log_every=1",
-        "optimizer.lr=1e-3"]
+TINY = [
+    "model=tiny_lychee",
+    "data.batch_size=2",
+    "data.max_train_queries=16",
+    "data.max_dev_queries=4",
+    "data.train_group_size=4",
+    "trainer.max_steps=4",
+    "trainer.progress_bar=false",
+    "trainer.log_every=1",
+    "optimizer.lr=1e-3",
+]
 SECRET = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -39,16 +48,14 @@ def _baseline_file(tmp_path: Path) -> str:
 
 def test_ddp_run_writes_one_offline_wandb_run_matching_metrics(tmp_path, no_wandb_key):
     run_dir = tmp_path / "run"
-    run_job([*TINY, "parallel=ddp", "gpus=2", "logger=wandb", "logger.tags=[smoke]", _baseline_file(tmp_path)],
-            run_dir)
+    run_job([*TINY, "parallel=ddp", "gpus=2", "logger=wandb", "logger.tags=[smoke]", _baseline_file(tmp_path)], run_dir)
     files = find_run_files(run_dir)
     assert len(files) == 1 and "offline-run" in str(files[0])
     record, metrics = read_run(files[0]), _metrics(run_dir)
     assert record["summary"]["effective_batch_size"] == metrics["effective_batch_size"] == 4
     assert record["summary"]["speedup"] == pytest.approx(metrics["speedup"])
     assert record["summary"]["world_size"] == 2
-    assert record["summary"]["dev/ndcg@10"]["max"] == pytest.approx(max(metrics["ndcg@10"],
-                                                                        metrics["initial_ndcg@10"]))
+    assert record["summary"]["dev/ndcg@10"]["max"] == pytest.approx(max(metrics["ndcg@10"], metrics["initial_ndcg@10"]))
     config = record["config"]
     assert config["world_size"] == 2 and config["effective_batch_size"] == 4 and config["grad_accum_steps"] == 1
     assert config["optimizer"]["lr"] == pytest.approx(1e-3) and config["lr"] == pytest.approx(metrics["lr"])
@@ -65,9 +72,24 @@ def test_unreachable_server_falls_back_offline_and_never_leaks_the_key(tmp_path,
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "lychee_exp.run", *TINY, "parallel=single", "logger=wandb", "logger.mode=online",
-         "logger.init_timeout_s=3", "trainer.checkpoint_every=2", _baseline_file(tmp_path),
-         f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300, env=os.environ.copy())
+        [
+            sys.executable,
+            "-m",
+            "lychee_exp.run",
+            *TINY,
+            "parallel=single",
+            "logger=wandb",
+            "logger.mode=online",
+            "logger.init_timeout_s=3",
+            "trainer.checkpoint_every=2",
+            _baseline_file(tmp_path),
+            f"hydra.run.dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ.copy(),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "continuing offline" in proc.stdout + proc.stderr
     files = find_run_files(run_dir)
@@ -96,7 +118,7 @@ def test_single_device_speedup_is_one(tmp_path, no_wandb_key):
 def test_multi_device_run_calibrates_and_caches_its_baseline(tmp_path, no_wandb_key):
     run_job([*TINY, "parallel=ddp", "gpus=2", "logger=none", _baseline_file(tmp_path)], tmp_path / "run")
     cached = json.loads((tmp_path / "baselines.json").read_text())
-    (key, entry), = cached.items()
+    ((key, entry),) = cached.items()
     assert entry["source"] == "calibration" and "cpu x1 threads" in key and "batch2" in key
     m = _metrics(tmp_path / "run")
     assert m["baseline_samples_per_s"] == pytest.approx(entry["samples_per_s"])
@@ -107,8 +129,23 @@ def test_multi_device_run_calibrates_and_caches_its_baseline(tmp_path, no_wandb_
 
 def test_bench_prints_table_csv_and_plot(tmp_path, no_wandb_key):
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "lychee_exp.bench", "gpus=1,2", *TINY, "logger=wandb",
-                           "--steps", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lychee_exp.bench",
+            "gpus=1,2",
+            *TINY,
+            "logger=wandb",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["devices", "samples/s"])
@@ -125,11 +162,27 @@ def test_bench_prints_table_csv_and_plot(tmp_path, no_wandb_key):
 def test_sweep_trials_are_one_wandb_run_each_in_one_group(tmp_path, no_wandb_key):
     sweep_dir = tmp_path / "sweep"
     proc = subprocess.run(
-        [sys.executable, "-m", "lychee_exp.run", "-m", "hparams_search=lr_batch", *TINY, "parallel=single",
-         "gpus=1", "logger=wandb", "hydra.sweeper.n_trials=3", "data.batch_size=choice(1,2)",
-         f"hydra.sweep.dir={sweep_dir}", _baseline_file(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=400,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "lychee_exp.run",
+            "-m",
+            "hparams_search=lr_batch",
+            *TINY,
+            "parallel=single",
+            "gpus=1",
+            "logger=wandb",
+            "hydra.sweeper.n_trials=3",
+            "data.batch_size=choice(1,2)",
+            f"hydra.sweep.dir={sweep_dir}",
+            _baseline_file(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [read_run(path) for path in find_run_files(sweep_dir)]
     assert len(runs) == 3

@@ -1,4 +1,5 @@
 """Training runs of the tiny model: losses fall, metrics.json, determinism, accumulation, lr scaling."""
+
 from __future__ import annotations
 
 import csv
@@ -17,8 +18,20 @@ from lychee_exp.config import to_run_config
 from lychee_exp.faults import fault_hook
 from lychee_exp.optim import effective_batch_size, scaled_lr
 
-REQUIRED_KEYS = {"ndcg@10", "mrr@10", "initial_ndcg@10", "initial_mrr@10", "bm25_ndcg@10", "bm25_mrr@10",
-                 "train_loss", "steps", "effective_batch_size", "lr", "train_samples_per_s", "train_time_s"}
+REQUIRED_KEYS = {
+    "ndcg@10",
+    "mrr@10",
+    "initial_ndcg@10",
+    "initial_mrr@10",
+    "bm25_ndcg@10",
+    "bm25_mrr@10",
+    "train_loss",
+    "steps",
+    "effective_batch_size",
+    "lr",
+    "train_samples_per_s",
+    "train_time_s",
+}
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -72,9 +85,19 @@ def test_losses_have_gradients_toward_the_positive():
 # ------------------------------------------------------------------------------------------------ lr scaling
 @pytest.mark.parametrize(("scaling", "factor"), [("none", 1.0), ("linear", 8.0), ("sqrt", math.sqrt(8.0))])
 def test_scaled_lr(scaling, factor, tmp_path):
-    cfg = to_run_config(compose_config(["model=tiny_lychee", "optimizer.lr=1e-3", "optimizer.base_batch_size=4",
-                                        f"optimizer.lr_scaling={scaling}", "data.batch_size=8",
-                                        "trainer.grad_accum_steps=2"], tmp_path))
+    cfg = to_run_config(
+        compose_config(
+            [
+                "model=tiny_lychee",
+                "optimizer.lr=1e-3",
+                "optimizer.base_batch_size=4",
+                f"optimizer.lr_scaling={scaling}",
+                "data.batch_size=8",
+                "trainer.grad_accum_steps=2",
+            ],
+            tmp_path,
+        )
+    )
     assert effective_batch_size(cfg, 2) == 32
     assert scaled_lr(cfg, 2) == pytest.approx(1e-3 * factor)
     # at the base batch size every rule leaves lr alone
@@ -86,8 +109,9 @@ def test_scaled_lr(scaling, factor, tmp_path):
 @pytest.fixture(scope="module")
 def standard_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("standard_run")
-    value, metrics = run_tiny(out, "logger=csv", "optimizer.lr_scaling=linear", "optimizer.base_batch_size=4",
-                              "optimized_metric=mrr@10")
+    value, metrics = run_tiny(
+        out, "logger=csv", "optimizer.lr_scaling=linear", "optimizer.base_batch_size=4", "optimized_metric=mrr@10"
+    )
     return out, value, metrics
 
 
@@ -134,16 +158,25 @@ def test_saved_model_loads_with_transformers(standard_run):
 def test_run_with_model_from_previous_run_reproduces_its_final_metrics(standard_run, tmp_path):
     """The saved model directory is a valid model.path: evaluating it before training gives the final metrics."""
     out, _, metrics = standard_run
-    _, again = run_tiny(tmp_path, f"model.path={out / 'model'}", "model.random_init=false",
-                        "trainer.save_model=false")
+    _, again = run_tiny(tmp_path, f"model.path={out / 'model'}", "model.random_init=false", "trainer.save_model=false")
     assert again["initial_ndcg@10"] == pytest.approx(metrics["ndcg@10"], abs=1e-6)
 
 
 @pytest.mark.parametrize("loss", ["pointwise", "listwise"])
 def test_loss_falls(loss, tmp_path):
-    _, metrics = run_tiny(tmp_path, f"loss={loss}", "logger=csv", "data.max_train_queries=16", "data.batch_size=4",
-                          "data.max_dev_queries=2", "trainer.max_steps=60", "trainer.log_every=1",
-                          "optimizer.lr=2e-3", "optimizer.warmup_ratio=0.05", "trainer.save_model=false")
+    _, metrics = run_tiny(
+        tmp_path,
+        f"loss={loss}",
+        "logger=csv",
+        "data.max_train_queries=16",
+        "data.batch_size=4",
+        "data.max_dev_queries=2",
+        "trainer.max_steps=60",
+        "trainer.log_every=1",
+        "optimizer.lr=2e-3",
+        "optimizer.warmup_ratio=0.05",
+        "trainer.save_model=false",
+    )
     series = train_losses(tmp_path)
     assert len(series) == 60
     first, last = sum(series[:8]) / 8, sum(series[-8:]) / 8
@@ -175,15 +208,24 @@ def test_seeded_runs_are_identical(tmp_path):
 
 
 def test_gradient_accumulation_matches_big_batch(tmp_path):
-    common = ("trainer.deterministic=true", "trainer.precision=fp32", "trainer.save_model=false", "logger=csv",
-              "trainer.max_steps=6", "optimizer.lr_scaling=none")
+    common = (
+        "trainer.deterministic=true",
+        "trainer.precision=fp32",
+        "trainer.save_model=false",
+        "logger=csv",
+        "trainer.max_steps=6",
+        "optimizer.lr_scaling=none",
+    )
     _, big = run_tiny(tmp_path / "big", "data.batch_size=4", "trainer.grad_accum_steps=1", *common)
     _, acc = run_tiny(tmp_path / "acc", "data.batch_size=2", "trainer.grad_accum_steps=2", *common)
     assert big["effective_batch_size"] == acc["effective_batch_size"] == 4
     assert big["steps"] == acc["steps"] == 6
-    torch.testing.assert_close(torch.tensor(train_losses(tmp_path / "acc"), dtype=torch.float64),
-                               torch.tensor(train_losses(tmp_path / "big"), dtype=torch.float64),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(train_losses(tmp_path / "acc"), dtype=torch.float64),
+        torch.tensor(train_losses(tmp_path / "big"), dtype=torch.float64),
+        atol=1e-5,
+        rtol=0,
+    )
     assert acc["train_loss"] == pytest.approx(big["train_loss"], abs=1e-5)
     assert acc["ndcg@10"] == pytest.approx(big["ndcg@10"], abs=1e-5)
     assert acc["mrr@10"] == pytest.approx(big["mrr@10"], abs=1e-5)
@@ -195,8 +237,15 @@ def test_stale_metrics_json_is_removed_when_the_run_fails(tmp_path):
     from lychee_exp.run import run
 
     (tmp_path / "metrics.json").write_text('{"ndcg@10": 99}')
-    cfg = compose_config([*TINY_OVERRIDES, "data=jsonl", f"data.train_file={tmp_path / 'missing.jsonl'}",
-                          f"data.dev_file={tmp_path / 'missing.jsonl'}"], tmp_path)
+    cfg = compose_config(
+        [
+            *TINY_OVERRIDES,
+            "data=jsonl",
+            f"data.train_file={tmp_path / 'missing.jsonl'}",
+            f"data.dev_file={tmp_path / 'missing.jsonl'}",
+        ],
+        tmp_path,
+    )
     with pytest.raises(UserError, match="missing.jsonl"):
         run(cfg)
     assert not (tmp_path / "metrics.json").exists()
@@ -206,8 +255,10 @@ def test_inputs_are_read_once_per_process(tmp_path):
     """preflight reads the data files and builds the tokenizer; the in-process Trainer reuses them."""
     import lychee_exp.inputs as inputs
 
-    with mock.patch.object(inputs, "load_queries", wraps=inputs.load_queries) as load_queries, \
-            mock.patch.object(inputs, "load_tokenizer", wraps=inputs.load_tokenizer) as load_tokenizer:
+    with (
+        mock.patch.object(inputs, "load_queries", wraps=inputs.load_queries) as load_queries,
+        mock.patch.object(inputs, "load_tokenizer", wraps=inputs.load_tokenizer) as load_tokenizer,
+    ):
         run_tiny(tmp_path, "trainer.save_model=false", "trainer.max_steps=1")
     assert [c.args[1] for c in load_queries.call_args_list] == ["data.train_file", "data.dev_file"]
     assert load_tokenizer.call_count == 1

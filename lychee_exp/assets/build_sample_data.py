@@ -15,6 +15,7 @@ as the bi-encoder they were trained as: mean-pooled token embeddings, cosine
 similarity, times 20 (the scale the model was trained with), rounded to 1e-4.
 ``--teacher-only`` adds them to existing split files without rebuilding them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,8 +83,12 @@ def iter_documented(modname: str):
         for mname, meth in sorted(vars(obj).items()) if inspect.isclass(obj) else ():
             meth = meth.__func__ if isinstance(meth, (classmethod, staticmethod)) else meth
             # public methods under their own name (skips aliases such as `x = y`)
-            if (not mname.startswith("_") and inspect.isroutine(meth) and own_doc(meth)
-                    and getattr(meth, "__qualname__", None) == f"{name}.{mname}"):
+            if (
+                not mname.startswith("_")
+                and inspect.isroutine(meth)
+                and own_doc(meth)
+                and getattr(meth, "__qualname__", None) == f"{name}.{mname}"
+            ):
                 yield f"{modname}.{name}.{mname}", f"{modname}.{name}", own_doc(meth)
 
 
@@ -112,7 +117,7 @@ def split_summary(doc: str) -> tuple[str, str]:
         m = SENTENCE_END.search(doc.split("\n\n", 1)[0])  # within the first paragraph
         if m and m.end() <= MAX_QUERY_CHARS:
             query = " ".join(doc[: m.end()].split())
-            rest = doc[m.end():].lstrip(" ").removeprefix("\n")
+            rest = doc[m.end() :].lstrip(" ").removeprefix("\n")
             return query, normalise_body(rest.splitlines())
     return first, normalise_body(lines[1:])
 
@@ -133,8 +138,9 @@ def collect_records() -> list[dict]:
                 query, body = split_summary(doc)
                 if len(query.split()) < MIN_SUMMARY_WORDS or len(body) < MIN_BODY_CHARS:
                     continue
-                raw.append({"qid": qid, "module": modname, "group": group,
-                            "query": query, "doc": truncate(body), "full": doc})
+                raw.append(
+                    {"qid": qid, "module": modname, "group": group, "query": query, "doc": truncate(body), "full": doc}
+                )
     # Deduplicate by docstring text and by document text; first by sorted qid wins.
     seen, records = set(), []
     for rec in sorted(raw, key=lambda r: r["qid"]):
@@ -221,9 +227,8 @@ def teacher_embeddings(texts: list[str], batch_size: int = 32):
     order = sorted(set(texts), key=lambda t: (-len(t), t))
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            batch = tokenizer(chunk, padding=True, truncation=True, max_length=TEACHER_MAX_TOKENS,
-                              return_tensors="pt")
+            chunk = order[start : start + batch_size]
+            batch = tokenizer(chunk, padding=True, truncation=True, max_length=TEACHER_MAX_TOKENS, return_tensors="pt")
             hidden = model(**batch).last_hidden_state
             mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
@@ -268,8 +273,12 @@ def baselines(dev: list[dict]) -> dict:
         pos, neg = scores[where[line["pos"][0]]], np.array([scores[where[d]] for d in line["neg"]])
         bm.append(rank_metrics(int((neg > pos).sum()), int((neg == pos).sum())))
     rnd, bm = np.mean(rnd, axis=0), np.mean(bm, axis=0)
-    return {"random_ndcg10": float(rnd[0]), "random_mrr10": float(rnd[1]),
-            "bm25_ndcg10": float(bm[0]), "bm25_mrr10": float(bm[1])}
+    return {
+        "random_ndcg10": float(rnd[0]),
+        "random_mrr10": float(rnd[1]),
+        "bm25_ndcg10": float(bm[0]),
+        "bm25_mrr10": float(bm[1]),
+    }
 
 
 def write_jsonl(path: Path, lines: list[dict]) -> None:
@@ -302,16 +311,16 @@ No instruction is stored; the framework supplies its default one.
 
 | split | queries | negatives/query | candidates/query | modules |
 |---|---|---|---|---|
-| train | {len(train)} | {N_NEG['train']} | {N_NEG['train'] + 1} | {len(train_mods)} |
-| dev | {len(dev)} | {N_NEG['dev']} | {N_NEG['dev'] + 1} | {len(dev_mods)} |
+| train | {len(train)} | {N_NEG["train"]} | {N_NEG["train"] + 1} | {len(train_mods)} |
+| dev | {len(dev)} | {N_NEG["dev"]} | {N_NEG["dev"] + 1} | {len(dev_mods)} |
 
-## Dev baselines (binary relevance, {N_NEG['dev'] + 1} candidates per query)
+## Dev baselines (binary relevance, {N_NEG["dev"] + 1} candidates per query)
 
 | ranker | NDCG@10 | MRR@10 |
 |---|---|---|
-| random (exact expectation) | {base['random_ndcg10']:.4f} | {base['random_mrr10']:.4f} |
-| BM25 (index over dev documents) | {base['bm25_ndcg10']:.4f} | {base['bm25_mrr10']:.4f} |
-| teacher (`pos_scores`/`neg_scores`, zero-shot bi-encoder) | {base['teacher_ndcg10']:.4f} | {base['teacher_mrr10']:.4f} |
+| random (exact expectation) | {base["random_ndcg10"]:.4f} | {base["random_mrr10"]:.4f} |
+| BM25 (index over dev documents) | {base["bm25_ndcg10"]:.4f} | {base["bm25_mrr10"]:.4f} |
+| teacher (`pos_scores`/`neg_scores`, zero-shot bi-encoder) | {base["teacher_ndcg10"]:.4f} | {base["teacher_mrr10"]:.4f} |
 
 BM25 ties are scored as the expectation over random tie-breaking. BM25 is well below 1.0
 because the negatives were themselves BM25-mined.
@@ -335,8 +344,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "sample")
     ap.add_argument("--any-python", action="store_true", help="allow a Python other than 3.11.7")
-    ap.add_argument("--teacher-only", action="store_true",
-                    help="only (re)compute the teacher scores of the split files already in --out")
+    ap.add_argument(
+        "--teacher-only",
+        action="store_true",
+        help="only (re)compute the teacher scores of the split files already in --out",
+    )
     args = ap.parse_args(argv)
     if args.teacher_only:
         for name in ("train.jsonl", "dev.jsonl"):
@@ -364,8 +376,10 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(args.out / "dev.jsonl", dev)
     text = readme(train, dev, counts, dev_mods, train_mods, base)
     (args.out / "README.md").write_text(text, encoding="utf-8", newline="\n")
-    print(f"train: {len(train)} queries from {len(train_mods)} modules; "
-          f"dev: {len(dev)} queries from {len(dev_mods)} modules")
+    print(
+        f"train: {len(train)} queries from {len(train_mods)} modules; "
+        f"dev: {len(dev)} queries from {len(dev_mods)} modules"
+    )
     print(" ".join(f"{k}={v:.4f}" for k, v in base.items()))
 
 

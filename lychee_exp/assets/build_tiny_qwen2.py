@@ -9,6 +9,7 @@ reranker prompt words, so tests can run a real tokenise -> forward -> "yes"/"no"
 logit path quickly. Only ``config.json`` is written, no weights: the framework
 initialises the model randomly from it with a seed. The output is deterministic.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,10 @@ HERE = Path(__file__).resolve().parent
 VOCAB_SIZE, MIN_FREQUENCY = 4096, 2
 EOS = "<|endoftext|>"  # also the pad token, as in Qwen2
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
-PROMPT_TEXT = ("Given the instruction and query, judge whether the document is relevant "
-               "to the query (yes/no). Instruct: Query: Document:")
+PROMPT_TEXT = (
+    "Given the instruction and query, judge whether the document is relevant "
+    "to the query (yes/no). Instruct: Query: Document:"
+)
 ANSWER_WORDS = ["yes", "no"]  # the reranker reads the logits of these two tokens
 
 
@@ -46,14 +49,20 @@ def train_tokenizer(texts: list[str]) -> Tokenizer:
     # which rebuilds the pipeline as NFC + Qwen2 split regex + ByteLevel(use_regex=False).
     # Train with exactly that pipeline so every loader gives the same ids.
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, min_frequency=MIN_FREQUENCY, special_tokens=SPECIAL_TOKENS,
+        vocab_size=VOCAB_SIZE,
+        min_frequency=MIN_FREQUENCY,
+        special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte is encodable
-        show_progress=False)
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     # "yes"/"no" must be single tokens. If BPE did not learn one, add it as a regular
     # token; single_word=True keeps it from being cut out of words like "know"/"eyes".
@@ -93,15 +102,23 @@ def main(argv: list[str] | None = None) -> None:
 
     texts = training_texts(args.sample)
     tok = train_tokenizer(texts)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=EOS, eos_token=EOS,
-                                   padding_side="left")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=EOS, eos_token=EOS, padding_side="left")
     args.out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(args.out)
     eos_id = fast.convert_tokens_to_ids(EOS)
     config = Qwen2Config(
-        vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=True, pad_token_id=eos_id, eos_token_id=eos_id, bos_token_id=None)
+        vocab_size=len(fast),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=eos_id,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+    )
     config.save_pretrained(args.out)  # config only: weights are initialised by the framework
 
     verify(args.out, texts)
