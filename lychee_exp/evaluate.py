@@ -18,6 +18,7 @@ import torch
 from torchmetrics.functional.retrieval import retrieval_normalized_dcg, retrieval_reciprocal_rank
 
 from lychee_exp.data import DevPairs
+from lychee_exp.distributed import DistEnv
 from lychee_exp.prompt import PromptEncoder
 
 TOP_K = 10
@@ -100,20 +101,19 @@ def evaluate(
     pairs: DevPairs,
     batch_size: int,
     device: torch.device,
-    rank: int = 0,
-    world_size: int = 1,
-    gather: Callable[[object], list] = lambda obj: [obj],
+    env: DistEnv | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> dict[str, float]:
     """Each rank scores every world_size-th pair (by length, so shards cost alike); results are all-gathered."""
+    env = env or DistEnv(device=device)
     by_length = sorted(range(len(pairs.token_ids)), key=lambda i: len(pairs.token_ids[i]))
-    mine = by_length[rank::world_size]
+    mine = by_length[env.rank :: env.world_size]
     was_training = model.training
     model.eval()
     my_scores = score_token_ids(model, encoder, [pairs.token_ids[i] for i in mine], batch_size, device, autocast)
     model.train(was_training)
     scores = [0.0] * len(pairs.token_ids)
-    for rows, values in gather((mine, my_scores)):
+    for rows, values in env.gather_objects((mine, my_scores)):
         for row, value in zip(rows, values):
             scores[row] = value
     return ranking_metrics(scores, pairs.labels, pairs.query_index)

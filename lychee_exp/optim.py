@@ -37,6 +37,19 @@ def scaled_lr(cfg: RunConfig, num_devices: int) -> float:
     return cfg.optimizer.lr * factor
 
 
+def optimizer_step(model: torch.nn.Module, optimizer, scheduler, scaler, cfg: OptimizerConfig) -> float:
+    """Unscale (fp16), clip the trainable parameters' gradients to cfg.max_grad_norm (0: no clipping), step the
+    optimizer and the schedule, clear the gradients; returns the gradient norm before clipping."""
+    scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf")).item()
+    scaler.step(optimizer)
+    scaler.update()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
 def build_optimizer(cfg: OptimizerConfig, model: torch.nn.Module, lr: float, total_steps: int):
     """The configured optimizer over the trainable parameters; warmup then linear / cosine decay (or constant).
     Returns (optimizer, scheduler, warmup steps)."""

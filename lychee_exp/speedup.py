@@ -106,12 +106,3 @@ def resolve_baseline(cfg: RunConfig, plan: DevicePlan, train: Callable[[RunConfi
     value = train(calibration_config(cfg), single_device_plan(plan))["train_samples_per_s"]
     store_baseline(cfg, plan, value, "calibration")
     return value
-
-
-def baseline_description(plan: DevicePlan) -> str:
-    """What `speedup` divides by, in words: on CPU one rank with the run's threads per rank, which is not one
-    process using every core (on a 2-core machine that one is as fast as 2 ranks x 1 thread)."""
-    if plan.device_type == "cuda":
-        return f"1 GPU ({torch.cuda.get_device_name(0)})"
-    threads = plan.threads_per_rank
-    return f"1 rank x {threads} thread{'s' if threads > 1 else ''} (CPU)"

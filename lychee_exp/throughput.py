@@ -106,15 +106,24 @@ def log_hints(facts: dict, num_workers: int) -> None:
         )
 
 
-def speedup_facts(samples_per_s: float, baseline: float, num_devices: int, baseline_name: str = "") -> dict:
+def baseline_description(plan: DevicePlan) -> str:
+    """What `speedup` divides by, in words: on CPU one rank with the run's threads per rank, which is not one
+    process using every core (on a 2-core machine that one is as fast as 2 ranks x 1 thread)."""
+    if plan.device_type == "cuda":
+        return f"1 GPU ({torch.cuda.get_device_name(0)})"
+    threads = plan.threads_per_rank
+    return f"1 rank x {threads} thread{'s' if threads > 1 else ''} (CPU)"
+
+
+def speedup_facts(samples_per_s: float, baseline: float, plan: DevicePlan) -> dict:
     """speedup = samples/s / one device's (baseline); a single-device run without a baseline is its own.
     `speedup_baseline` says in words what was divided by."""
     if baseline <= 0:
-        baseline = samples_per_s if num_devices == 1 else 0.0
+        baseline = samples_per_s if plan.num_devices == 1 else 0.0
     speedup = samples_per_s / baseline if baseline > 0 else float("nan")
     return {
         "baseline_samples_per_s": baseline,
         "speedup": speedup,
-        "scaling_efficiency": speedup / num_devices,
-        "speedup_baseline": baseline_name if baseline > 0 else "none measured",
+        "scaling_efficiency": speedup / plan.num_devices,
+        "speedup_baseline": baseline_description(plan) if baseline > 0 else "none measured",
     }

@@ -18,25 +18,23 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from lychee_exp import evaluate as ev
-from lychee_exp.bucketing import train_sampler
 from lychee_exp.checkpoint import latest_checkpoint, restore_training_state, save_training_state
 from lychee_exp.config import RunConfig
-from lychee_exp.data import GroupCollator, TrainGroups, build_dev_pairs
+from lychee_exp.data import TrainGroups, build_dev_pairs
 from lychee_exp.devices import DevicePlan, resolve_precision
 from lychee_exp.distributed import DistEnv, wrap_for_training
 from lychee_exp.errors import TrainingDiverged
 from lychee_exp.faults import fault_hook
 from lychee_exp.inputs import RunInputs, load_inputs
+from lychee_exp.loader import train_loader
 from lychee_exp.loggers import log_eval, log_setup, log_train_step, run_logger
 from lychee_exp.losses import build_loss
 from lychee_exp.model import count_parameters, load_reranker, save_reranker
-from lychee_exp.optim import build_optimizer, scaled_lr
+from lychee_exp.optim import build_optimizer, optimizer_step, scaled_lr
 from lychee_exp.preemption import stop_requested
-from lychee_exp.speedup import baseline_description
 from lychee_exp.throughput import StepTimer, log_hints, setup_facts, speedup_facts, summarize
 
 log = logging.getLogger(__name__)
@@ -84,15 +82,8 @@ class Trainer:
         self.eval_time_s = 0.0
         self.stopped = False  # set when an evaluation callback (e.g. a sweep's pruner) ends the run early
         if self.env.is_main:
-            log_setup(
-                cfg,
-                self.facts,
-                len(self.train_set),
-                self.dev_pairs,
-                self.total_steps,
-                self.steps_per_epoch,
-                self.warmup_steps,
-            )
+            schedule = (self.total_steps, self.steps_per_epoch, self.warmup_steps)
+            log_setup(cfg, self.facts, len(self.train_set), self.dev_pairs, *schedule)
 
     def _setup_model(self, inputs: RunInputs) -> None:
         self.tokenizer, self.encoder = inputs.tokenizer, inputs.encoder
@@ -107,31 +98,11 @@ class Trainer:
             inputs.train_queries, data.train_group_size, instruction, cfg.seed, data.random_negatives
         )
         self.dev_pairs = build_dev_pairs(inputs.dev_queries, self.encoder, instruction, cfg.seed)
-        # One sampler for every world size: its permutation depends on (seed, epoch) only, and rank r takes
-        # items r, r + world, ..., so a run on N ranks sees the same global batches as one process.
-        # drop_last: each query at most once per epoch, and every rank has the same number of batches.
         # DataParallel splits one process's batch over its GPUs, so that process loads all of their batches.
         loader_batch = data.batch_size * (self.num_devices if self.plan.strategy == "dp" else 1)
-        self.sampler = train_sampler(
-            self.train_set,
-            self.encoder,
-            data.bucket_by_length,
-            data.bucket_pool_batches,
-            loader_batch * env.world_size * cfg.trainer.grad_accum_steps,
-            env.world_size,
-            env.rank,
-            cfg.seed,
-        )
-        if self.sampler.num_samples == 0:
-            raise ValueError(f"{len(self.train_set)} training queries cannot be split over {env.world_size} ranks")
-        self.loader = DataLoader(
-            self.train_set,
-            batch_size=loader_batch,
-            sampler=self.sampler,
-            collate_fn=GroupCollator(self.encoder),
-            num_workers=data.num_workers,
-            # not persistent: workers must see set_epoch's resampled negatives
-            pin_memory=self.device.type == "cuda",
+        window = loader_batch * env.world_size * cfg.trainer.grad_accum_steps
+        self.sampler, self.loader = train_loader(
+            self.train_set, self.encoder, data, loader_batch, window, env.world_size, env.rank, cfg.seed, self.device
         )
         self.num_batches = math.ceil(self.sampler.num_samples / loader_batch)
         self.steps_per_epoch = math.ceil(self.num_batches / cfg.trainer.grad_accum_steps)
@@ -159,17 +130,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         start = time.perf_counter()
         scorer = self.train_model if self.plan.strategy == "dp" else self.model  # DP: score on every GPU
-        metrics = ev.evaluate(
-            scorer,
-            self.encoder,
-            self.dev_pairs,
-            self.cfg.data.eval_batch_size,
-            self.device,
-            self.env.rank,
-            self.env.world_size,
-            self.env.gather_objects,
-            self.autocast,
-        )
+        batch = self.cfg.data.eval_batch_size
+        metrics = ev.evaluate(scorer, self.encoder, self.dev_pairs, batch, self.device, self.env, self.autocast)
         self.eval_time_s += time.perf_counter() - start
         return metrics
 
@@ -190,13 +152,8 @@ class Trainer:
         timer = StepTimer(step, self.total_steps)
         losses: list[float] = []
         distill_losses: list[float] = []
-        bar = tqdm(
-            total=self.total_steps,
-            initial=step,
-            desc="train",
-            dynamic_ncols=True,
-            disable=not (env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()),
-        )
+        show = env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()
+        bar = tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True, disable=not show)
         self.train_model.train()
         train_start, eval_time_before = time.perf_counter(), self.eval_time_s
         while step < self.total_steps and not self.stopped:
@@ -215,7 +172,7 @@ class Trainer:
                         f"loss is {loss} at step {step + 1} (lr {self.lr:.3g}); lower "
                         "optimizer.lr or use trainer.precision=bf16/fp32"
                     )
-                grad_norm = self._optimizer_step()
+                grad_norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.scaler, cfg.optimizer)
                 step += 1
                 if self.after_step:
                     self.after_step(step)
@@ -230,20 +187,9 @@ class Trainer:
                     if cfg.loss.distill_weight > 0:
                         summary["train_distill_loss"] = sum(distill_losses) / len(distill_losses)
                     distill_losses.clear()
-                    log_train_step(
-                        self.logger,
-                        env.is_main,
-                        step,
-                        self.total_steps,
-                        epoch,
-                        summary["train_loss"],
-                        self.scheduler.get_last_lr()[0],
-                        grad_norm,
-                        queries,
-                        tokens,
-                        elapsed,
-                        wait,
-                    )
+                    lr = self.scheduler.get_last_lr()[0]
+                    row = (summary["train_loss"], lr, grad_norm, queries, tokens, elapsed, wait)
+                    log_train_step(self.logger, env.is_main, step, self.total_steps, epoch, *row)
                     losses.clear()
                 if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
                     summary.update(self._eval_and_log(step))
@@ -265,23 +211,9 @@ class Trainer:
         bar.close()
         train_time = time.perf_counter() - train_start - (self.eval_time_s - eval_time_before)
         throughput = summarize(env.gather_objects(timer.rank_record(self.device)))
-        summary.update(
-            self.facts,
-            steps=step,
-            epochs=epoch,
-            train_time_s=train_time,
-            eval_time_s=self.eval_time_s,
-            stopped_early=self.stopped,
-            **throughput,
-        )
-        summary.update(
-            speedup_facts(
-                summary["train_samples_per_s"],
-                cfg.speedup.baseline_samples_per_s,
-                self.num_devices,
-                baseline_description(self.plan),
-            )
-        )
+        summary.update(self.facts, **throughput, steps=step, epochs=epoch, stopped_early=self.stopped)
+        summary.update(train_time_s=train_time, eval_time_s=self.eval_time_s)
+        summary.update(speedup_facts(summary["train_samples_per_s"], cfg.speedup.baseline_samples_per_s, self.plan))
         if env.is_main:
             log_hints(summary, cfg.data.num_workers)
         self.logger.log_summary({**summary, "peak_memory_mb": max(summary["peak_memory_mb_per_rank"])})
@@ -304,35 +236,19 @@ class Trainer:
             wait += computed - fetched
             # DDP all-reduces gradients on the window's last backward only
             sync = micro == micro_steps - 1 or not env.distributed
+            ids, mask = inputs["input_ids"], inputs["attention_mask"]
             with contextlib.nullcontext() if sync else self.train_model.no_sync(), self.autocast():
                 logits = self.train_model(
-                    inputs["input_ids"].to(self.device, non_blocking=True),
-                    inputs["attention_mask"].to(self.device, non_blocking=True),
+                    ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
                 )
                 per_query, distill = self.loss_fn(logits, inputs.get("teacher_scores"))
             busy += time.perf_counter() - computed
             self.scaler.scale(per_query.sum() / window_queries).backward()
-            stats += torch.stack(
-                [
-                    per_query.detach().sum().double(),
-                    inputs["attention_mask"].sum().to(stats),
-                    torch.tensor(len(per_query)).to(stats),
-                    (distill.detach().sum() if distill is not None else torch.zeros(())).to(stats),
-                    torch.tensor(inputs["attention_mask"].numel()).to(stats),
-                ]
-            )
+            distill_sum = distill.detach().sum() if distill is not None else torch.zeros(())
+            loss_sum, tokens, queries = per_query.detach().sum(), mask.sum(), torch.tensor(len(per_query))
+            values = (loss_sum, tokens, queries, distill_sum, torch.tensor(mask.numel()))
+            stats += torch.stack([value.to(stats) for value in values])
         return env.all_reduce_sum(stats), wait, busy + wait
-
-    def _optimizer_step(self) -> float:
-        self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.optimizer.max_grad_norm or float("inf")
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
 
     def _eval_and_log(self, step: int) -> dict[str, float]:
         if not self.cfg.trainer.evaluate:
@@ -350,38 +266,19 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ checkpoint
     def _checkpoint(self, step: int, position: tuple[int, int], summary: dict, evaluated_at: int) -> None:
-        progress = {
-            "step": step,
-            "epoch": position[0],
-            "batch": position[1],
-            "evaluated_at": evaluated_at,
-            "summary": summary,
-        }
-        path = save_training_state(
-            self.output_dir,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.scaler,
-            self.env,
-            progress,
-            self.cfg.trainer.keep_checkpoints,
-        )
+        progress = {"step": step, "epoch": position[0], "batch": position[1]}
+        progress.update(evaluated_at=evaluated_at, summary=summary)
+        parts = (self.model, self.optimizer, self.scheduler, self.scaler, self.env)
+        path = save_training_state(self.output_dir, *parts, progress, self.cfg.trainer.keep_checkpoints)
         if path:
             log.info("checkpoint: %s", path)
 
     def _restore(self) -> dict:
-        progress = restore_training_state(
-            self.resume_from, self.model, self.optimizer, self.scheduler, self.scaler, self.env
-        )
+        parts = (self.model, self.optimizer, self.scheduler, self.scaler, self.env)
+        progress = restore_training_state(self.resume_from, *parts)
         if self.env.is_main:
-            log.info(
-                "resumed from %s at step %d (epoch %d, batch %d)",
-                progress["path"],
-                progress["step"],
-                progress["epoch"],
-                progress["batch"],
-            )
+            where = (progress[key] for key in ("path", "step", "epoch", "batch"))
+            log.info("resumed from %s at step %d (epoch %d, batch %d)", *where)
         self.logger.truncate(progress["step"])
         return progress
 
