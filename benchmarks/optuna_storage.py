@@ -15,64 +15,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import shutil
 import socket
 import statistics
-import subprocess
-import tempfile
 import time
 import warnings
-from contextlib import contextmanager
-from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def local_postgres():
-    """initdb + pg_ctl start on 127.0.0.1 (as the postgres user when run as root: postgres refuses root)."""
-    bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
-    if not bins:
-        raise SystemExit("error: no PostgreSQL server binaries in /usr/lib/postgresql (apt-get install postgresql)")
-    bindir = bins[-1].parent
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    root = Path(tempfile.mkdtemp(prefix="lychee-pg-bench-"))
-    data = root / "data"
-    data.mkdir()
-    if as_user:
-        shutil.chown(root, "postgres")
-        shutil.chown(data, "postgres")
-    port = _free_port()
-
-    def run(*cmd: str) -> None:
-        subprocess.run([*as_user, *cmd], check=True, capture_output=True)
-
-    run(str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres")
-    run(
-        str(bindir / "pg_ctl"),
-        "-D",
-        str(data),
-        "-l",
-        str(root / "server.log"),
-        "-w",
-        "-o",
-        f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c max_connections=300",
-        "start",
-    )
-    try:
-        run(str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "optuna")
-        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/optuna", bindir.parent.name
-    finally:
-        subprocess.run(
-            [*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
-            check=False,
-            capture_output=True,
-        )
-        shutil.rmtree(root, ignore_errors=True)
+from lychee_exp.sweep.local_postgres import local_postgres, server_bindir
 
 
 def _worker(url: str, study_name: str, seconds: float, seed: int, out: mp.Queue) -> None:
@@ -153,8 +101,8 @@ def main() -> None:
     if args.url:
         run(args.url, "given URL")
     else:
-        with local_postgres() as (url, version):
-            run(url, f"local PostgreSQL {version}")
+        with local_postgres(max_connections=300) as url:
+            run(url, f"local PostgreSQL {server_bindir().parent.name}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from lychee_exp.report import build, headless_chromium
+from lychee_exp.sweep.results import CSV_COLUMNS
 
 HERE = Path(__file__).resolve().parent
 rng = random.Random(7)
@@ -112,38 +113,37 @@ def make_data(root: Path) -> None:
         (1e-4, 8, 0.695),
         (2e-4, 4, 0.684),
     ]
-    columns = [
-        "number",
-        "state",
-        "lr",
-        "per_device_batch_size",
-        "effective_batch_size",
-        "metric",
-        "duration_s",
-        "reason",
-        "speedup",
-        "scaling_efficiency",
-    ]
     rows = []
     for n, (lr, batch, ndcg) in enumerate(trials):
         m = write_run(sweep / str(n), gpus=4, batch=batch, lr=lr, ndcg=ndcg)
         rows.append(
-            [
-                n,
-                "COMPLETE",
-                lr,
-                batch,
-                4 * batch,
-                round(ndcg, 4),
-                round(m["train_time_s"] + 60, 1),
-                "",
-                round(m["speedup"], 3),
-                round(m["scaling_efficiency"], 3),
-            ]
+            {
+                "number": n,
+                "state": "COMPLETE",
+                "lr": lr,
+                "per_device_batch_size": batch,
+                "effective_batch_size": 4 * batch,
+                "metric": round(ndcg, 4),
+                "duration_s": round(m["train_time_s"] + 60, 1),
+                "speedup": round(m["speedup"], 3),
+                "scaling_efficiency": round(m["scaling_efficiency"], 3),
+            }
         )
-    rows.append([6, "FAIL", 4e-4, 16, 64, "", 38.2, "rank 2: CUDA out of memory", "", ""])
+    rows.append(
+        {
+            "number": 6,
+            "state": "FAIL",
+            "lr": 4e-4,
+            "per_device_batch_size": 16,
+            "effective_batch_size": 64,
+            "duration_s": 38.2,
+            "reason": "rank 2: CUDA out of memory",
+        }
+    )
     with (sweep / "trials.csv").open("w", newline="") as handle:
-        csv.writer(handle).writerows([columns, *rows])
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS, restval="")  # the sweeper's own columns
+        writer.writeheader()
+        writer.writerows(rows)
     summary = {
         "name": "lychee_optuna",
         "study_name": "lr_batch_4gpu",

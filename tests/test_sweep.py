@@ -9,12 +9,9 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +20,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from lychee_exp.sweep.local_postgres import local_postgres, server_bindir
 from lychee_exp.sweep.storage import (
     INTERRUPTED,
     RETRY_OF,
@@ -304,61 +302,14 @@ def test_a_live_workers_trial_is_left_alone_until_its_heartbeat_stops(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- many workers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def postgres_url():
     """A throwaway PostgreSQL server on localhost (as the postgres user when run as root)."""
-    bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
-    if not bins:
+    if server_bindir() is None:
         pytest.skip("PostgreSQL server binaries are not installed")
     pytest.importorskip("psycopg2")
-    bindir = bins[-1].parent
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    root = Path(tempfile.mkdtemp(prefix="lychee-pg-"))  # not under pytest's 0700 tmp: postgres must reach it
-    data = root / "data"
-    data.mkdir()
-    if as_user:
-        shutil.chown(root, "postgres")
-        shutil.chown(data, "postgres")
-    port = _free_port()
-    subprocess.run(
-        [*as_user, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
-        check=True,
-        capture_output=True,
-    )
-    subprocess.run(
-        [
-            *as_user,
-            str(bindir / "pg_ctl"),
-            "-D",
-            str(data),
-            "-l",
-            str(root / "server.log"),
-            "-w",
-            "-o",
-            f"-p {port} -k {root} -c listen_addresses=127.0.0.1",
-            "start",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    try:
-        subprocess.run(
-            [*as_user, str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "optuna"],
-            check=True,
-            capture_output=True,
-        )
-        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/optuna"
-    finally:
-        subprocess.run(
-            [*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"], capture_output=True
-        )
-        shutil.rmtree(root, ignore_errors=True)
+    with local_postgres() as url:
+        yield url
 
 
 @pytest.mark.slow
