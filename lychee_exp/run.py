@@ -128,13 +128,10 @@ def run(cfg: DictConfig) -> float:
     if is_main:
         write_json_atomic(metrics_path, metrics)
         if "ndcg@10" in metrics:
-            log.info(
-                "dev ndcg@10 %.4f (untrained %.4f, BM25 %.4f), mrr@10 %.4f",
-                metrics["ndcg@10"],
-                metrics.get("initial_ndcg@10", float("nan")),
-                metrics.get("bm25_ndcg@10", float("nan")),
-                metrics["mrr@10"],
-            )
+            # the references this run measured: untrained (eval_before_training), BM25, the dev file's teacher
+            names = {"initial_ndcg@10": "untrained", "bm25_ndcg@10": "BM25", "teacher_ndcg@10": "teacher"}
+            refs = ", ".join(f"{name} {metrics[key]:.4f}" for key, name in names.items() if key in metrics)
+            log.info("dev ndcg@10 %.4f (%s), mrr@10 %.4f", metrics["ndcg@10"], refs, metrics["mrr@10"])
         speedup_note = (
             (
                 f"; speedup {metrics['speedup']:.2f}x over {metrics['speedup_baseline']} (scaling "
