@@ -49,6 +49,20 @@ TINY_OVERRIDES = [
     "parallel.cpu_threads_per_rank=1",  # parallel=single on CPU would take every core
 ]
 
+# The tiny Lychee model on several ranks (DDP, torchrun, SLURM, sweep trials), fp32: seconds per run.
+TINY_RANKS = [
+    "model=tiny_lychee",
+    "data.max_train_queries=16",
+    "data.max_dev_queries=6",
+    "data.train_group_size=4",
+    "trainer.max_steps=4",
+    "trainer.log_every=1",
+    "trainer.progress_bar=false",
+    "trainer.precision=fp32",
+    "optimizer.lr_scaling=none",
+    "logger=csv",
+]
+
 torch.set_num_threads(1)
 
 

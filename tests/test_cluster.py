@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_RANKS
 
 from lychee_exp.cluster import expand_nodelist, is_main_process, slurm_nodes
 from lychee_exp.devices import available_cores
@@ -24,19 +25,10 @@ from lychee_exp.jobs import run_job
 REPO = Path(__file__).resolve().parent.parent
 # The tiny Lychee model, fp32, as tests/test_ddp.py: 2 ranks x batch 2 on any launch path must agree.
 TINY_MULTI = [
-    "model=tiny_lychee",
-    "data.max_train_queries=16",
-    "data.max_dev_queries=6",
-    "data.train_group_size=4",
+    *TINY_RANKS,
     "data.random_negatives=0",
     "data.batch_size=2",
-    "trainer.max_steps=4",
-    "trainer.log_every=1",
-    "trainer.progress_bar=false",
-    "trainer.precision=fp32",
     "optimizer.lr=1e-3",
-    "optimizer.lr_scaling=none",
-    "logger=csv",
     "trainer.save_model=false",
 ]
 

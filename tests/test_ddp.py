@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_RANKS
 from safetensors.torch import load_file
 
 from lychee_exp.devices import plan_devices
@@ -22,17 +23,8 @@ from lychee_exp.jobs import run_job
 
 # Tiny Lychee path, fp32, no dropout: one process with batch 2b and 2 ranks with batch b must agree.
 TINY_DDP = [
-    "model=tiny_lychee",
-    "data.max_train_queries=16",
-    "data.max_dev_queries=6",
-    "data.train_group_size=4",
-    "trainer.max_steps=4",
-    "trainer.log_every=1",
-    "trainer.progress_bar=false",
-    "trainer.precision=fp32",
+    *TINY_RANKS,
     "optimizer.lr=1e-3",
-    "optimizer.lr_scaling=none",
-    "logger=csv",
     # no single-device calibration: it would run (and fire LYCHEE_FAULT) in the launching process
     "speedup.calibrate=false",
 ]

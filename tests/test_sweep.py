@@ -18,6 +18,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
+from conftest import TINY_RANKS
 from optuna.trial import TrialState
 
 from lychee_exp.sweep.local_postgres import local_postgres, server_bindir
@@ -32,20 +33,7 @@ from lychee_exp.sweep.storage import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = [
-    "model=tiny_lychee",
-    "data.max_train_queries=16",
-    "data.max_dev_queries=6",
-    "data.train_group_size=4",
-    "trainer.max_steps=4",
-    "trainer.log_every=1",
-    "trainer.progress_bar=false",
-    "trainer.precision=fp32",
-    "trainer.save_model=false",
-    "logger=csv",
-    "optimizer.lr_scaling=none",
-    "data.batch_size=choice(1,2)",
-]
+TINY = [*TINY_RANKS, "trainer.save_model=false", "data.batch_size=choice(1,2)"]
 SINGLE = ["parallel=single", "gpus=1"]
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
