@@ -54,6 +54,23 @@ def _env(**extra: str) -> dict:
     return {**env, "HYDRA_FULL_ERROR": "0", **extra}
 
 
+def _start_until_step_2(args: list[str], cwd: Path, rank0_logs: str, timeout_s: float) -> subprocess.Popen:
+    """`python -m lychee_exp.run <args>`, returned once rank 0's log (the glob under cwd) shows step 2."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lychee_exp.run", *args],
+        cwd=cwd,
+        env=_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + timeout_s
+    while not any("step 2/" in p.read_text() for p in cwd.glob(rank0_logs)):
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    return proc
+
+
 def _slurm_node(node: int, port: int, args: list[str], cwd: Path) -> subprocess.Popen:
     """One task of a faked 2-node SLURM step: the variables srun would set, both "hosts" being 127.0.0.1."""
     env = _env(
@@ -247,18 +264,7 @@ def test_signal_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
         "speedup.calibrate=false",
         f"hydra.run.dir={run_dir}",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lychee_exp.run", *args],
-        cwd=tmp_path,
-        env=_env(),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 180
-    while not any("step 2/" in p.read_text() for p in run_dir.glob("logs/**/0/stderr.log")):
-        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-        time.sleep(0.2)
+    proc = _start_until_step_2(args, tmp_path, "run/logs/**/0/stderr.log", timeout_s=180)
     proc.send_signal(signal.SIGUSR2)  # what SLURM/submitit send before the time limit or on preemption
     out, _ = proc.communicate(timeout=120)
     errors = [line for line in out.splitlines() if "error:" in line]
@@ -286,30 +292,17 @@ def test_slurm_local_job_is_requeued_and_finishes_the_same_run(tmp_path):
     psutil = pytest.importorskip("psutil")
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep = tmp_path / "sweep"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "lychee_exp.run",
-            "-m",
-            "hydra/launcher=slurm_local",
-            *TINY_MULTI,
-            "parallel=ddp",
-            "gpus=2",
-            "trainer.max_steps=60",
-            "speedup.calibrate=false",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        cwd=tmp_path,
-        env=_env(),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 240
-    while not any("step 2/" in p.read_text() for p in sweep.glob("0/logs/**/0/stderr.log")):
-        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-        time.sleep(0.2)
+    args = [
+        "-m",
+        "hydra/launcher=slurm_local",
+        *TINY_MULTI,
+        "parallel=ddp",
+        "gpus=2",
+        "trainer.max_steps=60",
+        "speedup.calibrate=false",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    proc = _start_until_step_2(args, tmp_path, "sweep/0/logs/**/0/stderr.log", timeout_s=240)
     [controller] = [int(p.name) for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]
     [task] = [c for c in psutil.Process(controller).children() if "submitit.core._submit" in " ".join(c.cmdline())]
     task.send_signal(signal.SIGUSR2)
