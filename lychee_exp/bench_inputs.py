@@ -17,16 +17,18 @@ from lychee_exp.peers import Step
 def build_steps(overrides: list[str], out: Path, count: int):
     """(run config, prompt encoder, reranker, `count` steps of token ids + labels + text pairs)."""
     from lychee_exp.config import to_run_config
-    from lychee_exp.data import GroupCollator, ResumableSampler, TrainGroups, load_queries
+    from lychee_exp.data import GroupCollator, ResumableSampler, TrainGroups
+    from lychee_exp.inputs import load_inputs
     from lychee_exp.jobs import compose_job
-    from lychee_exp.model import build_encoder, load_reranker, load_tokenizer
+    from lychee_exp.model import load_reranker
 
     cfg = to_run_config(compose_job(overrides, out))
-    tokenizer = load_tokenizer(cfg.model)
-    encoder = build_encoder(cfg.model, tokenizer)
+    inputs = load_inputs(cfg)  # what a lychee_exp run reads: the same queries, tokenizer and prompt encoder
+    tokenizer, encoder = inputs.tokenizer, inputs.encoder
     instruction = cfg.data.instruction or cfg.model.prompt.default_instruction
-    queries = load_queries(cfg.data.train_file, "data.train_file", cfg.data.max_train_queries)
-    groups = TrainGroups(queries, cfg.data.train_group_size, instruction, cfg.seed, cfg.data.random_negatives)
+    groups = TrainGroups(
+        inputs.train_queries, cfg.data.train_group_size, instruction, cfg.seed, cfg.data.random_negatives
+    )
     sampler = ResumableSampler(groups, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed, drop_last=True)
     sampler.set_epoch(0)
     order, batch = list(sampler), cfg.data.batch_size
