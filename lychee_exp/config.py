@@ -162,6 +162,9 @@ class ParallelConfig:
     find_unused_parameters: bool = False
     timeout_s: int = at_least(1, 1800)  # collective timeout; dev evaluation must finish within it
     cpu_threads_per_rank: int = at_least(0, 0)  # CPU ranks: torch threads each; 0 = an equal share of the cores
+    # in a -m sweep whose trials run in the sweep's own process: DDP ranks stay alive from one trial to the next
+    # (fresh model, optimizer, data order, seeds and logger per trial; new ranks after a failed trial)
+    warm_ranks: bool = True
 
 
 @dataclass

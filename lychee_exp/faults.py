@@ -1,5 +1,6 @@
-"""Fault injection for the tests of failure handling: LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang|oom> makes that
-rank fail right after that optimizer step (oom: as a CUDA out-of-memory error would).
+"""Fault injection for the tests of failure handling: LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang|oom>[:<trial>]
+makes that rank fail right after that optimizer step (oom: as a CUDA out-of-memory error would); with a trial
+number, only in that sweep trial (the sweep's other trials run normally).
 
 The trainer asks `fault_hook` once at setup; without LYCHEE_FAULT (always, outside tests) it gets None and its
 loop calls nothing."""
@@ -15,13 +16,13 @@ from typing import Callable
 import torch
 
 
-def fault_hook(rank: int) -> Callable[[int], None] | None:
+def fault_hook(rank: int, trial_number: int = -1) -> Callable[[int], None] | None:
     """A per-step callback that fires this rank's injected fault, or None when no fault targets this rank."""
     spec = os.environ.get("LYCHEE_FAULT")
     if not spec:
         return None
-    fault_rank, fault_step, action = spec.split(":")
-    if int(fault_rank) != rank:
+    fault_rank, fault_step, action, *trial = spec.split(":")
+    if int(fault_rank) != rank or (trial and int(trial[0]) != trial_number):
         return None
 
     def after_step(step: int) -> None:

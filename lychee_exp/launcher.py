@@ -2,7 +2,9 @@
 
 - single / dp: in the Hydra process itself, reusing the inputs that preflight read (`train_in_process`,
   which the speedup calibration uses too).
-- ddp: fresh worker processes per run, started with torch's elastic launcher (the API behind torchrun):
+- ddp in a sweep whose trials run in the sweep worker's process: warm ranks (lychee_exp.warm_ranks), kept
+  alive from one trial to the next; each trial builds its own model, optimizer, data order, seeds and logger.
+- ddp otherwise: fresh worker processes per run, started with torch's elastic launcher (the API behind torchrun):
   c10d rendezvous on 127.0.0.1 with a free port (two runs can share a machine), per-rank logs in
   <run>/logs, and no restarts unless asked. Workers get the resolved config as a plain dict: Hydra's state
   does not exist in child processes. A failing, OOM-ing or killed rank makes the agent stop the others at once.
@@ -13,17 +15,17 @@
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
 import shutil
 import signal
 import sys
-import time
+import traceback
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -38,35 +40,50 @@ from lychee_exp.distributed import DistEnv
 from lychee_exp.errors import RunFailed, TrainingDiverged
 from lychee_exp.inputs import RunInputs
 from lychee_exp.preemption import PreemptionWatch, install_rank_handler
+from lychee_exp.rank_failures import (
+    FAILURE_NOTES,
+    collateral,
+    failure_kind,
+    first_cause,
+    lost_nodes,
+    note_failure,
+    with_notes,
+)
+from lychee_exp.throughput import reset_peak_memory
 from lychee_exp.train import run_training
+from lychee_exp.warm_ranks import RankSetup, RanksFailed, die_with_parent, one_line, warm_ranks
 
 log = logging.getLogger(__name__)
 
 
-def failure_kind(message: str) -> str:
-    if "TrainingDiverged" in message or "loss is nan" in message or "loss is inf" in message:
-        return "diverged"
-    if "out of memory" in message.lower() or "OutOfMemoryError" in message:
-        return "oom"
-    return "crashed"
-
-
 def launch(
-    cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None = None, inputs: RunInputs | None = None
+    cfg: RunConfig,
+    plan: DevicePlan,
+    output_dir: Path,
+    log_file: str | None = None,
+    inputs: RunInputs | None = None,
+    keep_ranks: bool = False,
 ) -> dict:
+    """keep_ranks: DDP ranks may outlive this run, for the next one in this process (a sweep's trials)."""
     with PreemptionWatch(output_dir) as watch:
-        metrics = _launch(cfg, plan, output_dir, log_file, inputs)
+        metrics = _launch(cfg, plan, output_dir, log_file, inputs, keep_ranks)
     if "preempted_at_step" in metrics:
         watch.hand_over(metrics["preempted_at_step"])  # submitit requeues the job (and exits), else Preempted
     return metrics
 
 
-def _launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None, inputs: RunInputs | None) -> dict:
+def _launch(
+    cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None, inputs: RunInputs | None, keep_ranks: bool
+) -> dict:
     if plan.strategy != "ddp":
         return train_in_process(cfg, plan, output_dir, inputs)
     if under_torchrun():
         return _as_rank(cfg, plan, output_dir, inputs)
-    return _elastic_launch(cfg, plan, output_dir, log_file, slurm_nodes())
+    nodes = slurm_nodes()
+    # warm ranks cannot restart (max_restarts) or span nodes: those runs get the elastic agent
+    if keep_ranks and cfg.parallel.warm_ranks and cfg.parallel.max_restarts == 0 and nodes is None:
+        return _warm_launch(cfg, plan, output_dir, log_file)
+    return _elastic_launch(cfg, plan, output_dir, log_file, nodes)
 
 
 def train_in_process(cfg: RunConfig, plan: DevicePlan, output_dir: Path, inputs: RunInputs | None = None) -> dict:
@@ -123,62 +140,105 @@ def _elastic_launch(
             raise KeyboardInterrupt from None
         raise SystemExit(128 + int(err.sigval)) from None
     except ChildFailedError as err:
-        rank, message = _root_cause(err.failures, output_dir / FAILURE_NOTES)
+        rank, message = first_cause(with_notes(_agent_view(err.failures), output_dir / FAILURE_NOTES))
         logs = sorted(log_dir.glob(f"**/attempt_*/{rank}/stderr.log"))
         where = f" (log: {logs[-1]})" if logs else ""
-        if nodes and _collateral(message):
-            raise RunFailed(_lost_nodes(nodes, output_dir / FAILURE_NOTES, rank, message) + where, "crashed") from None
+        if nodes and collateral(message):
+            raise RunFailed(lost_nodes(nodes, output_dir / FAILURE_NOTES, rank, message) + where, "crashed") from None
         raise RunFailed(f"rank {rank} failed: {message}{where}", failure_kind(message)) from None
     return results[min(results)]  # rank 0's metrics (every rank returns the same; other nodes lack rank 0)
 
 
-# Errors that ranks report because ANOTHER rank died (its sockets closed, or the agent stopped them).
-_COLLATERAL = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "SIGTERM",
-    "NCCL",
-    "gloo",
-    "Gloo",
-    "ProcessGroup",
-)
-
-
-def _root_cause(failures: dict, notes: Path) -> tuple[int, str]:
-    """The failure to report: the earliest one that is not a consequence of another rank's failure. The ranks'
-    own notes (written as they fail) come first; the agent's view (which exits it saw) fills the gaps, e.g. a
-    rank killed by a signal writes no note."""
+def _agent_view(failures: dict) -> dict[int, tuple[float, str]]:
+    """What the elastic agent saw of each failed rank: when it ended, and its last error line or exit code."""
     described = {}
     for rank, failure in failures.items():
         message = failure.message  # a dict when the worker's @record wrote an error file
         message = str(message.get("message", message) if isinstance(message, dict) else message).strip()
         message = message.splitlines()[-1] if message else f"exit code {failure.exitcode}"
         described[rank] = (float(failure.timestamp), message)
-    for note in notes.glob("rank*.txt"):
-        stamp, _, message = note.read_text().strip().partition("\t")
-        described[int(note.stem[len("rank") :])] = (float(stamp), message)
-    ranked = sorted((_collateral(message), stamp, rank, message) for rank, (stamp, message) in described.items())
-    _, _, rank, message = ranked[0]
-    return rank, message
+    return described
 
 
-def _collateral(message: str) -> bool:
-    return any(m in message for m in _COLLATERAL)
+# ----------------------------------------------------------------------------------------------- warm ranks
+WARM_LOGS = "logs/warm"
 
 
-def _lost_nodes(nodes: NodeSpec, notes: Path, rank: int, message: str) -> str:
-    """The one line for a rank that lost its peers: the nodes whose ranks left no failure note are the ones
-    that went away (killed, preempted, or cut off)."""
-    noted = {int(p.stem[len("node") :]) for p in notes.glob("node*")}
-    lost = [nodes.node_name(k) for k in range(nodes.nnodes) if k != nodes.node_rank and k not in noted]
-    return (
-        f"lost {', '.join(lost) or 'another node'}: rank {rank} on {nodes.node_name(nodes.node_rank)} failed: {message}"
+def _warm_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None) -> dict:
+    setup = RankSetup(
+        plan.num_devices, plan.device_type, plan.threads_per_rank, cfg.parallel.backend, cfg.parallel.timeout_s
     )
+    environ = {k: v for k, v in os.environ.items() if k.startswith(_PASSED_ENV)}
+    try:
+        ranks, reused = warm_ranks(setup, _warm_init, _warm_job)
+        kept = "warm ranks of an earlier trial" if reused else "warm ranks, kept for the next trial"
+        log.info("%s (%s)", plan.describe(), kept)
+        results = ranks.run(plain_dict(cfg), str(output_dir), log_file, environ)
+    except RanksFailed as err:
+        rank, message = first_cause(err.failures)
+        rank_log = output_dir / WARM_LOGS / str(rank) / "stderr.log"
+        where = f" (log: {rank_log})" if rank_log.exists() else ""
+        raise RunFailed(f"rank {rank} failed: {message}{where}", failure_kind(message)) from None
+    return {**results[0], "warm_ranks": reused}
 
 
+# what a trial's environment may change for its ranks: fault injection in tests, the study's storage, W&B's
+_PASSED_ENV = ("LYCHEE_", "WANDB_")
+
+
+def _warm_init(setup: RankSetup) -> DistEnv:
+    """Once per warm rank: threads and the process group."""
+    if setup.device_type == "cpu":
+        torch.set_num_threads(setup.threads)
+    return init_distributed(setup.device_type, setup.backend, setup.timeout_s)
+
+
+_console: TextIO | None = None  # a warm rank's own stderr (the sweep's console), kept before the first redirect
+
+
+def _redirect_output(rank_log: Path) -> TextIO:
+    """Everything this rank prints goes to the trial's rank log (as the elastic agent's redirects do); returns
+    the console, where rank 0 keeps logging the trial's story (as the agent's tee does)."""
+    global _console
+    if _console is None:
+        _console = os.fdopen(os.dup(2), "w", buffering=1)
+    rank_log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(rank_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return _console
+
+
+def _warm_job(env: DistEnv, payload: dict, output_dir: str, log_file: str | None, environ: dict) -> dict:
+    """One trial on a warm rank. Everything the trial owns is built here (run_training seeds, builds the model,
+    optimizer, data order and logger); the logs go to <run>/logs/warm/<rank>/stderr.log."""
+    for key in [k for k in os.environ if k.startswith(_PASSED_ENV) and k not in environ]:
+        del os.environ[key]
+    os.environ.update(environ)
+    run_dir = Path(output_dir)
+    rank_log = run_dir / WARM_LOGS / str(env.rank) / "stderr.log"
+    console = _redirect_output(rank_log)
+    _configure_worker_logging(env.rank, log_file, console if env.is_main else None)
+    install_rank_handler(run_dir)
+    reset_peak_memory(env.device)
+    cfg = to_run_config(payload)
+    plan = DevicePlan("ddp", env.device.type, env.world_size, torch.get_num_threads())
+    try:
+        return run_training(cfg, env, plan, run_dir)
+    except BaseException:
+        traceback.print_exc()  # into the rank log; the sweep gets one line
+        raise
+    finally:
+        if env.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------------------------- ranks of one run
 def _as_rank(cfg: RunConfig, plan: DevicePlan, output_dir: Path, inputs: RunInputs | None) -> dict:
-    _die_with_parent()  # torchrun's agent killed: its ranks must not train on as orphans
+    die_with_parent()  # torchrun's agent killed: its ranks must not train on as orphans
     install_rank_handler(output_dir)
     if plan.device_type == "cpu":
         torch.set_num_threads(plan.threads_per_rank)
@@ -208,14 +268,16 @@ def _quiet_non_main_logging() -> None:
     logging.getLogger().setLevel(logging.WARNING)
 
 
-def _configure_worker_logging(rank: int, log_file: str | None) -> None:
+def _configure_worker_logging(rank: int, log_file: str | None, console: TextIO | None = None) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if rank == 0 and log_file:
         handlers.append(logging.FileHandler(log_file))  # rank 0 continues the Hydra job's log
+    if console:
+        handlers.append(logging.StreamHandler(console))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         handlers=handlers,
-        force=True,
+        force=True,  # a warm rank's next trial replaces the last one's files
         format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s",
     )
 
@@ -225,17 +287,8 @@ def worker(payload: dict, output_dir: str, threads: int, device_type: str, log_f
     return record(_worker)(payload, output_dir, threads, device_type, log_file)
 
 
-def _die_with_parent() -> None:
-    """If the launching process is killed (SIGKILL, OOM killer), its ranks must not train on as orphans."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the parent died before prctl took effect
-            os._exit(1)
-
-
 def _worker(payload: dict, output_dir: str, threads: int, device_type: str, log_file: str | None) -> dict:
-    _die_with_parent()
+    die_with_parent()
     install_rank_handler(Path(output_dir))
     rank = int(os.environ["RANK"])
     _configure_worker_logging(rank, log_file)
@@ -247,20 +300,7 @@ def _worker(payload: dict, output_dir: str, threads: int, device_type: str, log_
     try:
         result = run_training(cfg, env, plan, Path(output_dir))
     except BaseException as err:
-        _note_failure(Path(output_dir), rank, err)
+        note_failure(Path(output_dir), rank, one_line(err))
         raise  # no destroy_process_group: with a peer gone it can block, and this process ends anyway
     dist.destroy_process_group()
     return result
-
-
-FAILURE_NOTES = "logs/failures"
-
-
-def _note_failure(output_dir: Path, rank: int, err: BaseException) -> None:
-    """Each failing rank writes when and why at once, before any teardown: the launcher then names the rank
-    that failed first, not one that the agent happened to see exit first."""
-    notes = output_dir / FAILURE_NOTES
-    notes.mkdir(parents=True, exist_ok=True)
-    message = (f"{type(err).__name__}: {err}".strip().splitlines() or [type(err).__name__])[-1]
-    (notes / f"rank{rank}.txt").write_text(f"{time.time():.6f}\t{message}\n")
-    (notes / f"node{os.environ.get('SLURM_NODEID', '0')}").touch()  # this node was alive to write a note

@@ -113,7 +113,7 @@ def run(cfg: DictConfig) -> float:
         run_cfg = dataclasses.replace(
             run_cfg, speedup=dataclasses.replace(run_cfg.speedup, baseline_samples_per_s=baseline)
         )
-    metrics = launch(run_cfg, plan, output_dir, _job_log_file(), inputs)
+    metrics = launch(run_cfg, plan, output_dir, _job_log_file(), inputs, keep_ranks=_trials_run_here())
     metrics["optimized_metric"] = str(run_cfg.optimized_metric)
     if is_main and plan.num_devices == 1 and plan.strategy != "dp" and not launched_externally():
         store_baseline(run_cfg, plan, metrics["train_samples_per_s"], f"run {output_dir}")
@@ -155,6 +155,12 @@ def run(cfg: DictConfig) -> float:
 
 def _in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _trials_run_here() -> bool:
+    """A sweep whose trials run one after another in this process (Hydra's basic launcher): the DDP ranks of
+    one trial can serve the next. Under submitit each trial is a job of its own, and its ranks end with it."""
+    return _in_sweep() and str(HydraConfig.get().launcher.get("_target_", "")).endswith(".BasicLauncher")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

@@ -4,8 +4,10 @@ out of memory (peak memory per rank), no speedup (share of step time waiting for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
+from pathlib import Path
 
 import torch
 
@@ -71,9 +73,23 @@ def setup_facts(
 
 
 def peak_memory_mb(device: torch.device) -> float:
+    """Peak since this process started, or since the last reset_peak_memory (a warm rank's trial)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    try:  # VmHWM: the peak resident set, which reset_peak_memory can reset (ru_maxrss cannot be)
+        status = Path("/proc/self/status").read_text()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: a process that runs several jobs reports each job's own."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM to the current resident set
 
 
 def summarize(per_rank: list[dict]) -> dict:

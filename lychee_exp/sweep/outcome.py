@@ -30,6 +30,7 @@ KEPT_METRICS = (
     "train_time_s",
     "eval_time_s",
     "stopped_early",
+    "warm_ranks",
     "speedup",
     "scaling_efficiency",
 )

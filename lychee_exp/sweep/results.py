@@ -36,6 +36,8 @@ CSV_COLUMNS = [
     "steps",
     "train_time_s",
     "eval_time_s",
+    "overhead_s",
+    "warm_ranks",
     "speedup",
     "scaling_efficiency",
     "run_dir",
@@ -123,10 +125,18 @@ def _table(trials: list) -> str:
             "reason": t.user_attrs.get(REASON, ""),
             "run_dir": t.user_attrs.get(RUN_DIR, ""),
         }
-        for key in ("steps", "train_time_s", "eval_time_s", "speedup", "scaling_efficiency"):
+        for key in ("steps", "train_time_s", "eval_time_s", "warm_ranks", "speedup", "scaling_efficiency"):
             row[key] = m.get(key, "")
+        row["overhead_s"] = _overhead(duration, m)
         writer.writerow([*(row[c] for c in CSV_COLUMNS), *(t.params.get(k, "") for k in other)])
     return out.getvalue()
+
+
+def _overhead(duration: float | str, metrics: dict) -> str:
+    """What the trial spent outside training and evaluation: starting ranks, loading, saving, the sweep's books."""
+    if duration == "" or "train_time_s" not in metrics or "eval_time_s" not in metrics:
+        return ""
+    return f"{duration - metrics['train_time_s'] - metrics['eval_time_s']:.2f}"
 
 
 def _write_plots(study: Any, sweep_dir: Path) -> None:

@@ -1,0 +1,258 @@
+"""Warm ranks: DDP ranks that a sweep worker keeps from one trial to the next.
+
+The pool itself (lychee_exp.warm_ranks) on small jobs: the same processes serve several jobs; a job that fails,
+dies or hangs on one rank ends every rank, with each rank's reason, and the next job gets new ones. Then real
+sweeps of the tiny model on 2 CPU ranks: warm trials equal fresh-process trials, and a failed trial (raise,
+OOM, SIGKILL) is followed by a trial on new ranks.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import TINY_RANKS
+from optuna.trial import TrialState
+
+from lychee_exp.config import to_run_config
+from lychee_exp.inputs import load_inputs
+from lychee_exp.resources import resolve_path
+from lychee_exp.warm_ranks import RankSetup, RanksFailed, WarmRanks, close_warm_ranks, warm_ranks
+
+SETUP = RankSetup(world_size=2, device_type="cpu", threads=1, backend="gloo", timeout_s=20)
+
+
+# Module level, so that spawned ranks can import them.
+def form_group(setup: RankSetup) -> int:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=setup.timeout_s))
+    return dist.get_rank()
+
+
+def summed(rank: int, value: float, fault: str = "", fault_rank: int = 1) -> dict:
+    """All-reduces value over the ranks; `fault` makes fault_rank raise, die or hang first."""
+    if rank == fault_rank and fault == "raise":
+        raise ValueError(f"bad value on rank {rank}")
+    if rank == fault_rank and fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == fault_rank and fault == "hang":
+        time.sleep(3600)
+    total = torch.tensor([value])
+    dist.all_reduce(total)
+    return {"rank": rank, "pid": os.getpid(), "sum": total.item()}
+
+
+def never_forms(setup: RankSetup) -> None:
+    raise RuntimeError("no network here")
+
+
+@pytest.fixture
+def pool():
+    ranks = WarmRanks(SETUP, form_group, summed)
+    yield ranks
+    ranks.close(kill=True)
+
+
+def test_the_same_processes_serve_every_job(pool):
+    pool.start()
+    first = pool.run(1.5)
+    second = pool.run(2.0)
+    assert [r["sum"] for r in first] == [3.0, 3.0] and [r["sum"] for r in second] == [4.0, 4.0]
+    assert [r["rank"] for r in first] == [0, 1]
+    assert [r["pid"] for r in first] == [r["pid"] for r in second] == [p.pid for p in pool.processes]
+    pool.close()
+    assert pool.processes == [] and not pool.alive
+
+
+@pytest.mark.parametrize(
+    "fault, expected",
+    [("raise", "ValueError: bad value on rank 1"), ("kill", "the process killed by SIGKILL")],
+)
+def test_a_failing_rank_ends_every_rank(pool, fault, expected):
+    pool.start()
+    processes = list(pool.processes)
+    started = time.monotonic()
+    with pytest.raises(RanksFailed) as failed:
+        pool.run(1.0, fault)
+    assert time.monotonic() - started < 15
+    assert failed.value.failures[1][1] == expected
+    assert not any(p.is_alive() for p in processes) and not pool.alive
+
+
+def test_a_hanging_rank_is_ended_after_its_peer_times_out(pool):
+    """Rank 1 sleeps; rank 0 waits in the all-reduce until the collective timeout, fails, and both end."""
+    pool.setup = RankSetup(2, "cpu", 1, "gloo", timeout_s=3)
+    pool.start()
+    started = time.monotonic()
+    with pytest.raises(RanksFailed) as failed:
+        pool.run(1.0, "hang")
+    assert 3 <= time.monotonic() - started < 20
+    assert set(failed.value.failures) == {0}  # rank 1 said nothing: it was killed after rank 0's failure
+    assert not pool.alive
+
+
+def test_ranks_that_cannot_form_their_group_fail_at_start():
+    ranks = WarmRanks(SETUP, never_forms, summed)
+    with pytest.raises(RanksFailed, match="no network here"):
+        ranks.start()
+    ranks.close(kill=True)
+
+
+def test_the_process_keeps_ranks_while_they_fit_and_renews_them_after_a_failure():
+    try:
+        ranks, reused = warm_ranks(SETUP, form_group, summed)
+        pids = [r["pid"] for r in ranks.run(1.0)]
+        again, reused_again = warm_ranks(SETUP, form_group, summed)
+        assert (reused, reused_again) == (False, True) and again is ranks
+        with pytest.raises(RanksFailed):
+            again.run(1.0, "raise")
+        fresh, reused_fresh = warm_ranks(SETUP, form_group, summed)
+        assert not reused_fresh and not set(pids) & {r["pid"] for r in fresh.run(1.0)}
+        other, reused_other = warm_ranks(RankSetup(2, "cpu", 1, "gloo", 30), form_group, summed)
+        assert not reused_other and not fresh.alive  # another setup: the old ranks are closed first
+    finally:
+        close_warm_ranks()
+
+
+def test_inputs_are_read_again_only_when_their_source_changes(tmp_path, compose_cfg):
+    """A sweep worker (or a warm rank) reads data and tokenizer once, and again when a file or setting changes."""
+    base = ["model=tiny_lychee", "data.train_group_size=4"]
+    cfg = to_run_config(compose_cfg(base, tmp_path))
+    first = load_inputs(cfg)
+    assert load_inputs(cfg) is first
+    assert load_inputs(to_run_config(compose_cfg([*base, "data.batch_size=1"], tmp_path))) is first  # not read
+    lines = resolve_path(cfg.data.train_file, "data.train_file").read_text().splitlines(keepends=True)
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(lines))
+    moved = to_run_config(compose_cfg([*base, f"data.train_file={train}"], tmp_path))
+    copy = load_inputs(moved)
+    assert copy is not first and len(copy.train_queries) == len(first.train_queries)
+    assert load_inputs(moved) is copy
+    train.write_text("".join(lines[:5]))  # the file rewritten between two jobs: read again
+    assert len(load_inputs(moved).train_queries) == 5
+
+
+# ------------------------------------------------------------------------------------------ real sweeps
+SWEEP = [
+    *TINY_RANKS,
+    "parallel=ddp",
+    "gpus=2",
+    "trainer.save_model=false",
+    "speedup.calibrate=false",
+    "hydra.sweeper.heartbeat_interval=1",
+    "hydra.sweeper.pruner._target_=optuna.pruners.NopPruner",
+    "~hydra.sweeper.pruner.n_startup_trials",
+    "~hydra.sweeper.pruner.n_warmup_steps",
+]
+
+
+def _sweep(sweep_dir: Path, *args: str, env: dict | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
+    environ = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
+    environ.pop("LYCHEE_FAULT", None)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lychee_exp.run",
+            "-m",
+            "hparams_search=lr_batch",
+            *SWEEP,
+            f"hydra.sweep.dir={sweep_dir}",
+            *args,
+        ],
+        cwd=sweep_dir.parent,
+        env={**environ, **(env or {})},
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
+
+
+def _rows(sweep_dir: Path) -> list[dict]:
+    with (sweep_dir / "trials.csv").open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def _metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+OUTCOME = ("ndcg@10", "mrr@10", "train_loss", "initial_ndcg@10", "steps", "effective_batch_size")
+
+
+@pytest.mark.slow
+def test_warm_trials_equal_fresh_process_trials(tmp_path):
+    """Three of the four (lr, batch) points, in the sampler's seeded order, on warm ranks and on fresh ranks
+    per trial: the same metrics, and the warm sweep's later trials ran on the first one's ranks."""
+    args = [
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
+        "optimizer.lr=choice(0.001,0.0003)",
+        "data.batch_size=choice(1,2)",
+    ]
+    warm, fresh = tmp_path / "warm", tmp_path / "fresh"
+    for proc in (_sweep(warm, *args), _sweep(fresh, *args, "parallel.warm_ranks=false")):
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    for number in range(3):
+        w, f = _metrics(warm / str(number)), _metrics(fresh / str(number))
+        assert w["base_lr"] == f["base_lr"] and w["per_device_batch_size"] == f["per_device_batch_size"]
+        assert {k: w[k] for k in OUTCOME} == pytest.approx({k: f[k] for k in OUTCOME}, abs=1e-6), number
+        assert w["warm_ranks"] == (number > 0) and "warm_ranks" not in f
+        assert (warm / str(number) / "logs" / "warm" / "1" / "stderr.log").is_file()
+    assert {_metrics(warm / str(n))["per_device_batch_size"] for n in range(3)} == {1, 2}  # shapes changed
+    rows = _rows(warm)
+    assert [r["warm_ranks"] for r in rows] == ["False", "True", "True"]
+    for row in rows:  # duration = training + evaluation + overhead
+        parts = float(row["train_time_s"]) + float(row["eval_time_s"]) + float(row["overhead_s"])
+        assert parts == pytest.approx(float(row["duration_s"]), abs=0.06)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, reason", [("raise", "crashed: rank 1 failed: RuntimeError"), ("kill", "SIGKILL")])
+def test_a_failed_trial_is_followed_by_fresh_ranks(tmp_path, fault, reason):
+    """LYCHEE_FAULT fires on rank 1 in trial 1 only: that trial fails with one reason, the sweep goes on,
+    and trial 2 starts new ranks; trials 0 and 2 are complete."""
+    sweep = tmp_path / "sweep"
+    proc = _sweep(
+        sweep,
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.max_failure_rate=0.5",
+        "data.batch_size=2",
+        env={"LYCHEE_FAULT": f"1:2:{fault}:1"},
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    study = optuna.load_study(study_name="lr_batch", storage=f"sqlite:///{sweep / 'optuna.db'}")
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
+    assert reason in study.trials[1].user_attrs["fail_reason"]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert [_metrics(sweep / str(n))["warm_ranks"] for n in (0, 2)] == [False, False]
+    if fault == "raise":
+        assert "RuntimeError: injected fault" in (sweep / "1" / "logs" / "warm" / "1" / "stderr.log").read_text()
+
+
+@pytest.mark.slow
+def test_an_oom_trial_retries_on_fresh_ranks(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _sweep(
+        sweep,
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.max_failure_rate=0.5",
+        "data.batch_size=2",
+        env={"LYCHEE_FAULT": "0:1:oom:0"},  # trial 0 and its retry run out of memory at step 1
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    study = optuna.load_study(study_name="lr_batch", storage=f"sqlite:///{sweep / 'optuna.db'}")
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.COMPLETE]
+    assert study.trials[0].user_attrs["fail_reason"].startswith("oom: rank 0 failed")
+    assert study.trials[0].user_attrs["oom_retry"] == {"batch_size": 1, "grad_accum_steps": 2}
+    assert _metrics(sweep / "1")["warm_ranks"] is False
