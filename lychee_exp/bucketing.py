@@ -1,4 +1,5 @@
-"""Length-bucketed batches: queries whose prompts have similar lengths train together, so batches pad less.
+"""Length-bucketed batches: queries whose prompts have similar lengths train together, so batches pad less;
+and length chunks: within a batch, pairs of similar length go through the model together (Reranker.forward).
 
 The order of an epoch is a function of (seed, epoch) and the step window (queries per optimizer step across all
 devices) only: shuffle every query, sort pools of `bucket_pool_batches` windows by prompt length, cut them into
@@ -97,3 +98,17 @@ def train_sampler(
     if not bucket:
         return ResumableSampler(groups, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
     return LengthBucketSampler(groups, PromptLengths(groups, encoder), window, pool_windows, world_size, rank, seed)
+
+
+def length_chunks(lengths: list[int], chunks: int) -> list[tuple[list[int], int]]:
+    """A batch's rows (by their real lengths) in `chunks` groups of equal size and similar length, each with its
+    width (its longest row): forwarded apart they compute sum(rows x width) slots, not rows x the batch width.
+    Equal sizes keep every chunk big enough to use a GPU well."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    count = max(1, min(chunks, len(order)))
+    parts = [order[k * len(order) // count : (k + 1) * len(order) // count] for k in range(count)]
+    return [(rows, max(lengths[r] for r in rows)) for rows in parts if rows]
+
+
+def padded_slots(chunks: list[tuple[list[int], int]]) -> int:
+    return sum(len(rows) * width for rows, width in chunks)

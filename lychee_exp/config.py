@@ -144,6 +144,9 @@ class TrainerConfig:
     evaluate: bool = True  # false: train only (throughput calibration and benchmarks)
     eval_before_training: bool = True
     grad_accum_steps: int = at_least(1, 1)
+    # forward each micro-batch's pairs in this many length-sorted chunks, each cut to its longest pair: less
+    # padding computed, the same logits (with data.bucket_by_length: what a long-tailed length mix wants)
+    forward_chunks: int = at_least(1, 1)
     precision: Precision = Precision.auto
     log_every: int = at_least(1, 5)
     progress_bar: bool = True

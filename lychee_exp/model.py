@@ -63,7 +63,27 @@ class Reranker(nn.Module):
         self.yes_id, self.no_id = yes_id, no_id
         self.score = score
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunks: list[tuple[list[int], int]] | None = None
+    ) -> torch.Tensor:
+        """One relevance logit per row. `chunks` (from bucketing.length_chunks): score the rows in groups of
+        similar length, each cut to its own width, so that fewer padding slots are computed; every row's logit
+        is the same as in one pass (positions count real tokens, padding is masked), in the rows' order."""
+        if not chunks or len(chunks) == 1:
+            return self._score(input_ids, attention_mask)
+        width = input_ids.shape[1]
+        parts, order = [], []
+        for rows, chunk_width in chunks:
+            index = torch.tensor(rows, device=input_ids.device)
+            cols = (
+                slice(width - chunk_width, width) if KINDS[self.kind].padding_side == "left" else slice(0, chunk_width)
+            )
+            parts.append(self._score(input_ids[index, cols], attention_mask[index, cols]))
+            order += rows
+        inverse = torch.argsort(torch.tensor(order, device=input_ids.device))
+        return torch.cat(parts)[inverse]
+
+    def _score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         if self.kind == "sequence_classification":
             return self.backbone(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
         # Positions count real tokens only, so a left-padded row is computed exactly as it would be alone.

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from lychee_exp import evaluate as ev
+from lychee_exp.bucketing import length_chunks, padded_slots
 from lychee_exp.checkpoint import latest_checkpoint, restore_training_state, save_training_state
 from lychee_exp.config import RunConfig
 from lychee_exp.data import TrainGroups, build_dev_pairs
@@ -224,7 +225,8 @@ class Trainer:
 
     def _accumulate(self, batches, first: int, micro_steps: int) -> tuple[torch.Tensor, float, float]:
         """Forward and backward over one accumulation window; returns the all-reduced (loss sum, tokens,
-        queries, distillation term sum, batch slots with padding) and this rank's data-wait and busy seconds."""
+        queries, distillation term sum, token slots computed, padding included) and this rank's data-wait and
+        busy seconds."""
         env = self.env
         batch, local_queries = self.loader.batch_size, self.sampler.num_samples
         # Queries in this window on each rank (the epoch's last batch may be short): the loss is a mean over
@@ -240,16 +242,18 @@ class Trainer:
             # DDP all-reduces gradients on the window's last backward only
             sync = micro == micro_steps - 1 or not env.distributed
             ids, mask = inputs["input_ids"], inputs["attention_mask"]
+            # planned on the host copy of the mask: no device sync
+            chunks = length_chunks(mask.sum(-1).tolist(), self.cfg.trainer.forward_chunks)
             with contextlib.nullcontext() if sync else self.train_model.no_sync(), self.autocast():
                 logits = self.train_model(
-                    ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
+                    ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True), chunks=chunks
                 )
                 per_query, distill = self.loss_fn(logits, inputs.get("teacher_scores"))
             busy += time.perf_counter() - computed
             self.scaler.scale(per_query.sum() / window_queries).backward()
             distill_sum = distill.detach().sum() if distill is not None else torch.zeros(())
             loss_sum, tokens, queries = per_query.detach().sum(), mask.sum(), torch.tensor(len(per_query))
-            values = (loss_sum, tokens, queries, distill_sum, torch.tensor(mask.numel()))
+            values = (loss_sum, tokens, queries, distill_sum, torch.tensor(padded_slots(chunks)))
             stats += torch.stack([value.to(stats) for value in values])
         return env.all_reduce_sum(stats), wait, busy + wait
 

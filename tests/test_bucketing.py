@@ -1,14 +1,18 @@
-"""Length-bucketed sampling: deterministic per (seed, epoch), rank-consistent, resumable, and less padding."""
+"""Length-bucketed sampling: deterministic per (seed, epoch), rank-consistent, resumable, and less padding; and
+length chunks, which score a batch in groups of similar length with one pass's logits and gradients."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import TINY_QWEN2
 from transformers import AutoTokenizer
 
-from lychee_exp.bucketing import PromptLengths, bucketed_order, train_sampler
-from lychee_exp.config import PromptConfig
+from lychee_exp.bucketing import PromptLengths, bucketed_order, length_chunks, padded_slots, train_sampler
+from lychee_exp.config import PromptConfig, to_run_config
 from lychee_exp.data import GroupCollator, TrainGroups, load_queries
+from lychee_exp.inputs import load_inputs
+from lychee_exp.model import load_reranker
 from lychee_exp.prompt import PromptEncoder
 
 SAMPLE = "pkg://lychee_exp.assets/sample/train.jsonl"
@@ -92,3 +96,35 @@ def test_bucketing_cuts_padding(setup):
     plain, bucketed = padding_share(False), padding_share(True)
     # measured 0.50 -> 0.36: what remains is padding among one query's documents, which share a batch
     assert bucketed < 0.8 * plain, (plain, bucketed)
+
+
+def test_length_chunks_split_by_length_into_equal_groups():
+    lengths = [5, 90, 7, 60, 6, 100, 8, 70]
+    chunks = length_chunks(lengths, 2)
+    assert chunks == [([0, 4, 2, 6], 8), ([3, 7, 1, 5], 100)]
+    assert padded_slots(chunks) == 4 * 8 + 4 * 100 < 8 * 100
+    assert length_chunks(lengths, 1) == [(sorted(range(8), key=lengths.__getitem__), 100)]
+    assert len(length_chunks([3, 4], 8)) == 2  # never more chunks than rows
+
+
+@pytest.mark.parametrize("model", ["tiny_lychee", "minilm_cross_encoder"])  # left- and right-padded kinds
+def test_length_chunks_give_one_passs_logits_and_gradients(model, compose_cfg, tmp_path):
+    cfg = to_run_config(compose_cfg([f"model={model}", "model.dropout=0.0"], tmp_path))
+    encoder = load_inputs(cfg).encoder
+    reranker = load_reranker(cfg.model, encoder, cfg.seed).eval()  # eval: dropout off; gradients still flow
+    queries = load_queries(SAMPLE, "data.train_file", 6)
+    batch = encoder.pad([encoder.encode("Find the docs", q.query, d) for q in queries for d in [*q.pos, *q.neg][:3]])
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    chunks = length_chunks(mask.sum(-1).tolist(), 3)
+    assert padded_slots(chunks) < mask.numel()  # the sample's lengths vary: chunks compute fewer slots
+    results = []
+    for plan in (None, chunks):
+        reranker.zero_grad()
+        logits = reranker(ids, mask, chunks=plan)
+        (logits * torch.linspace(-1, 1, len(logits))).sum().backward()  # a loss that tells rows apart
+        grads = [p.grad.clone() for p in reranker.parameters() if p.grad is not None]
+        results.append((logits.detach(), grads))
+    (one, one_grads), (chunked, chunked_grads) = results
+    assert torch.allclose(one, chunked, atol=1e-5), (one - chunked).abs().max()
+    assert len(one_grads) == len(chunked_grads) > 0
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(one_grads, chunked_grads))

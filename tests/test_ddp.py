@@ -57,11 +57,12 @@ def _cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Pope
 
 
 @pytest.mark.parametrize(
-    "ddp_batch, accum, bucket",
-    [(2, 1, False), (1, 2, False), (1, 2, True)],
-    ids=["batch", "accumulation", "accumulation-bucketed"],
+    "ddp_batch, accum, bucket, chunks",
+    [(2, 1, False, 1), (1, 2, False, 1), (1, 2, True, 2)],
+    ids=["batch", "accumulation", "accumulation-bucketed-chunked"],
 )
-def test_ddp_matches_single_process(tmp_path, ddp_batch, accum, bucket):
+def test_ddp_matches_single_process(tmp_path, ddp_batch, accum, bucket, chunks):
+    """chunks: the DDP run forwards its pairs in length chunks, the single process in one pass."""
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     bucketing = [f"data.bucket_by_length={bucket}", "data.bucket_pool_batches=2"]
     run_job([*TINY_DDP, *bucketing, "parallel=single", "data.batch_size=4"], single)
@@ -73,6 +74,7 @@ def test_ddp_matches_single_process(tmp_path, ddp_batch, accum, bucket):
             "gpus=2",
             f"data.batch_size={ddp_batch}",
             f"trainer.grad_accum_steps={accum}",
+            f"trainer.forward_chunks={chunks}",
         ],
         ddp,
     )
