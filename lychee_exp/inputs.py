@@ -55,14 +55,14 @@ _last: tuple[str, RunInputs] | None = None  # this process's last inputs, by wha
 
 def _inputs_key(cfg: RunConfig) -> str:
     """Everything load_inputs reads: the model (tokenizer, prompt), the data settings it applies, and the files
-    (path, size and modification time, so that a file rewritten between two jobs is read again)."""
+    (path, size, times and inode, so that a file rewritten or replaced between two jobs is read again)."""
     data = cfg.data
     files = []
     for spec, key in ((data.train_file, "data.train_file"), (data.dev_file, "data.dev_file")):
         try:
             stat = resolve_path(spec, key, must_exist=False).stat()
-            files.append([spec, stat.st_size, stat.st_mtime_ns])
+            files.append([spec, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino])
         except (OSError, UserError):  # a missing file: load_inputs names it, in one line
-            files.append([spec, None, None])
+            files.append([spec, None])
     settings = [data.max_train_queries, data.max_dev_queries, data.train_group_size, data.random_negatives]
     return json.dumps([dataclasses.asdict(cfg.model), settings, cfg.loss.distill_weight > 0, files], default=str)

@@ -40,6 +40,9 @@ class RankSetup:
     threads: int  # torch intra-op threads per CPU rank
     backend: str  # auto | nccl | gloo
     timeout_s: int  # collective timeout
+    # the environment the ranks start with (NCCL_*, PYTORCH_CUDA_ALLOC_CONF, OMP_* act at start-up only), less
+    # what a job hands over itself
+    environ: tuple[tuple[str, str], ...] = ()
 
 
 class RanksFailed(Exception):
@@ -50,17 +53,20 @@ class RanksFailed(Exception):
         self.failures = failures
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent_pid: int | None = None) -> None:
     """If the launching process is killed (SIGKILL, OOM killer), its ranks must not train on as orphans."""
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the parent died before prctl took effect
+        # the parent died before prctl took effect (compared by pid: a parent may itself be pid 1, in a container)
+        if parent_pid is not None and os.getppid() != parent_pid:
             os._exit(1)
 
 
 def one_line(err: BaseException) -> str:
-    return (f"{type(err).__name__}: {err}".strip().splitlines() or [type(err).__name__])[-1]
+    """The exception's type and the first line of its message (CUDA errors add advice lines after the cause)."""
+    lines = [line for line in str(err).strip().splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def _free_port() -> int:
@@ -69,9 +75,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_loop(rank: int, setup: RankSetup, port: int, conn: Connection, init: Callable, job: Callable) -> None:
+def _rank_loop(
+    rank: int, setup: RankSetup, port: int, parent_pid: int, conn: Connection, init: Callable, job: Callable
+) -> None:
     """A rank's whole life: form the process group (init), then run jobs until told to stop or one fails."""
-    die_with_parent()
+    die_with_parent(parent_pid)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -126,9 +134,11 @@ class WarmRanks:
             parent_end, child_end = ctx.Pipe()
             process = ctx.Process(
                 target=_rank_loop,
-                args=(rank, self.setup, port, child_end, self.init, self.job),
+                args=(rank, self.setup, port, os.getpid(), child_end, self.init, self.job),
                 name=f"lychee-rank{rank}",
-                daemon=True,  # ends with the sweep worker, whatever happens to it
+                # not daemonic: a daemon may not start children, and DataLoader workers are children. The ranks
+                # end with the sweep worker anyway: close_warm_ranks at exit, PR_SET_PDEATHSIG if it is killed.
+                daemon=False,
             )
             process.start()
             child_end.close()
@@ -188,7 +198,12 @@ class WarmRanks:
             pass
         process.join(timeout=1.0)
         code = process.exitcode
-        why = f"killed by {signal.Signals(-code).name}" if code and code < 0 else f"exited with code {code}"
+        if code is None:
+            why = "closed its pipe without a reply"
+        elif code < 0:
+            why = f"was killed by {signal.Signals(-code).name}"
+        else:
+            why = f"exited with code {code}"
         return ("failed", time.time(), f"the process {why}")
 
     def close(self, kill: bool = False) -> None:
@@ -219,12 +234,19 @@ def warm_ranks(setup: RankSetup, init: Callable, job: Callable) -> tuple[WarmRan
     if _warm is not None and _warm.setup == setup and _warm.init is init and _warm.job is job and _warm.alive:
         return _warm, True
     close_warm_ranks()
-    ranks = WarmRanks(setup, init, job)
-    try:
-        ranks.start()
-    except BaseException:
-        ranks.close(kill=True)
-        raise
+    for attempt in range(2):  # the free port may be taken before rank 0 binds it: one more try, on another
+        ranks = WarmRanks(setup, init, job)
+        try:
+            ranks.start()
+            break
+        except RanksFailed as err:
+            ranks.close(kill=True)
+            if attempt:
+                raise
+            log.warning("warm ranks did not start (%s): trying once more", err)
+        except BaseException:
+            ranks.close(kill=True)
+            raise
     _warm = ranks
     return ranks, False
 

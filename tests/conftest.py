@@ -19,6 +19,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 import lychee_exp
+from lychee_exp import inputs
 from lychee_exp.jobs import compose_job as compose_config
 from lychee_exp.jobs import run_job
 from lychee_exp.run import CONF_DIR as _CONF_DIR
@@ -64,6 +65,13 @@ TINY_RANKS = [
 ]
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_inputs_cache():
+    """lychee_exp.inputs keeps the last inputs a process read: each test starts without them."""
+    inputs._last = None
+    yield
 
 
 @pytest.fixture

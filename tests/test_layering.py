@@ -9,9 +9,16 @@ from pathlib import Path
 import lychee_exp
 
 PACKAGE = Path(lychee_exp.__file__).resolve().parent
-# the recipe, the launcher and the entry points above them; everything else is library
-TOP = {"lychee_exp.train", "lychee_exp.launcher", "lychee_exp.run", "lychee_exp.jobs", "lychee_exp.bench"}
-FORBIDDEN_TO_LIBRARY = {"lychee_exp.train", "lychee_exp.launcher", "lychee_exp.run"}
+# the recipe, the launcher (and the rank side it starts) and the entry points above them; everything else is library
+TOP = {
+    "lychee_exp.train",
+    "lychee_exp.launcher",
+    "lychee_exp.ranks",
+    "lychee_exp.run",
+    "lychee_exp.jobs",
+    "lychee_exp.bench",
+}
+FORBIDDEN_TO_LIBRARY = {"lychee_exp.train", "lychee_exp.launcher", "lychee_exp.ranks", "lychee_exp.run"}
 
 
 def _module_name(path: Path, root: Path) -> str:
