@@ -7,6 +7,7 @@ Checks, each a separate process so that one failure does not hide the others:
   lora_1p5b_<len>  bf16 LoRA r=64 + gradient checkpointing on a Qwen2.5-1.5B-shaped model with random weights
                    (built from a config: no download) at <len> tokens per sequence; tokens/s, MFU, peak memory
   ddp_cli / dp_cli `python -m lychee_exp.run parallel=ddp|dp gpus=auto` end to end on every visible GPU
+  warm_sweep       a 2-trial sweep with parallel=ddp gpus=auto: the second trial on the first one's warm ranks
 Writes one JSON (device, per-check pass/fail and figures) and exits 1 if any check failed.
 
 MFU counts model FLOPs, not hardware FLOPs: with LoRA the frozen weights get no weight gradients, so a token
@@ -209,6 +210,17 @@ def check_cli(strategy: str, work: Path) -> dict:
     return {"passed": ok, "nccl_exercised": expected_backend == "nccl", **facts, **({} if ok else {"tail": tail})}
 
 
+def check_warm_sweep(work: Path) -> dict:
+    """A 2-trial sweep on every visible GPU: trial 1 must run on the ranks trial 0 started (warm ranks)."""
+    sweep = work / "warm_sweep"
+    args = ["-m", "hparams_search=lr_batch", *TINY_RUN, "parallel=ddp", "gpus=auto", "speedup.calibrate=false"]
+    args += ["hydra.sweeper.n_trials=2", f"hydra.sweep.dir={sweep}"]
+    ok, metrics, tail = run_lychee(args, sweep / "1", 300)  # trial 1's metrics.json
+    ok = ok and metrics.get("warm_ranks") is True
+    facts = {k: metrics.get(k) for k in ("warm_ranks", "world_size", "backend", "ndcg@10")}
+    return {"passed": ok, **facts, **({} if ok else {"tail": tail})}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.json", help="where the JSON report goes")
@@ -239,6 +251,7 @@ def main() -> int:
             (f"lora_1p5b_{n}", lambda n=int(n): check_lora(n, args.steps, work, peak)) for n in args.seq_lens.split(",")
         ]
         steps += [("ddp_cli", lambda: check_cli("ddp", work)), ("dp_cli", lambda: check_cli("dp", work))]
+        steps += [("warm_sweep", lambda: check_warm_sweep(work))]
         for check_name, check in steps:
             t0 = time.perf_counter()
             try:

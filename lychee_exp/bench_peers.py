@@ -4,12 +4,14 @@
 
 Systems (see lychee_exp.peers): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
 CrossEncoderTrainer (cross-encoder models only), lychee_exp parallel=single (1 process x all threads), lychee_exp
-parallel=ddp (2 ranks x 1 thread), and lychee_exp on 1 process x 1 thread (the CPU speedup baseline). All train
+parallel=ddp (2 ranks x 1 thread), lychee_exp on 1 process x 1 thread (the CPU speedup baseline), and lychee_exp
+with trainer.forward_chunks (pairs of similar length forwarded together: less padding computed). All train
 the same model on the same batches (the sample set with the Lychee prompt, 8 queries x 4 documents = 32 pairs,
 same truncation), fp32, AdamW without weight decay (Trainer exempts biases and norms from it, the others do not),
 dropout 0; each runs in a fresh process, systems interleaved in every round, and
 each step time is counted after the same warm-up. `--mix longtail` trains the tiny Qwen2 on documents of 32-2048
-tokens instead (a long-tailed length mix), with and without `data.bucket_by_length`. `pip install -e .[bench]`
+tokens instead (a long-tailed length mix), with and without `data.bucket_by_length` and forward chunks.
+`pip install -e .[bench]`
 installs the peers. Writes peers.csv, peers.png and peers.md (a README table) into the output directory.
 """
 
@@ -67,6 +69,9 @@ MIXES = {
 }
 
 
+CHUNKS = 4  # trainer.forward_chunks of the *_chunked rows: 4 chunks of 8 pairs (the best of 1, 2, 4 on longtail)
+
+
 def _system(name: str, processes: int, threads: int, *overrides: str) -> dict:
     return {"system": name, "processes": processes, "threads": threads, "overrides": list(overrides)}
 
@@ -77,13 +82,16 @@ def systems(mix: str, cores: int, cuda: int) -> list[dict]:
     if mix == "sample":
         rows.append(_system("st_cross_encoder", 1, cores))
     rows.append(_system("lychee_single", 1, cores, "parallel=single", "gpus=1"))
+    chunked = f"trainer.forward_chunks={CHUNKS}"
     if mix == "longtail":
-        rows.append(
-            _system("lychee_single_bucketed", 1, cores, "parallel=single", "gpus=1", "data.bucket_by_length=true")
-        )
-    elif cuda != 1:
+        bucketed = "data.bucket_by_length=true"
+        rows.append(_system("lychee_single_bucketed", 1, cores, "parallel=single", "gpus=1", bucketed))
+        rows.append(_system("lychee_single_bucketed_chunked", 1, cores, "parallel=single", "gpus=1", bucketed, chunked))
+        return rows
+    rows.append(_system("lychee_single_chunked", 1, cores, "parallel=single", "gpus=1", chunked))
+    if cuda != 1:
         rows.append(_system("lychee_ddp", 2, 1, "parallel=ddp", "gpus=2", "parallel.cpu_threads_per_rank=1"))
-    if not cuda and mix == "sample":
+    if not cuda:
         rows.append(
             _system("lychee_single_1thread", 1, 1, "parallel=single", "gpus=1", "parallel.cpu_threads_per_rank=1")
         )
