@@ -77,6 +77,9 @@ def warm_job(env: DistEnv, payload: dict, output_dir: str, log_file: str | None,
     os.environ.update(environ)
     run_dir = Path(output_dir)
     gc.collect()  # the last trial's model and optimizer, should anything of theirs sit in a reference cycle
+    gc.freeze()  # what survived is long-lived (modules, caches): later collections skip it (0.25 s each, else)
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()  # the last trial's blocks, for this trial's peak and for other processes
     reset_peak_memory(env.device)
     with _output_to(run_dir / WARM_LOGS / str(env.rank) / "stderr.log") as console:
         try:
@@ -90,9 +93,6 @@ def warm_job(env: DistEnv, payload: dict, output_dir: str, log_file: str | None,
             raise  # no cleanup here: with a peer gone, freeing CUDA memory could wait on a collective forever
         finally:
             logging.basicConfig(handlers=[logging.StreamHandler(sys.stderr)], force=True)  # close the trial's files
-    gc.collect()
-    if env.device.type == "cuda":
-        torch.cuda.empty_cache()
     return result
 
 
