@@ -3,7 +3,7 @@
     python benchmarks/checkpoint_write.py [--dir /path/on/the/shared/filesystem] [--full]
 
 Builds tensors shaped as the real trainable parameters and AdamW states (no model download) and writes them with
-lychee_exp.checkpoint.save_checkpoint (safetensors weights + state.pt, fsync, atomic rename), as rank 0 does.
+lychee_exp.recipe.checkpoint.save_checkpoint (safetensors weights + state.pt, fsync, atomic rename), as rank 0 does.
 LoRA adapters are float32 (peft's default); full fine-tuning keeps the model's bfloat16 (weights and Adam state).
 --full writes the ~9 GB full-weight checkpoint too (needs that much free disk and memory).
 """
@@ -54,7 +54,7 @@ class _Params(torch.nn.Module):
 
 
 def measure(name: str, shapes: dict, dtype: torch.dtype, root: Path) -> None:
-    from lychee_exp.checkpoint import save_checkpoint
+    from lychee_exp.recipe.checkpoint import save_checkpoint
 
     model = _Params(shapes, dtype)
     adam = {

@@ -20,7 +20,7 @@ import statistics
 import time
 import warnings
 
-from lychee_exp.sweep.local_postgres import local_postgres, server_bindir
+from lychee_exp.testing.local_postgres import local_postgres, server_bindir
 
 
 def _worker(url: str, study_name: str, seconds: float, seed: int, out: mp.Queue) -> None:

@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lychee_exp.bench_peers import MIXES, SETTINGS
-from lychee_exp.config import to_run_config
-from lychee_exp.devices import plan_devices
-from lychee_exp.distributed import DistEnv
-from lychee_exp.jobs import compose_job
-from lychee_exp.train import Trainer
+from lychee_exp.bench.scaling.peers import MIXES, SETTINGS
+from lychee_exp.core.config import to_run_config
+from lychee_exp.core.devices import plan_devices
+from lychee_exp.core.distributed import DistEnv
+from lychee_exp.recipe.trainer import Trainer
+from lychee_exp.testing.jobs import compose_job
 
 
 def main() -> None:

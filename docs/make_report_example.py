@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from lychee_exp.report import build, headless_chromium
 from lychee_exp.sweep.results import CSV_COLUMNS
+from lychee_exp.tracking.report.html import build, headless_chromium
 
 HERE = Path(__file__).resolve().parent
 rng = random.Random(7)
@@ -64,7 +64,7 @@ def write_run(run_dir: Path, *, gpus: int, batch: int, lr: float, ndcg: float, s
         "steps": steps,
         "effective_batch_size": eff,
         "per_device_batch_size": batch,
-        "world_size": gpus,
+        "num_devices": gpus,
         "grad_accum_steps": 1,
         "lr": lr * eff / 16,
         "base_lr": lr,

@@ -203,10 +203,10 @@ def check_lora(seq_len: int, steps: int, work: Path, peak_tflops: float | None) 
 def check_cli(strategy: str, work: Path) -> dict:
     ok, metrics, tail = run_lychee([*TINY_RUN, f"parallel={strategy}", "gpus=auto"], work / f"run_{strategy}", 300)
     count = torch.cuda.device_count()
-    facts = {k: metrics.get(k) for k in ("world_size", "backend", "device", "ndcg@10", "steps")}
+    facts = {k: metrics.get(k) for k in ("num_devices", "backend", "device", "ndcg@10", "steps")}
     # one rank needs no process group: NCCL is exercised only with two or more GPUs
     expected_backend = "nccl" if strategy == "ddp" and count > 1 else "none"
-    ok = ok and metrics.get("world_size") == count and metrics.get("backend") == expected_backend
+    ok = ok and metrics.get("num_devices") == count and metrics.get("backend") == expected_backend
     return {"passed": ok, "nccl_exercised": expected_backend == "nccl", **facts, **({} if ok else {"tail": tail})}
 
 
@@ -217,7 +217,7 @@ def check_warm_sweep(work: Path) -> dict:
     args += ["hydra.sweeper.n_trials=2", f"hydra.sweep.dir={sweep}"]
     ok, metrics, tail = run_lychee(args, sweep / "1", 300)  # trial 1's metrics.json
     ok = ok and metrics.get("warm_ranks") is True
-    facts = {k: metrics.get(k) for k in ("warm_ranks", "world_size", "backend", "ndcg@10")}
+    facts = {k: metrics.get(k) for k in ("warm_ranks", "num_devices", "backend", "ndcg@10")}
     return {"passed": ok, **facts, **({} if ok else {"tail": tail})}
 
 

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lychee_exp.jobs import run_job
+from lychee_exp.testing.jobs import run_job
 
 TINY = [
     "experiment=tiny_smoke",

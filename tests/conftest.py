@@ -1,4 +1,4 @@
-"""Shared fixtures: in-process Hydra composition and runs (lychee_exp.jobs, the helper that benchmarks and
+"""Shared fixtures: in-process Hydra composition and runs (lychee_exp.testing.jobs, the helper that benchmarks and
 scripts use too), tiny fast runs, and the CLI as a subprocess.
 
 Runs are pinned to one intra-op thread: the machine has 2 cores, and torch's default of one thread per core
@@ -19,10 +19,14 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 import lychee_exp
-from lychee_exp import inputs
-from lychee_exp.jobs import compose_job as compose_config
-from lychee_exp.jobs import run_job
+from lychee_exp.core import inputs
 from lychee_exp.run import CONF_DIR as _CONF_DIR
+from lychee_exp.testing.jobs import compose_job as compose_config
+from lychee_exp.testing.jobs import run_job
+
+# Fault injection (LYCHEE_FAULT) reaches the ranks through the step hook the launcher looks up by name: every
+# job the tests start, in this process or in subprocesses, inherits it.
+os.environ.setdefault("LYCHEE_STEP_HOOK", "lychee_exp.testing.faults:fault_hook")
 
 REPO_ROOT = Path(lychee_exp.__file__).resolve().parent.parent
 CONF_DIR = Path(_CONF_DIR)
@@ -69,7 +73,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True)
 def _fresh_inputs_cache():
-    """lychee_exp.inputs keeps the last inputs a process read: each test starts without them."""
+    """lychee_exp.core.inputs keeps the last inputs a process read: each test starts without them."""
     inputs._last = None
     yield
 

@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lychee_exp.bench_inputs import build_steps  # noqa: E402
-from lychee_exp.bench_peers import markdown_table, summarize, timed_row  # noqa: E402
-from lychee_exp.peers import Settings, hf_trainer, torch_loop  # noqa: E402
+from lychee_exp.bench.inputs import build_steps  # noqa: E402
+from lychee_exp.bench.peers import markdown_table, summarize, timed_row  # noqa: E402
+from lychee_exp.bench.systems import Settings, hf_trainer, torch_loop  # noqa: E402
 
 TINY = [
     "model=tiny_lychee",
@@ -27,7 +27,9 @@ TINY = [
 
 
 def test_batches_are_the_ones_lychee_exp_trains_on(tmp_path):
-    from lychee_exp.data import GroupCollator, ResumableSampler, TrainGroups, load_queries
+    from lychee_exp.core.data.groups import GroupCollator, TrainGroups
+    from lychee_exp.core.data.queries import load_queries
+    from lychee_exp.core.data.sampling import ResumableSampler
 
     cfg, encoder, _, steps = build_steps(TINY, tmp_path, 3)
     queries = load_queries(cfg.data.train_file, "data.train_file")

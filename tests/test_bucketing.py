@@ -8,12 +8,14 @@ import torch
 from conftest import TINY_QWEN2
 from transformers import AutoTokenizer
 
-from lychee_exp.bucketing import PromptLengths, bucketed_order, length_chunks, padded_slots, train_sampler
-from lychee_exp.config import PromptConfig, to_run_config
-from lychee_exp.data import GroupCollator, TrainGroups, load_queries
-from lychee_exp.inputs import load_inputs
-from lychee_exp.model import load_reranker
-from lychee_exp.prompt import PromptEncoder
+from lychee_exp.core.chunks import length_chunks, padded_slots
+from lychee_exp.core.config import PromptConfig, to_run_config
+from lychee_exp.core.data.groups import GroupCollator, TrainGroups
+from lychee_exp.core.data.queries import load_queries
+from lychee_exp.core.data.sampling import PromptLengths, bucketed_order, train_sampler
+from lychee_exp.core.inputs import load_inputs
+from lychee_exp.core.model import load_reranker
+from lychee_exp.core.prompt import PromptEncoder
 
 SAMPLE = "pkg://lychee_exp.assets/sample/train.jsonl"
 

@@ -7,7 +7,6 @@ import csv
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,10 +16,11 @@ import pytest
 import torch
 from conftest import TINY_RANKS
 
-from lychee_exp.cluster import expand_nodelist, is_main_process, slurm_nodes
-from lychee_exp.devices import available_cores
-from lychee_exp.errors import Preempted, RunFailed, UserError
-from lychee_exp.jobs import run_job
+from lychee_exp.core.devices import available_cores
+from lychee_exp.core.errors import Preempted, RunFailed, UserError
+from lychee_exp.launch.cluster import expand_nodelist, is_main_process, slurm_nodes
+from lychee_exp.launch.processes import free_port
+from lychee_exp.testing.jobs import run_job
 
 REPO = Path(__file__).resolve().parent.parent
 # The tiny Lychee model, fp32, as tests/test_ddp.py: 2 ranks x batch 2 on any launch path must agree.
@@ -31,12 +31,6 @@ TINY_MULTI = [
     "optimizer.lr=1e-3",
     "trainer.save_model=false",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -104,7 +98,7 @@ def in_process_ddp(tmp_path_factory) -> Path:
 
 def _assert_same_training(run_dir: Path, reference: Path) -> None:
     got, want = _metrics(run_dir), _metrics(reference)
-    assert got["world_size"] == want["world_size"] == 2 and got["steps"] == 4
+    assert got["num_devices"] == want["num_devices"] == 2 and got["steps"] == 4
     assert _losses(run_dir) == pytest.approx(_losses(reference), abs=1e-5)
     for key in ("initial_ndcg@10", "ndcg@10", "mrr@10"):
         assert got[key] == pytest.approx(want[key], abs=1e-6), key
@@ -153,7 +147,7 @@ def test_requeue_pins_the_run_directory():
 
 # ------------------------------------------------------------------------------------------- two "nodes"
 def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp):
-    run_dir, port = tmp_path / "run", _free_port()
+    run_dir, port = tmp_path / "run", free_port()
     args = [*TINY_MULTI, f"hydra.run.dir={run_dir}", f"speedup.baseline_file={tmp_path / 'none.json'}"]
     agents = [
         subprocess.Popen(
@@ -185,7 +179,7 @@ def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp):
 
 
 def test_faked_slurm_nodes_match_in_process_ddp(tmp_path, in_process_ddp):
-    run_dir, port = tmp_path / "run", _free_port()
+    run_dir, port = tmp_path / "run", free_port()
     args = [
         *TINY_MULTI,
         "parallel=ddp",
@@ -204,7 +198,7 @@ def test_faked_slurm_nodes_match_in_process_ddp(tmp_path, in_process_ddp):
 
 
 def test_a_killed_node_ends_the_other_with_one_line(tmp_path):
-    run_dir, port = tmp_path / "run", _free_port()
+    run_dir, port = tmp_path / "run", free_port()
     args = [
         *TINY_MULTI,
         "parallel=ddp",
@@ -420,7 +414,7 @@ def test_sweep_array_script_runs_a_worker(tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (sweep / "0" / "metrics.json").is_file() and _metrics(sweep / "0")["world_size"] == 2
+    assert (sweep / "0" / "metrics.json").is_file() and _metrics(sweep / "0")["num_devices"] == 2
     refused = subprocess.run(
         ["bash", str(REPO / "launch/slurm/sweep_array.sbatch")],
         cwd=tmp_path,

@@ -8,8 +8,9 @@ from collections import Counter
 import pytest
 from conftest import output_lines, run_cli
 
-from lychee_exp.data import RankingQuery, TrainGroups, load_queries
-from lychee_exp.errors import UserError
+from lychee_exp.core.data.groups import TrainGroups
+from lychee_exp.core.data.queries import RankingQuery, load_queries
+from lychee_exp.core.errors import UserError
 
 GOOD = {"query": "what is a lychee", "pos": ["a tropical fruit"], "neg": ["a car", "a boat", "a plane"]}
 

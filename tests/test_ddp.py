@@ -17,9 +17,9 @@ import torch
 from conftest import TINY_RANKS
 from safetensors.torch import load_file
 
-from lychee_exp.devices import plan_devices
-from lychee_exp.errors import UserError
-from lychee_exp.jobs import run_job
+from lychee_exp.core.devices import plan_devices
+from lychee_exp.core.errors import UserError
+from lychee_exp.testing.jobs import run_job
 
 # Tiny Lychee path, fp32, no dropout: one process with batch 2b and 2 ranks with batch b must agree.
 TINY_DDP = [
@@ -79,7 +79,7 @@ def test_ddp_matches_single_process(tmp_path, ddp_batch, accum, bucket, chunks):
         ddp,
     )
     m_single, m_ddp = _metrics(single), _metrics(ddp)
-    assert m_ddp["world_size"] == 2 and m_ddp["effective_batch_size"] == m_single["effective_batch_size"] == 4
+    assert m_ddp["num_devices"] == 2 and m_ddp["effective_batch_size"] == m_single["effective_batch_size"] == 4
     assert _losses(ddp) == pytest.approx(_losses(single), abs=1e-5)
     # sharded, gathered dev evaluation equals the single-process one (same initial weights)
     assert m_ddp["initial_ndcg@10"] == pytest.approx(m_single["initial_ndcg@10"], abs=1e-6)
@@ -93,7 +93,7 @@ def test_ddp_matches_single_process(tmp_path, ddp_batch, accum, bucket, chunks):
 def test_metrics_record_the_parallel_setup(tmp_path):
     run_job([*TINY_DDP, "parallel=ddp", "gpus=2", "data.batch_size=2", "trainer.grad_accum_steps=2"], tmp_path)
     m = _metrics(tmp_path)
-    assert (m["world_size"], m["per_device_batch_size"], m["grad_accum_steps"]) == (2, 2, 2)
+    assert (m["num_devices"], m["per_device_batch_size"], m["grad_accum_steps"]) == (2, 2, 2)
     assert m["effective_batch_size"] == 8 and m["device"] == "cpu"
     assert m["lr"] == pytest.approx(1e-3)  # lr_scaling=none
     assert m["train_samples_per_s"] > 0 and 0 <= m["data_wait_share"] < 1 and m["rank_time_spread"] >= 1

@@ -12,12 +12,13 @@ import torch
 from conftest import TINY_QWEN2, output_lines, run_cli, run_tiny
 from transformers import AutoTokenizer
 
-from lychee_exp import losses
-from lychee_exp.config import PromptConfig
-from lychee_exp.data import GroupCollator, TrainGroups, build_dev_pairs, check_teacher_scores, load_queries
-from lychee_exp.errors import UserError
-from lychee_exp.evaluate import bm25_scores, ranking_metrics
-from lychee_exp.prompt import PromptEncoder
+from lychee_exp.core import losses
+from lychee_exp.core.config import PromptConfig
+from lychee_exp.core.data.groups import GroupCollator, TrainGroups, build_dev_pairs
+from lychee_exp.core.data.queries import check_teacher_scores, load_queries
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.evaluate import bm25_scores, ranking_metrics
+from lychee_exp.core.prompt import PromptEncoder
 
 
 def write_jsonl(path, records):
@@ -117,7 +118,7 @@ def test_unknown_keys_warned_once_per_file_naming_them(tmp_path, caplog):
     records = [{"query": f"q{i}", "pos": ["p"], "neg": ["n"], "scores": [1], "query_id": i} for i in range(5)]
     records[3]["passage_prompt"] = "x"
     path = write_jsonl(tmp_path / "t.jsonl", records)
-    with caplog.at_level(logging.WARNING, logger="lychee_exp.data"):
+    with caplog.at_level(logging.WARNING, logger="lychee_exp.core.data.groups"):
         load_queries(str(path), "data.train_file")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings

@@ -33,7 +33,7 @@ def test_auto_precision_on_gpu_is_mixed(tmp_path):
 
 def test_ddp_on_gpus_uses_nccl(tmp_path):
     _, metrics = run_tiny(tmp_path, "parallel=ddp", "gpus=auto", "trainer.max_steps=4")
-    assert metrics["world_size"] == torch.cuda.device_count()
+    assert metrics["num_devices"] == torch.cuda.device_count()
     assert metrics["device_type"] == "cuda" and metrics["device"] == torch.cuda.get_device_name(0)
     if torch.cuda.device_count() > 1:
         assert metrics["backend"] == "nccl"
@@ -44,6 +44,6 @@ def test_ddp_on_gpus_uses_nccl(tmp_path):
 def test_data_parallel_runs_on_all_gpus(tmp_path):
     _, metrics = run_tiny(tmp_path, "parallel=dp", "gpus=auto", "trainer.max_steps=4")
     count = torch.cuda.device_count()
-    assert metrics["strategy"] == "dp" and metrics["world_size"] == count
+    assert metrics["strategy"] == "dp" and metrics["num_devices"] == count
     assert metrics["effective_batch_size"] == metrics["per_device_batch_size"] * count
     assert math.isfinite(metrics["ndcg@10"])

@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lychee_exp.config import to_run_config
-from lychee_exp.data import build_dev_pairs, load_queries
-from lychee_exp.evaluate import ranking_metrics, score_token_ids
-from lychee_exp.jobs import compose_job, run_job
-from lychee_exp.model import build_encoder, load_reranker, load_tokenizer
+from lychee_exp.core.config import to_run_config
+from lychee_exp.core.data.groups import build_dev_pairs
+from lychee_exp.core.data.queries import load_queries
+from lychee_exp.core.evaluate import ranking_metrics, score_token_ids
+from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
+from lychee_exp.testing.jobs import compose_job, run_job
 
 pytestmark = pytest.mark.slow  # two training jobs (one of 2 ranks): ~45 s of CPU, minutes on a loaded machine
 
@@ -60,7 +61,7 @@ def test_recipe_is_lora_checkpointing_bf16_on_two_ranks(runs):
     cfg = to_run_config(compose_job([*RECIPE, "parallel=ddp", "gpus=2"], ddp / "x"))
     assert cfg.model.lora.enabled and cfg.model.gradient_checkpointing and cfg.model.kind == "causal_lm"
     m = _metrics(ddp)
-    assert m["world_size"] == 2 and m["grad_accum_steps"] == 2 and m["precision"] == "bf16"
+    assert m["num_devices"] == 2 and m["grad_accum_steps"] == 2 and m["precision"] == "bf16"
     assert m["effective_batch_size"] == _metrics(single)["effective_batch_size"] == 4
     assert m["trainable_parameters"] < m["parameters"] / 2  # only the adapters train
 

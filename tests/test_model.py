@@ -9,9 +9,9 @@ import torch
 from conftest import compose_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lychee_exp.config import to_run_config
-from lychee_exp.errors import UserError
-from lychee_exp.model import (
+from lychee_exp.core.config import to_run_config
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.model import (
     RERANKER_FILE,
     Reranker,
     build_encoder,

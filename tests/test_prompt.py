@@ -8,10 +8,10 @@ import pytest
 from conftest import TINY_QWEN2
 from transformers import AutoTokenizer
 
-from lychee_exp.config import LYCHEE_PREFIX, ModelConfig, PromptConfig
-from lychee_exp.model import build_encoder, padding_side
-from lychee_exp.prompt import PromptEncoder
-from lychee_exp.resources import resolve_path
+from lychee_exp.core.config import LYCHEE_PREFIX, ModelConfig, PromptConfig
+from lychee_exp.core.model import build_encoder, padding_side
+from lychee_exp.core.prompt import PromptEncoder
+from lychee_exp.core.resources import resolve_path
 
 TEMPLATE_WITH_TAIL = "Instruct: {instruction} Query: {query} Document: {document} Relevant:"
 SUFFIX = " Answer:"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lychee_exp.report import build, headless_chromium
-from lychee_exp.report_data import best_trial, find
+from lychee_exp.tracking.report.data import best_trial, find
+from lychee_exp.tracking.report.html import build, headless_chromium
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -91,7 +91,7 @@ FULL = {
     "steps": 20,
     "effective_batch_size": 16,
     "per_device_batch_size": 8,
-    "world_size": 2,
+    "num_devices": 2,
     "grad_accum_steps": 1,
     "lr": 2e-4,
     "base_lr": 1e-4,
@@ -142,7 +142,7 @@ def root(tmp_path) -> Path:
                 "ndcg@10": ndcg,
                 "lr": lr,
                 "base_lr": lr,
-                "world_size": 1,
+                "num_devices": 1,
                 "speedup": 1.0,
                 "scaling_efficiency": 1.0,
             },
@@ -235,7 +235,11 @@ def test_best_trial_without_optimization_results(root):
 
 def report_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "lychee_exp.report", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "lychee_exp.tracking.report.html", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 

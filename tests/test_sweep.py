@@ -21,7 +21,6 @@ import yaml
 from conftest import TINY_RANKS
 from optuna.trial import TrialState
 
-from lychee_exp.sweep.local_postgres import local_postgres, server_bindir
 from lychee_exp.sweep.storage import (
     INTERRUPTED,
     RETRY_OF,
@@ -31,6 +30,7 @@ from lychee_exp.sweep.storage import (
     open_storage,
     recover_interrupted,
 )
+from lychee_exp.testing.local_postgres import local_postgres, server_bindir
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = [*TINY_RANKS, "trainer.save_model=false", "data.batch_size=choice(1,2)"]
@@ -106,7 +106,7 @@ def test_four_trial_ddp_sweep_and_its_results(tmp_path):
     values = {}
     for trial in study.trials:
         metrics = json.loads((sweep / str(trial.number) / "metrics.json").read_text())
-        assert metrics["world_size"] == 2 and metrics["per_device_batch_size"] == trial.params["data.batch_size"]
+        assert metrics["num_devices"] == 2 and metrics["per_device_batch_size"] == trial.params["data.batch_size"]
         assert metrics["base_lr"] == pytest.approx(trial.params["optimizer.lr"])
         if trial.state == TrialState.COMPLETE:
             values[trial.number] = metrics["ndcg@10"]
@@ -231,7 +231,7 @@ hydra:
     [trial] = _study(tmp_path / "sweep", "hopeless").trials
     metrics = json.loads((tmp_path / "sweep" / "0" / "metrics.json").read_text())
     assert trial.state == TrialState.PRUNED and trial.user_attrs["pruned_at_step"] == 2
-    assert metrics["stopped_early"] is True and metrics["steps"] == 2 < 6 and metrics["world_size"] == 2
+    assert metrics["stopped_early"] is True and metrics["steps"] == 2 < 6 and metrics["num_devices"] == 2
     assert trial.value == pytest.approx(metrics["ndcg@10"]) == trial.intermediate_values[2]
     assert sorted(trial.intermediate_values) == [0, 1, 2]
     assert _rows(tmp_path / "sweep")[0]["state"] == "PRUNED"
@@ -477,7 +477,7 @@ def test_job_outcomes(tmp_path):
     from hydra.core.utils import JobReturn, JobStatus
     from omegaconf import OmegaConf
 
-    from lychee_exp.errors import RunFailed
+    from lychee_exp.core.errors import RunFailed
     from lychee_exp.sweep.lychee_job import oom_retry_overrides
     from lychee_exp.sweep.outcome import job_outcome
 
@@ -511,7 +511,7 @@ def test_params_grammar_to_distributions():
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
-    from lychee_exp.errors import UserError
+    from lychee_exp.core.errors import UserError
     from lychee_exp.sweep.space import build_space, render
 
     config = OmegaConf.create(

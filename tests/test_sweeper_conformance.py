@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from lychee_exp.errors import UserError
+from lychee_exp.core.errors import UserError
 from lychee_exp.sweep.space import build_space
 
 APPS = Path(__file__).resolve().parent / "sweep_apps"
@@ -151,7 +151,7 @@ def test_the_plugin_shell_is_cheap_and_the_sweeper_does_not_import_the_training_
     code = (
         "import sys, hydra_plugins.lychee_optuna_sweeper.sweeper; shell = 'optuna' in sys.modules; "
         "import hydra_plugins.lychee_optuna_sweeper._impl; "
-        "print(shell, [m for m in ('torch', 'lychee_exp.config', 'lychee_exp.train', 'lychee_exp.run') "
+        "print(shell, [m for m in ('torch', 'lychee_exp.core.config', 'lychee_exp.recipe.trainer', 'lychee_exp.run') "
         "if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, check=True).stdout

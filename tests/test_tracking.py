@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lychee_exp.jobs import run_job
-from lychee_exp.wandb_records import find_run_files, read_run
+from lychee_exp.testing.jobs import run_job
+from lychee_exp.tracking.wandb_records import find_run_files, read_run
 
 TINY = [
     "model=tiny_lychee",
@@ -54,10 +54,10 @@ def test_ddp_run_writes_one_offline_wandb_run_matching_metrics(tmp_path, no_wand
     record, metrics = read_run(files[0]), _metrics(run_dir)
     assert record["summary"]["effective_batch_size"] == metrics["effective_batch_size"] == 4
     assert record["summary"]["speedup"] == pytest.approx(metrics["speedup"])
-    assert record["summary"]["world_size"] == 2
+    assert record["summary"]["num_devices"] == 2
     assert record["summary"]["dev/ndcg@10"]["max"] == pytest.approx(max(metrics["ndcg@10"], metrics["initial_ndcg@10"]))
     config = record["config"]
-    assert config["world_size"] == 2 and config["effective_batch_size"] == 4 and config["grad_accum_steps"] == 1
+    assert config["num_devices"] == 2 and config["effective_batch_size"] == 4 and config["grad_accum_steps"] == 1
     assert config["optimizer"]["lr"] == pytest.approx(1e-3) and config["lr"] == pytest.approx(metrics["lr"])
     assert record["run"]["job_type"] == "train" and record["run"]["group"] == run_dir.name
     assert record["run"]["tags"] == ["smoke"]
@@ -133,7 +133,7 @@ def test_bench_prints_table_csv_and_plot(tmp_path, no_wandb_key):
         [
             sys.executable,
             "-m",
-            "lychee_exp.bench",
+            "lychee_exp.bench.scaling",
             "gpus=1,2",
             *TINY,
             "logger=wandb",

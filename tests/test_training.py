@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from conftest import TINY_OVERRIDES, compose_config, run_tiny
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lychee_exp import losses
-from lychee_exp.config import to_run_config
-from lychee_exp.faults import fault_hook
-from lychee_exp.optim import effective_batch_size, scaled_lr
+from lychee_exp.core import losses
+from lychee_exp.core.config import to_run_config
+from lychee_exp.core.optim import effective_batch_size, scaled_lr
+from lychee_exp.testing.faults import fault_hook
 
 REQUIRED_KEYS = {
     "ndcg@10",
@@ -233,8 +233,8 @@ def test_gradient_accumulation_matches_big_batch(tmp_path):
 
 def test_stale_metrics_json_is_removed_when_the_run_fails(tmp_path):
     """A failed run must not leave an earlier run's metrics.json behind for a sweeper to read."""
-    from lychee_exp.errors import UserError
-    from lychee_exp.run import run
+    from lychee_exp.core.errors import UserError
+    from lychee_exp.job.training_job import train_job as run
 
     (tmp_path / "metrics.json").write_text('{"ndcg@10": 99}')
     cfg = compose_config(
@@ -253,7 +253,7 @@ def test_stale_metrics_json_is_removed_when_the_run_fails(tmp_path):
 
 def test_inputs_are_read_once_per_process(tmp_path):
     """preflight reads the data files and builds the tokenizer; the in-process Trainer reuses them."""
-    import lychee_exp.inputs as inputs
+    import lychee_exp.core.inputs as inputs
 
     with (
         mock.patch.object(inputs, "load_queries", wraps=inputs.load_queries) as load_queries,

@@ -1,6 +1,6 @@
 """Warm ranks: DDP ranks that a sweep worker keeps from one trial to the next.
 
-The pool itself (lychee_exp.warm_ranks) on small jobs: the same processes serve several jobs; a job that fails,
+The pool itself (lychee_exp.launch.warm_ranks) on small jobs: the same processes serve several jobs; a job that fails,
 dies or hangs on one rank ends every rank, with each rank's reason, and the next job gets new ones. Then real
 sweeps of the tiny model on 2 CPU ranks: warm trials equal fresh-process trials, and a failed trial (raise,
 OOM, SIGKILL) is followed by a trial on new ranks.
@@ -25,10 +25,10 @@ import torch.distributed as dist
 from conftest import TINY_RANKS
 from optuna.trial import TrialState
 
-from lychee_exp.config import to_run_config
-from lychee_exp.inputs import load_inputs
-from lychee_exp.resources import resolve_path
-from lychee_exp.warm_ranks import RankSetup, RanksFailed, WarmRanks, close_warm_ranks, warm_ranks
+from lychee_exp.core.config import to_run_config
+from lychee_exp.core.inputs import load_inputs
+from lychee_exp.core.resources import resolve_path
+from lychee_exp.launch.warm_ranks import RankSetup, RanksFailed, WarmRanks, close_warm_ranks, warm_ranks
 
 SETUP = RankSetup(world_size=2, device_type="cpu", threads=1, backend="gloo", timeout_s=20)
 

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from lychee_exp.errors import UserError
+from lychee_exp.core.errors import UserError
 from lychee_exp.sweep import lychee_job
 from lychee_exp.sweep import storage as st
 from lychee_exp.sweep.outcome import Outcome, job_outcome

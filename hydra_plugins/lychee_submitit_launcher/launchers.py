@@ -1,7 +1,7 @@
 """hydra-submitit-launcher's launchers (the `.[slurm]` extra), with a requeue that continues the same run.
 
 When a job is signalled before its time limit or preempted, lychee_exp checkpoints and stops
-(lychee_exp.preemption), then submitit calls the launcher's `checkpoint()` and requeues what it returns. The
+(lychee_exp.launch.preemption), then submitit calls the launcher's `checkpoint()` and requeues what it returns. The
 upstream launcher resubmits the job's overrides as they were; these also pin the run directory the job used (a
 timestamped sweep directory would resolve anew in the requeued job) and set trainer.resume=auto.
 """

@@ -4,4 +4,5 @@
 space: the `params` grammar -> optuna distributions; storage: study, heartbeats, resume and the trial budget;
 outcome: a finished job -> the trial's state; results: the files written into the sweep directory;
 pruning: rank 0's report-and-prune callback.
+May import: lychee_exp.core, lychee_exp.tracking (never the recipe, the launcher or a job: trials are Hydra jobs).
 """

@@ -1,7 +1,7 @@
 """What the sweeper adds when its trials are lychee_exp jobs: the trial's place in the study (so that rank 0
 can report dev metrics and be pruned) and the out-of-memory retry. Any other Hydra app gets neither, and needs
 no `trial` key: a job is recognised as lychee_exp's by its composed config, which has lychee_exp's `trial`
-schema (lychee_exp.config.TrialConfig).
+schema (lychee_exp.core.config.TrialConfig).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from lychee_exp.errors import UserError
+from lychee_exp.core.errors import UserError
 from lychee_exp.sweep.space import render
 
 STORAGE_ENV = "LYCHEE_TRIAL_STORAGE"

@@ -19,7 +19,7 @@ import optuna.visualization as vis
 import yaml
 from optuna.trial import TrialState
 
-from lychee_exp.atomic import write_text_atomic
+from lychee_exp.core.atomic import write_text_atomic
 from lychee_exp.sweep.storage import METRICS, REASON, RUN_DIR, SURPLUS, tally
 
 log = logging.getLogger(__name__)

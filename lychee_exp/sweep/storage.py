@@ -24,7 +24,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 from sqlalchemy.engine import make_url
 
-from lychee_exp.errors import UserError
+from lychee_exp.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,61 @@
+"""The batches every system of the peer benchmark trains on: exactly those lychee_exp's own loader yields.
+
+A run's config is composed from the benchmark's overrides; the first epoch's groups come from lychee_exp's
+sampler and collator (one process, no bucketing), and the model from `load_reranker`, so that every peer starts
+from the same weights, prompts, truncation and batches as lychee_exp parallel=single.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lychee_exp.bench.scaling.systems import Step
+
+
+def build_steps(overrides: list[str], out: Path, count: int):
+    """(run config, prompt encoder, reranker, `count` steps of token ids + labels + text pairs)."""
+    from lychee_exp.core.config import to_run_config
+    from lychee_exp.core.data.groups import GroupCollator, TrainGroups
+    from lychee_exp.core.data.sampling import ResumableSampler
+    from lychee_exp.core.inputs import load_inputs
+    from lychee_exp.core.model import load_reranker
+    from lychee_exp.testing.jobs import compose_job
+
+    cfg = to_run_config(compose_job(overrides, out))
+    inputs = load_inputs(cfg)  # what a lychee_exp run reads: the same queries, tokenizer and prompt encoder
+    tokenizer, encoder = inputs.tokenizer, inputs.encoder
+    instruction = cfg.data.instruction or cfg.model.prompt.default_instruction
+    groups = TrainGroups(
+        inputs.train_queries, cfg.data.train_group_size, instruction, cfg.seed, cfg.data.random_negatives
+    )
+    sampler = ResumableSampler(groups, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed, drop_last=True)
+    sampler.set_epoch(0)
+    order, batch = list(sampler), cfg.data.batch_size
+    if len(order) < count * batch:
+        raise ValueError(f"{len(order)} training queries make fewer than {count} steps of {batch}")
+    collate = GroupCollator(encoder)
+    steps = []
+    for k in range(count):
+        chosen = [groups[i] for i in order[k * batch : (k + 1) * batch]]
+        inputs = collate(chosen)
+        labels = torch.tensor([1.0 if j == 0 else 0.0 for _ in chosen for j in range(cfg.data.train_group_size)])
+        pairs = [
+            (_text(tokenizer, encoder.encode(instr, query, "")), _document(tokenizer, doc, cfg))
+            for instr, query, docs, _ in chosen
+            for doc in docs
+        ]
+        steps.append(Step(inputs["input_ids"], inputs["attention_mask"], labels, pairs))
+    model = load_reranker(cfg.model, encoder, cfg.seed)
+    return cfg, encoder, model, steps
+
+
+def _text(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def _document(tokenizer, doc: str, cfg) -> str:
+    """The document as lychee_exp truncates it (model.prompt.doc_max_len tokens), back as text."""
+    ids = tokenizer(" " + doc, add_special_tokens=False)["input_ids"][: cfg.model.prompt.doc_max_len]
+    return _text(tokenizer, ids)

@@ -1,0 +1,317 @@
+"""Peer benchmark: lychee_exp against the loops a user would pick instead, on identical inputs, side by side.
+
+    python -m lychee_exp.bench.peers [--mix sample|longtail] [--steps 10] [--rounds 2] [--out DIR] [overrides]
+
+Systems (see lychee_exp.bench.systems): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
+CrossEncoderTrainer (cross-encoder models only), lychee_exp parallel=single (1 process x all threads), lychee_exp
+parallel=ddp (2 ranks x 1 thread), lychee_exp on 1 process x 1 thread (the CPU speedup baseline), and lychee_exp
+with trainer.forward_chunks (pairs of similar length forwarded together: less padding computed). All train
+the same model on the same batches (the sample set with the Lychee prompt, 8 queries x 4 documents = 32 pairs,
+same truncation), fp32, AdamW without weight decay (Trainer exempts biases and norms from it, the others do not),
+dropout 0; each runs in a fresh process, systems interleaved in every round, and
+each step time is counted after the same warm-up. `--mix longtail` trains the tiny Qwen2 on documents of 32-2048
+tokens instead (a long-tailed length mix), with and without `data.bucket_by_length` and forward chunks.
+`pip install -e .[bench]`
+installs the peers. Writes peers.csv, peers.png and peers.md (a README table) into the output directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+log = logging.getLogger("lychee_exp.bench.peers")
+
+COLUMNS = [
+    "system",
+    "processes",
+    "threads",
+    "pairs_per_s",
+    "tokens_per_s",
+    "vs_fastest_peer",
+    "padding_share",
+    "peak_memory_mb",
+    "rounds",
+]
+PEERS = ("hf_trainer", "torch_loop", "st_cross_encoder")
+# What every system trains with (lychee_exp overrides; the peers read the same composed config)
+SETTINGS = [
+    "data.train_group_size=4",
+    "data.random_negatives=1",
+    "trainer.precision=fp32",
+    "model.dropout=0.0",
+    "optimizer.lr=1e-4",
+    "optimizer.lr_scaling=none",
+    "optimizer.warmup_ratio=0",
+    "optimizer.scheduler=linear",
+    "optimizer.weight_decay=0.0",
+    "optimizer.max_grad_norm=1.0",
+    "loss=pointwise",
+    "seed=42",
+]
+MIXES = {
+    "sample": ["model=minilm_cross_encoder", "data=sample"],
+    "longtail": [
+        "model=tiny_lychee",
+        "data=jsonl",
+        "model.prompt.doc_max_len=2048",
+        "data.train_group_size=4",
+        "data.random_negatives=0",
+    ],
+}
+
+
+CHUNKS = 4  # trainer.forward_chunks of the *_chunked rows: 4 chunks of 8 pairs (the best of 1, 2, 4 on longtail)
+
+
+def _system(name: str, processes: int, threads: int, *overrides: str) -> dict:
+    return {"system": name, "processes": processes, "threads": threads, "overrides": list(overrides)}
+
+
+def systems(mix: str, cores: int, cuda: int) -> list[dict]:
+    """name, processes x threads, extra lychee_exp overrides."""
+    rows = [_system("hf_trainer", 1, cores), _system("torch_loop", 1, cores)]
+    if mix == "sample":
+        rows.append(_system("st_cross_encoder", 1, cores))
+    rows.append(_system("lychee_single", 1, cores, "parallel=single", "gpus=1"))
+    chunked = f"trainer.forward_chunks={CHUNKS}"
+    if mix == "longtail":
+        bucketed = "data.bucket_by_length=true"
+        rows.append(_system("lychee_single_bucketed", 1, cores, "parallel=single", "gpus=1", bucketed))
+        rows.append(_system("lychee_single_bucketed_chunked", 1, cores, "parallel=single", "gpus=1", bucketed, chunked))
+        return rows
+    rows.append(_system("lychee_single_chunked", 1, cores, "parallel=single", "gpus=1", chunked))
+    if cuda != 1:
+        rows.append(_system("lychee_ddp", 2, 1, "parallel=ddp", "gpus=2", "parallel.cpu_threads_per_rank=1"))
+    if not cuda:
+        rows.append(
+            _system("lychee_single_1thread", 1, 1, "parallel=single", "gpus=1", "parallel.cpu_threads_per_rank=1")
+        )
+    return rows
+
+
+def longtail_file(out: Path, queries: int, seed: int = 0) -> Path:
+    """Sample-set queries whose candidates are long-tailed in length (32-2048 tokens, median ~100): a query's
+    documents share a length scale (candidates of one query tend to come from the same kind of source)."""
+    import random
+
+    from lychee_exp.core.data.queries import load_queries
+
+    path = out / "longtail.jsonl"
+    base = load_queries("pkg://lychee_exp.assets/sample/train.jsonl", "data.train_file", queries)
+    words = " ".join(d for q in base for d in q.pos + q.neg).split()
+    rng = random.Random(seed)
+    with path.open("w") as handle:
+        for q in base:
+            scale = min(2048, max(32, int(rng.lognormvariate(4.6, 1.0))))
+            # ~0.6 words per token of the tiny BPE; each document 50-100% of the query's scale
+            docs = [" ".join(rng.choices(words, k=max(16, int(scale * rng.uniform(0.5, 1.0) * 0.6)))) for _ in range(4)]
+            handle.write(json.dumps({"query": q.query, "pos": docs[:1], "neg": docs[1:]}) + "\n")
+    return path
+
+
+def child(name: str, spec: dict) -> dict:
+    """One system's run, in this (fresh) process; returns its row."""
+    out, warmup, steps = Path(spec["out"]), spec["warmup"], spec["steps"]
+    overrides = [*spec["overrides"], f"data.batch_size={spec['queries'] // spec.get('processes', 1)}"]
+    if name.startswith("lychee"):
+        from lychee_exp.testing.jobs import run_job
+
+        run_job(
+            [
+                *overrides,
+                "trainer.evaluate=false",
+                f"trainer.max_steps={warmup + steps}",
+                "logger=none",
+                "trainer.save_model=false",
+                "trainer.checkpoint_every=0",
+                "trainer.progress_bar=false",
+                "trainer.log_every=1000",
+                "speedup.calibrate=false",
+            ],
+            out,
+        )
+        m = json.loads((out / "metrics.json").read_text())
+        return {
+            "pairs_per_s": m["train_samples_per_s"] * m["train_group_size"],
+            "tokens_per_s": m["train_tokens_per_s"],
+            "padding_share": m["padding_share"],
+            "peak_memory_mb": max(m["peak_memory_mb_per_rank"]),
+        }
+    import torch
+
+    from lychee_exp.bench.scaling import systems as peers
+    from lychee_exp.bench.scaling.inputs import build_steps
+
+    torch.set_num_threads(spec["threads"])
+    cfg, encoder, model, batches = build_steps(overrides, out, warmup + steps)
+    settings = peers.Settings(
+        cfg.optimizer.lr,
+        cfg.optimizer.weight_decay,
+        cfg.optimizer.max_grad_norm,
+        cfg.seed,
+        torch.device(spec["device"]),
+    )
+    if name == "torch_loop":
+        result = peers.torch_loop(model, batches, settings)
+    elif name == "hf_trainer":
+        result = peers.hf_trainer(model, batches, settings, encoder, str(out / "hf"))
+    else:
+        from lychee_exp.core.model import model_dir
+
+        result = peers.st_cross_encoder(
+            str(model_dir(cfg.model)), cfg.model.dropout, batches, settings, str(out / "st")
+        )
+    return timed_row(result, batches, warmup, settings.device)
+
+
+def timed_row(result: dict, batches: list, warmup: int, device) -> dict:
+    from lychee_exp.tracking.throughput import peak_memory_mb
+
+    ends, timed = result["ends"], batches[warmup:]
+    elapsed = ends[-1] - ends[warmup - 1]
+    real = sum(int(b.attention_mask.sum()) for b in timed)
+    padded = sum(b.attention_mask.numel() for b in timed)
+    if "tokens" in result:  # a peer that tokenizes for itself: its own counts, scaled to the timed steps
+        share = len(timed) / len(batches)
+        real, padded = result["tokens"] * share, result["padded"] * share
+    return {
+        "pairs_per_s": sum(len(b.labels) for b in timed) / elapsed,
+        "tokens_per_s": real / elapsed,
+        "padding_share": 1 - real / padded,
+        "peak_memory_mb": peak_memory_mb(device),
+    }
+
+
+def measure(mix: str, overrides: list[str], out: Path, steps: int, rounds: int, queries: int) -> list[dict]:
+    import torch
+
+    from lychee_exp.core.devices import available_cores, torch_device
+    from lychee_exp.tracking.throughput import WARMUP_STEPS
+
+    device = torch_device("cuda" if torch.cuda.is_available() else "cpu")  # cuda:0 where there is one
+    cuda = torch.cuda.device_count() if device.type == "cuda" else 0
+    base = [*SETTINGS, *MIXES[mix]]
+    if mix == "longtail":
+        data = longtail_file(out, queries * (WARMUP_STEPS + steps) * 2)
+        base += [f"data.train_file={data}", f"data.dev_file={data}"]
+    plan = systems(mix, available_cores(), cuda)
+    results: dict[str, list[dict]] = {s["system"]: [] for s in plan}
+    for round_ in range(rounds):
+        for s in plan:  # interleaved: every round runs every system once, so load changes hit all of them
+            run_dir = out / f"round{round_}" / s["system"]
+            spec = {
+                "out": str(run_dir),
+                "warmup": WARMUP_STEPS,
+                "steps": steps,
+                "queries": queries,
+                "threads": s["threads"],
+                "processes": s["processes"],
+                "device": str(device),
+                "overrides": [*base, *s["overrides"], *overrides],
+            }
+            run_dir.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "lychee_exp.bench.peers", "--child", s["system"], json.dumps(spec)]
+            env = {**os.environ, "OMP_NUM_THREADS": str(s["threads"])}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            if proc.returncode != 0:
+                log.error("%s failed:\n%s", s["system"], proc.stderr[-3000:])
+                continue
+            results[s["system"]].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            log.info("round %d %s: %s", round_, s["system"], results[s["system"]][-1])
+    return summarize(plan, results)
+
+
+def summarize(plan: list[dict], results: dict[str, list[dict]]) -> list[dict]:
+    rows = []
+    for s in plan:
+        runs = results[s["system"]]
+        if runs:
+            rows.append(
+                {
+                    "system": s["system"],
+                    "processes": s["processes"],
+                    "threads": s["threads"],
+                    "rounds": len(runs),
+                    **{k: statistics.median(r[k] for r in runs) for k in runs[0]},
+                }
+            )
+    fastest = max((r["tokens_per_s"] for r in rows if r["system"] in PEERS), default=0.0)
+    for r in rows:
+        r["vs_fastest_peer"] = r["tokens_per_s"] / fastest if fastest else float("nan")
+    return rows
+
+
+def write_outputs(rows: list[dict], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with (out / "peers.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows({k: r[k] for k in COLUMNS} for r in rows)
+    (out / "peers.md").write_text(markdown_table(rows) + "\n")
+    fig, ax = plt.subplots(figsize=(9, 4))
+    colors = ["#dd8452" if r["system"].startswith("lychee") else "#4c72b0" for r in rows]
+    ax.barh(
+        [f"{r['system']} ({r['processes']}x{r['threads']})" for r in rows],
+        [r["tokens_per_s"] for r in rows],
+        color=colors,
+    )
+    ax.set(xlabel="non-pad tokens/s (median over rounds)", title=title)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(out / "peers.png", dpi=110)
+    plt.close(fig)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| system | processes x threads | pairs/s | non-pad tokens/s | vs fastest peer | padding | peak MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['system']} | {r['processes']} x {r['threads']} | {r['pairs_per_s']:.1f} | {r['tokens_per_s']:.0f} "
+        f"| {r['vs_fastest_peer']:.2f} | {r['padding_share']:.0%} | {r['peak_memory_mb']:.0f} |"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        print(json.dumps(child(argv[1], json.loads(argv[2]))))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    parser = argparse.ArgumentParser(description="peer benchmark", usage=__doc__.strip().splitlines()[2])
+    parser.add_argument("--mix", choices=sorted(MIXES), default="sample")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per system (after warm-up)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds; each runs every system once")
+    parser.add_argument("--queries", type=int, default=8, help="queries per step (x 4 documents)")
+    parser.add_argument("--out", type=Path, default=None)
+    args, overrides = parser.parse_known_args(argv)
+    out = args.out or Path("outputs/bench_peers") / f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{args.mix}"
+    out.mkdir(parents=True, exist_ok=True)
+    rows = measure(args.mix, overrides, out, args.steps, args.rounds, args.queries)
+    if not rows:
+        log.error("error: every system failed (see the messages above)")
+        return 1
+    write_outputs(rows, out, f"{args.mix} mix, {args.queries} queries x 4 documents per step")
+    print(markdown_table(rows))
+    print(f"wrote {out / 'peers.csv'}, {out / 'peers.png'} and {out / 'peers.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

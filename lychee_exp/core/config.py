@@ -1,0 +1,283 @@
+"""Typed schema of a run's configuration, and the few rules that types cannot express.
+
+The dataclasses are registered with Hydra's ConfigStore as `lychee_schema`, which `conf/config.yaml` lists first
+in its defaults: composing then fails on a misspelt key, a wrong type or a value outside a closed choice (an
+Enum of lychee_exp.core.choices: the schema lists the allowed values), naming the key. Numeric bounds live beside their
+fields (`at_least`, ...); `check_config` applies them and the cross-field rules, in the Hydra process before any
+training process starts. Open choices (loss.name, optimizer.name) are checked against their registries by
+run.preflight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import string
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from lychee_exp.core.choices import (  # noqa: F401  (Choice: re-exported, the base of every choice)
+    Backend,
+    Choice,
+    Dtype,
+    LoggerMode,
+    LoggerName,
+    LrScaling,
+    Metric,
+    ModelKind,
+    Precision,
+    Schedule,
+    Score,
+    Strategy,
+)
+from lychee_exp.core.devices import parse_gpus
+from lychee_exp.core.errors import UserError
+
+
+def at_least(low: float, default: Any) -> Any:
+    """A field whose value must be >= low (checked by check_config, naming the key)."""
+    return field(default=default, metadata={"min": low})
+
+
+def above(low: float, default: Any) -> Any:
+    """A field whose value must be > low."""
+    return field(default=default, metadata={"above": low})
+
+
+LYCHEE_PREFIX = "Given the instruction and query, judge whether the document is relevant to the query (yes/no)."
+
+
+@dataclass
+class PromptConfig:
+    prefix: str = LYCHEE_PREFIX
+    separator: str = "\n"  # between prefix and template
+    template: str = "Instruct: {instruction} Query: {query} Document: {document}"
+    suffix: str = ""  # e.g. a chat template's assistant opening, so that the next token is the answer
+    answer_prefix: str = ""  # what the assistant turn opens with before yes/no (Qwen3: an empty think block)
+    chat_template: bool = False  # render with tokenizer.apply_chat_template (system + template as the user turn)
+    system: str = ""  # the system message when chat_template is true
+    default_instruction: str = "Given a web search query, retrieve relevant passages that answer the query"
+    max_len: int = at_least(0, 0)  # total prompt tokens, template included; the document gets the rest; 0 = no total
+    instruction_max_len: int = at_least(0, 0)  # tokens; 0 = no cap
+    query_max_len: int = at_least(1, 64)  # tokens; the query is truncated to this
+    doc_max_len: int = at_least(0, 192)  # tokens; the document is truncated, never the template; 0 = only max_len
+    yes_token: str = "yes"
+    no_token: str = "no"
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = at_least(1, 64)
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: List[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    kind: ModelKind = ModelKind.causal_lm
+    path: str = MISSING  # a local directory, or pkg://package/sub/dir inside an installed package
+    random_init: bool = False  # build the architecture from path's config.json with fresh weights
+    dtype: Dtype = Dtype.float32  # dtype of the loaded weights
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+    dropout: Optional[float] = None  # overrides every dropout probability in the model's config; null = keep
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    # causal_lm relevance logit: yes_minus_no (Lychee, Qwen3-Reranker: softmax over yes/no) | yes_logit (the raw
+    # 'Yes' logit, FlagEmbedding's decoder-only rerankers); rank by the score the checkpoint was trained with
+    score: Score = Score.yes_minus_no
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    train_file: str = MISSING
+    dev_file: str = MISSING
+    instruction: Optional[str] = None  # overrides model.prompt.default_instruction for lines without one
+    batch_size: int = at_least(1, 4)  # queries per device per micro-step
+    train_group_size: int = at_least(1, 8)  # 1 positive + (n - 1) sampled negatives per query
+    random_negatives: int = at_least(0, 0)  # of those negatives, how many are other queries' positives (easy)
+    eval_batch_size: int = at_least(1, 64)  # (query, document) pairs per forward pass at evaluation
+    max_train_queries: int = at_least(0, 0)  # 0 = all; a prefix of the file, for quick runs
+    max_dev_queries: int = at_least(0, 0)
+    num_workers: int = at_least(0, 0)  # DataLoader workers that tokenize batches
+    bucket_by_length: bool = False  # batch queries whose prompts have similar lengths (less padding)
+    bucket_pool_batches: int = at_least(1, 64)  # optimizer steps' worth of queries sorted by length together
+
+
+@dataclass
+class LossConfig:
+    name: str = "pointwise"  # a registered loss (lychee_exp.core.losses.LOSSES): pointwise | listwise
+    temperature: float = above(0, 1.0)  # listwise: softmax over score / temperature
+    # distillation from the data's pos_scores/neg_scores (teacher scores): weight 0 = off; see losses.py
+    distill_weight: float = at_least(0, 0.0)
+    distill_temperature: float = above(0, 1.0)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"  # a registered optimizer (lychee_exp.core.optim.OPTIMIZERS)
+    lr: float = above(0, 1e-4)  # base learning rate, tuned at base_batch_size (Lychee: 1e-4)
+    base_batch_size: int = at_least(1, 4)  # effective batch (queries) at which lr applies
+    lr_scaling: LrScaling = LrScaling.none  # scale lr to the effective batch size
+    weight_decay: float = at_least(0, 0.01)
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    scheduler: Schedule = Schedule.linear  # after warmup
+    warmup_ratio: float = field(default=0.1, metadata={"min": 0, "below": 1})
+    max_grad_norm: float = at_least(0, 1.0)  # 0 disables clipping
+
+
+@dataclass
+class TrainerConfig:
+    max_epochs: int = at_least(0, 1)
+    max_steps: int = -1  # optimizer steps; > 0 overrides max_epochs
+    eval_every: int = at_least(0, 0)  # optimizer steps between dev evaluations; 0 = after each epoch only
+    evaluate: bool = True  # false: train only (throughput calibration and benchmarks)
+    eval_before_training: bool = True
+    grad_accum_steps: int = at_least(1, 1)
+    # forward each micro-batch's pairs in this many length-sorted chunks, each cut to its longest pair: less
+    # padding computed, the same logits (with data.bucket_by_length: what a long-tailed length mix wants)
+    forward_chunks: int = at_least(1, 1)
+    precision: Precision = Precision.auto
+    log_every: int = at_least(1, 5)
+    progress_bar: bool = True
+    deterministic: bool = True
+    save_model: bool = True
+    checkpoint_every: int = at_least(0, 0)  # optimizer steps between checkpoints in <run>/checkpoints; 0 = none
+    keep_checkpoints: int = at_least(0, 2)
+    resume: str = "never"  # never | auto (latest checkpoint in the run directory, if any) | a checkpoint dir
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Strategy = Strategy.ddp
+    backend: Backend = Backend.auto
+    max_restarts: int = at_least(0, 0)  # elastic restarts of all ranks after a failure; they resume from a checkpoint
+    find_unused_parameters: bool = False
+    timeout_s: int = at_least(1, 1800)  # collective timeout; dev evaluation must finish within it
+    cpu_threads_per_rank: int = at_least(0, 0)  # CPU ranks: torch threads each; 0 = an equal share of the cores
+    # in a -m sweep whose trials run in the sweep's own process: DDP ranks stay alive from one trial to the next
+    # (fresh model, optimizer, data order, seeds and logger per trial; new ranks after a failed trial)
+    warm_ranks: bool = True
+
+
+@dataclass
+class LoggerConfig:
+    name: LoggerName = LoggerName.wandb
+    project: str = "lychee_exp"
+    entity: Optional[str] = None
+    mode: LoggerMode = LoggerMode.auto
+    group: Optional[str] = None  # default: the sweep's study name, or the run's name
+    job_type: Optional[str] = None  # default: trial in sweeps, else train
+    tags: List[str] = field(default_factory=list)
+    init_timeout_s: int = at_least(1, 30)  # an unreachable server costs at most this, then the run goes offline
+
+
+@dataclass
+class SpeedupConfig:
+    """Observed speedup = this run's train samples/s / one device's, same model, lengths, batch, precision."""
+
+    baseline_file: str = "outputs/throughput_baselines.json"  # cache of single-device throughput, by key
+    calibrate: bool = True  # without a cached baseline, time a few single-device steps before training
+    calibration_steps: int = at_least(1, 4)  # timed steps (after 2 warm-up steps)
+    baseline_samples_per_s: float = 0.0  # > 0: use this single-device figure (skips cache and calibration)
+
+
+@dataclass
+class TrialConfig:
+    """Set by the Optuna sweeper for each trial (never by hand): where rank 0 reports dev metrics for pruning."""
+
+    storage: str = ""  # SQLAlchemy URL of the study; empty = not a sweep trial
+    study_name: str = ""
+    number: int = -1  # the trial's number in its study (names its directory)
+    id: int = -1  # the storage's trial id, to report intermediate values to
+    pruner: Dict[str, Any] = field(default_factory=dict)  # _target_ spec of the study's pruner
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    seed: int = 42
+    gpus: Any = "auto"  # an int, or auto (all visible GPUs; without CUDA, CPU ranks for the cores)
+    optimized_metric: Metric = Metric["ndcg@10"]  # type: ignore[valid-type]
+    output_dir: str = MISSING
+    speedup: SpeedupConfig = field(default_factory=SpeedupConfig)
+    trial: TrialConfig = field(default_factory=TrialConfig)
+
+
+def register_schema() -> None:
+    ConfigStore.instance().store(name="lychee_schema", node=RunConfig)
+
+
+def check_config(cfg: DictConfig | RunConfig) -> None:
+    """Bounds and cross-field rules; raises UserError naming the key."""
+    run_cfg = cfg if isinstance(cfg, RunConfig) else _to_object(cfg)
+    _check_bounds(run_cfg, "")
+    group = run_cfg.data.train_group_size
+    if run_cfg.loss.name == "listwise" and group < 2:
+        raise UserError(f"data.train_group_size must be >= 2 for loss=listwise (1 positive + negatives), got {group}")
+    if run_cfg.trainer.max_steps <= 0 and run_cfg.trainer.max_epochs < 1:
+        raise UserError("trainer.max_epochs must be >= 1 when trainer.max_steps <= 0")
+    if not run_cfg.model.prompt.max_len and not run_cfg.model.prompt.doc_max_len:
+        raise UserError("model.prompt.doc_max_len=0 needs a total budget: set model.prompt.max_len > 0")
+    _check_template(run_cfg.model.prompt.template)
+    parse_gpus(run_cfg.gpus)
+
+
+def _check_bounds(node: Any, prefix: str) -> None:
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_bounds(value, f"{key}.")
+        elif "min" in f.metadata and not value >= f.metadata["min"]:
+            raise UserError(f"{key} must be >= {f.metadata['min']}, got {value}")
+        elif "above" in f.metadata and not value > f.metadata["above"]:
+            raise UserError(f"{key} must be > {f.metadata['above']}, got {value}")
+        elif "below" in f.metadata and not value < f.metadata["below"]:
+            raise UserError(f"{key} must be < {f.metadata['below']}, got {value}")
+
+
+def _check_template(template: str) -> None:
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as err:
+        raise UserError(f"model.prompt.template is not a valid format string: {err}") from None
+    unknown = set(fields) - {"instruction", "query", "document"}
+    if unknown:
+        fields_help = "use {instruction}, {query}, {document}"
+        raise UserError(f"model.prompt.template has unknown field(s) {sorted(unknown)}; {fields_help}")
+    for needed in ("query", "document"):
+        if fields.count(needed) != 1:
+            raise UserError(f"model.prompt.template must contain {{{needed}}} exactly once")
+
+
+def _to_object(cfg: DictConfig) -> RunConfig:
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(cfg, resolve=True))
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def to_run_config(cfg: DictConfig | dict) -> RunConfig:
+    """The resolved, checked, plain-object config that training code reads (no Hydra needed in workers)."""
+    run_cfg = _to_object(cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg))
+    check_config(run_cfg)
+    return run_cfg
+
+
+def plain_dict(cfg: RunConfig) -> dict:
+    """The config as JSON types only (choices as their strings): for W&B, and for handing to worker processes."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))

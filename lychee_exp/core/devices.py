@@ -1,0 +1,98 @@
+"""Which devices a run uses: `parallel` x `gpus` -> a DevicePlan, decided in the Hydra process before launch.
+
+Without CUDA, `gpus=N` with parallel=ddp means N CPU ranks (gloo), each with an equal share of the cores, so
+that everything multi-device runs and is tested on a laptop or CI machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from lychee_exp.core.errors import UserError
+
+MAX_AUTO_CPU_RANKS = 4  # beyond this, gloo CPU ranks mostly add communication
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    strategy: str  # parallel.strategy: single | dp | ddp
+    device_type: str  # cuda | cpu
+    # devices whose batches make one step: GPUs (dp, ddp on cuda) or CPU ranks (ddp on cpu); 1 for single.
+    # metrics.json calls it world_size; DistEnv.world_size is torch's (processes), which differs under dp.
+    num_devices: int
+    threads_per_rank: int
+
+    @property
+    def num_processes(self) -> int:
+        return self.num_devices if self.strategy == "ddp" else 1
+
+    def describe(self) -> str:
+        if self.device_type == "cpu" and self.strategy == "ddp":
+            return (
+                f"no CUDA GPU: running {self.num_devices} CPU rank(s) with gloo, "
+                f"{self.threads_per_rank} torch thread(s) each"
+            )
+        unit = "GPU" if self.device_type == "cuda" else "CPU"
+        return f"{self.strategy}: {self.num_devices} {unit}(s), {self.num_processes} process(es)"
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def parse_gpus(gpus: object) -> int | None:
+    """`auto` -> None, else a positive int; anything else is a one-line error."""
+    if isinstance(gpus, str) and gpus.strip().lower() == "auto":
+        return None
+    try:
+        count = int(str(gpus))
+    except ValueError:
+        raise UserError(f"gpus={gpus!r} must be a positive integer or 'auto'") from None
+    if count < 1:
+        raise UserError(f"gpus={gpus} must be >= 1 (or 'auto')")
+    return count
+
+
+def plan_devices(
+    strategy: str, gpus: object, cuda_count: int | None = None, cores: int | None = None, cpu_threads_per_rank: int = 0
+) -> DevicePlan:
+    requested = parse_gpus(gpus)
+    cuda_count = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if cuda_count is None else cuda_count
+    cores = available_cores() if cores is None else cores
+    if strategy == "single":
+        if requested not in (None, 1):
+            raise UserError(f"parallel=single uses one device but gpus={gpus}; use parallel=ddp gpus={gpus}")
+        threads = 1 if cuda_count else cpu_threads_per_rank or cores
+        return DevicePlan("single", "cuda" if cuda_count else "cpu", 1, threads)
+    if strategy == "dp" and not cuda_count:
+        raise UserError(
+            "parallel=dp needs CUDA GPUs (torch.nn.DataParallel); without them use parallel=ddp, which runs CPU ranks"
+        )
+    if cuda_count:
+        count = cuda_count if requested is None else requested
+        if count > cuda_count:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+            raise UserError(f"gpus={count} but only {cuda_count} CUDA GPU(s) are visible{where}")
+        return DevicePlan(strategy, "cuda", count, max(1, cores // count))
+    count = max(1, min(cores, MAX_AUTO_CPU_RANKS)) if requested is None else requested
+    return DevicePlan("ddp", "cpu", count, cpu_threads_per_rank or max(1, cores // count))
+
+
+def torch_device(device_type: str, index: int = 0) -> torch.device:
+    """The device a process of a plan trains on: CUDA device `index` (its local rank), or the CPU."""
+    return torch.device("cuda", index) if device_type == "cuda" else torch.device("cpu")
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision != "auto":
+        return precision
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"

@@ -1,0 +1,119 @@
+"""Dev evaluation: rerank each query's candidates, NDCG@10 and MRR@10 (BEIR / MS MARCO conventions).
+
+NDCG uses graded gains (a dev line's `pos_labels`, else 1 per positive) with linear gain as trec_eval does;
+MRR counts any gain > 0 as relevant.
+
+Metrics come from torchmetrics' retrieval functions, per query, averaged over queries. Scoring is sharded
+across ranks and gathered, so every rank ends with the metrics a single process computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import defaultdict
+from typing import Callable, Sequence
+
+import torch
+from torchmetrics.functional.retrieval import retrieval_normalized_dcg, retrieval_reciprocal_rank
+
+from lychee_exp.core.data.groups import DevPairs
+from lychee_exp.core.distributed import DistEnv
+from lychee_exp.core.prompt import PromptEncoder
+
+TOP_K = 10
+log = logging.getLogger(__name__)
+
+
+def ranking_metrics(
+    scores: Sequence[float], labels: Sequence[int], query_index: Sequence[int], prefix: str = ""
+) -> dict[str, float]:
+    by_query: dict[int, list[int]] = defaultdict(list)
+    for row, qi in enumerate(query_index):
+        by_query[qi].append(row)
+    ndcg, mrr = [], []
+    for rows in by_query.values():
+        raw = torch.tensor([float(scores[r]) for r in rows], dtype=torch.float64)
+        # Ranks 1..n instead of raw scores: torchmetrics' reciprocal rank ignores candidates scoring <= 0, and
+        # our scores are log-odds. Ties keep the (seeded, shuffled) candidate order, for both metrics alike.
+        preds = (torch.argsort(torch.argsort(raw, stable=True), stable=True) + 1).to(torch.float64)
+        target = torch.tensor([labels[r] for r in rows])  # graded gains: NDCG uses them, MRR only relevant/not
+        ndcg.append(retrieval_normalized_dcg(preds, target, top_k=TOP_K).item())
+        mrr.append(retrieval_reciprocal_rank(preds, target > 0, top_k=TOP_K).item())
+    return {f"{prefix}ndcg@{TOP_K}": sum(ndcg) / len(ndcg), f"{prefix}mrr@{TOP_K}": sum(mrr) / len(mrr)}
+
+
+def bm25_scores(pairs: DevPairs) -> list[float]:
+    """BM25 (bm25s, Lucene variant) over the dev documents, scoring each query's own candidates."""
+    import bm25s
+
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
+    documents = sorted({doc for _, doc in pairs.texts})
+    doc_row = {doc: i for i, doc in enumerate(documents)}
+    retriever = bm25s.BM25()
+    retriever.index(bm25s.tokenize(documents, stopwords="en", show_progress=False), show_progress=False)
+    cache: dict[str, object] = {}
+    scores = []
+    for query, doc in pairs.texts:
+        if query not in cache:
+            tokens = bm25s.tokenize([query], stopwords="en", return_ids=False, show_progress=False)[0]
+            cache[query] = retriever.get_scores(tokens)
+        scores.append(float(cache[query][doc_row[doc]]))
+    return scores
+
+
+def reference_metrics(pairs: DevPairs) -> dict[str, float]:
+    """The bars a reranker is measured against, logged: BM25 on the dev candidates (bm25_*), and the dev file's
+    own teacher scores when it has them (teacher_*)."""
+    refs = ranking_metrics(bm25_scores(pairs), pairs.labels, pairs.query_index, prefix="bm25_")
+    log.info("BM25 on the dev candidates: ndcg@10 %.4f, mrr@10 %.4f", refs["bm25_ndcg@10"], refs["bm25_mrr@10"])
+    if pairs.teacher_scores is not None:
+        refs.update(ranking_metrics(pairs.teacher_scores, pairs.labels, pairs.query_index, prefix="teacher_"))
+        log.info("teacher scores of the dev file: ndcg@10 %.4f", refs["teacher_ndcg@10"])
+    return refs
+
+
+@torch.inference_mode()
+def score_token_ids(
+    model: torch.nn.Module,
+    encoder: PromptEncoder,
+    token_ids: Sequence[list[int]],
+    batch_size: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> list[float]:
+    """Relevance logits for tokenized prompts, batched by length so that little compute goes to padding."""
+    order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]), reverse=True)
+    scores = [0.0] * len(token_ids)
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        batch = encoder.pad([token_ids[i] for i in rows])
+        with autocast():
+            logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        for row, value in zip(rows, logits.float().cpu().tolist()):
+            scores[row] = value
+    return scores
+
+
+def evaluate(
+    model: torch.nn.Module,
+    encoder: PromptEncoder,
+    pairs: DevPairs,
+    batch_size: int,
+    device: torch.device,
+    env: DistEnv | None = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict[str, float]:
+    """Each rank scores every world_size-th pair (by length, so shards cost alike); results are all-gathered."""
+    env = env or DistEnv(device=device)
+    by_length = sorted(range(len(pairs.token_ids)), key=lambda i: len(pairs.token_ids[i]))
+    mine = by_length[env.rank :: env.world_size]
+    was_training = model.training
+    model.eval()
+    my_scores = score_token_ids(model, encoder, [pairs.token_ids[i] for i in mine], batch_size, device, autocast)
+    model.train(was_training)
+    scores = [0.0] * len(pairs.token_ids)
+    for rows, values in env.gather_objects((mine, my_scores)):
+        for row, value in zip(rows, values):
+            scores[row] = value
+    return ranking_metrics(scores, pairs.labels, pairs.query_index)

@@ -1,0 +1,68 @@
+"""What a run reads before it trains: the train and dev queries, and the tokenizer with its prompt encoder.
+
+Read once per process: `run.preflight` loads and checks them in the Hydra process before any rank starts, and
+the paths that train in that same process (single, dp, the speedup calibration, a torchrun rank) hand that
+object to the Trainer. Spawned DDP ranks load their own. A process that runs several jobs (a sweep worker, a
+warm rank) keeps the last inputs it read and reuses them while the settings and files they come from are the
+same: they are read-only to training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from lychee_exp.core.config import RunConfig
+from lychee_exp.core.data.queries import RankingQuery, check_negatives, check_teacher_scores, load_queries
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.model import answer_token_ids, build_encoder, load_tokenizer
+from lychee_exp.core.prompt import PromptEncoder
+from lychee_exp.core.resources import resolve_path
+
+
+@dataclass
+class RunInputs:
+    train_queries: list[RankingQuery]
+    dev_queries: list[RankingQuery]
+    tokenizer: Any  # a transformers tokenizer
+    encoder: PromptEncoder
+
+
+def load_inputs(cfg: RunConfig, warn_unknown: bool = True) -> RunInputs:
+    """Reads and checks the data files and the tokenizer; any problem is a UserError naming the key or file:line.
+    Unknown data keys are warned about once per file (warn_unknown=False where preflight has already said it)."""
+    global _last
+    key = _inputs_key(cfg)
+    if _last is not None and _last[0] == key:
+        return _last[1]
+    data = cfg.data
+    train = load_queries(data.train_file, "data.train_file", data.max_train_queries, warn_unknown)
+    check_negatives(train, data.train_group_size, data.random_negatives)
+    if cfg.loss.distill_weight > 0:
+        check_teacher_scores(train, "data.train_file")
+    dev = load_queries(data.dev_file, "data.dev_file", data.max_dev_queries, warn_unknown)
+    tokenizer = load_tokenizer(cfg.model)
+    encoder = build_encoder(cfg.model, tokenizer)
+    answer_token_ids(cfg.model, encoder)  # yes/no must each be one token: one line naming the key, else
+    _last = (key, RunInputs(train, dev, tokenizer, encoder))
+    return _last[1]
+
+
+_last: tuple[str, RunInputs] | None = None  # this process's last inputs, by what they were read from
+
+
+def _inputs_key(cfg: RunConfig) -> str:
+    """Everything load_inputs reads: the model (tokenizer, prompt), the data settings it applies, and the files
+    (path, size, times and inode, so that a file rewritten or replaced between two jobs is read again)."""
+    data = cfg.data
+    files = []
+    for spec, key in ((data.train_file, "data.train_file"), (data.dev_file, "data.dev_file")):
+        try:
+            stat = resolve_path(spec, key, must_exist=False).stat()
+            files.append([spec, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino])
+        except (OSError, UserError):  # a missing file: load_inputs names it, in one line
+            files.append([spec, None])
+    settings = [data.max_train_queries, data.max_dev_queries, data.train_group_size, data.random_negatives]
+    return json.dumps([dataclasses.asdict(cfg.model), settings, cfg.loss.distill_weight > 0, files], default=str)

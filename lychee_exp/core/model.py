@@ -1,0 +1,217 @@
+"""The reranker: a transformers backbone that turns a Lychee prompt into one relevance logit.
+
+For a causal LM (Lychee, Qwen2, Qwen3-Reranker) the logit is logit(yes) - logit(no) at the last position of a
+left-padded batch, so sigmoid(logit) = softmax over (yes, no) = p(yes); with `model.score: yes_logit` it is the raw
+yes logit, as FlagEmbedding's decoder-only rerankers score. A sequence classifier (the MiniLM cross-encoder) has
+one logit that plays the same role. Losses and rankings use this logit; `probability` gives sigmoid of it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lychee_exp.core.choices import ModelKind
+from lychee_exp.core.config import ModelConfig
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.prompt import PromptEncoder
+from lychee_exp.core.resources import resolve_path
+
+log = logging.getLogger(__name__)
+
+RERANKER_FILE = "lychee_reranker.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BackboneKind:
+    """How one model.kind loads its backbone and reads a score from it."""
+
+    auto_class: str  # the transformers Auto class that loads it
+    # causal LMs answer at the last position, so rows must end together; BERT's absolute positions want right
+    padding_side: str
+    lora_task_type: str
+    num_labels: int | None  # a classification head with this many logits (None: the LM head)
+    yes_no: bool  # the score is logit(yes) - logit(no) of the next token
+
+
+KINDS = {
+    ModelKind.causal_lm: BackboneKind("AutoModelForCausalLM", "left", "CAUSAL_LM", None, yes_no=True),
+    ModelKind.sequence_classification: BackboneKind(
+        "AutoModelForSequenceClassification", "right", "SEQ_CLS", 1, yes_no=False
+    ),
+}
+
+
+class Reranker(nn.Module):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        kind: str,
+        yes_id: int | None = None,
+        no_id: int | None = None,
+        score: str = "yes_minus_no",
+    ):
+        super().__init__()
+        self.backbone = backbone
+        self.kind = kind
+        self.yes_id, self.no_id = yes_id, no_id
+        self.score = score
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunks: list[tuple[list[int], int]] | None = None
+    ) -> torch.Tensor:
+        """One relevance logit per row. `chunks` (from bucketing.length_chunks): score the rows in groups of
+        similar length, each cut to its own width, so that fewer padding slots are computed; every row's logit
+        is the same as in one pass (positions count real tokens, padding is masked), in the rows' order."""
+        if not chunks or len(chunks) == 1:
+            return self._score(input_ids, attention_mask)
+        width = input_ids.shape[1]
+        parts, order = [], []
+        for rows, chunk_width in chunks:
+            index = torch.tensor(rows, device=input_ids.device)
+            cols = (
+                slice(width - chunk_width, width) if KINDS[self.kind].padding_side == "left" else slice(0, chunk_width)
+            )
+            parts.append(self._score(input_ids[index, cols], attention_mask[index, cols]))
+            order += rows
+        inverse = torch.argsort(torch.tensor(order, device=input_ids.device))
+        return torch.cat(parts)[inverse]
+
+    def _score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if self.kind == "sequence_classification":
+            return self.backbone(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
+        # Positions count real tokens only, so a left-padded row is computed exactly as it would be alone.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=1,
+            use_cache=False,
+        )
+        last = out.logits[:, -1, :].float()
+        if self.score == "yes_logit":
+            return last[:, self.yes_id]
+        return last[:, self.yes_id] - last[:, self.no_id]
+
+    @torch.inference_mode()
+    def probability(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """p(yes): softmax over the yes/no logits, i.e. sigmoid of the relevance logit."""
+        return torch.sigmoid(self(input_ids, attention_mask))
+
+
+def padding_side(cfg: ModelConfig) -> str:
+    return KINDS[cfg.kind].padding_side
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    path = model_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+        raise UserError(f"model.path={cfg.path}: the tokenizer has neither a pad nor an eos token to pad with")
+    return tokenizer
+
+
+def model_dir(cfg: ModelConfig) -> Path:
+    path = resolve_path(cfg.path, "model.path")
+    if not (path / "config.json").is_file():
+        raise UserError(f"model.path={cfg.path}: {path} has no config.json (expected a transformers model directory)")
+    return path
+
+
+def build_encoder(cfg: ModelConfig, tokenizer) -> PromptEncoder:
+    return PromptEncoder(tokenizer, cfg.prompt, padding_side(cfg))
+
+
+def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int) -> Reranker:
+    """Loads (or, with random_init, freshly initialises) the backbone and wraps it; LoRA when enabled."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # the "newly initialised head" report is expected here
+    transformers.logging.disable_progress_bar()
+    path = str(model_dir(cfg))
+    kind = KINDS[cfg.kind]
+    auto_cls = getattr(transformers, kind.auto_class)
+    extra = {"num_labels": kind.num_labels} if kind.num_labels else {}
+    kwargs = {"dtype": _DTYPES[cfg.dtype], "attn_implementation": cfg.attn_implementation}
+    torch.manual_seed(seed)  # random_init weights and new heads are part of the seeded run
+    config = transformers.AutoConfig.from_pretrained(path, **extra)
+    if cfg.dropout is not None:
+        for key, value in config.to_dict().items():
+            if "dropout" in key and isinstance(value, float):
+                setattr(config, key, cfg.dropout)
+    if cfg.random_init:
+        backbone = auto_cls.from_config(config, **kwargs)
+    else:
+        has_weights = any(Path(path).glob("*.safetensors")) or any(Path(path).glob("*.bin"))
+        if not has_weights:
+            raise UserError(
+                f"model.path={cfg.path}: no weights in {path} (set model.random_init=true to "
+                "initialise this architecture from scratch)"
+            )
+        backbone = auto_cls.from_pretrained(path, config=config, **kwargs)
+    if backbone.config.pad_token_id is None:
+        backbone.config.pad_token_id = encoder.pad_id
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing works with frozen (LoRA) inputs without enable_input_require_grads.
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora.enabled:
+        backbone = _add_lora(backbone, cfg)
+    yes_id, no_id = answer_token_ids(cfg, encoder)
+    return Reranker(backbone, cfg.kind, yes_id, no_id, cfg.score)
+
+
+def answer_token_ids(cfg: ModelConfig, encoder: PromptEncoder) -> tuple[int | None, int | None]:
+    """The yes/no token ids the score reads (each must be one token: else one line naming the key)."""
+    if not KINDS[cfg.kind].yes_no:
+        return None, None
+    yes_id = encoder.single_token_id("model.prompt.yes_token", cfg.prompt.yes_token)
+    if cfg.score == "yes_logit":
+        return yes_id, None
+    return yes_id, encoder.single_token_id("model.prompt.no_token", cfg.prompt.no_token)
+
+
+def _add_lora(backbone: nn.Module, cfg: ModelConfig) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in backbone.named_modules()}
+    missing = [m for m in cfg.lora.target_modules if m not in names]
+    if missing:
+        raise UserError(f"model.lora.target_modules: {missing} not found in the model")
+    lora = LoraConfig(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=list(cfg.lora.target_modules),
+        task_type=KINDS[cfg.kind].lora_task_type,
+    )
+    return get_peft_model(backbone, lora)
+
+
+def count_parameters(module: nn.Module) -> tuple[int, int]:
+    total = sum(p.numel() for p in module.parameters())
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return total, trainable
+
+
+def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path) -> None:
+    """Saves a plain transformers model (LoRA merged in) plus tokenizer, loadable with model.path=out_dir."""
+    from peft import PeftModel
+
+    backbone = reranker.backbone
+    if isinstance(backbone, PeftModel):
+        backbone = backbone.merge_and_unload()
+        reranker.backbone = backbone
+    out_dir.mkdir(parents=True, exist_ok=True)
+    backbone.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    info = {"kind": cfg.kind, "score": cfg.score, "prompt": asdict(cfg.prompt)}
+    (out_dir / RERANKER_FILE).write_text(json.dumps(info, indent=2) + "\n")

@@ -1,0 +1,62 @@
+"""Optimizer, learning-rate schedule and the batch-size rules of multi-device training.
+
+`optimizer.name` picks a builder from OPTIMIZERS: a new optimizer is one function registered here (trainable
+parameters, lr, the optimizer config -> torch optimizer) plus one file in conf/optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import get_scheduler
+
+from lychee_exp.core.config import OptimizerConfig, RunConfig
+from lychee_exp.core.registry import Registry
+
+OPTIMIZERS = Registry("optimizer.name")
+# transformers' names for our schedules (all after a linear warmup)
+_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}
+
+
+@OPTIMIZERS.register("adamw")
+def adamw(params: list[torch.nn.Parameter], lr: float, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def effective_batch_size(cfg: RunConfig, num_devices: int) -> int:
+    """Queries per optimizer step: per-device batch x devices x accumulation."""
+    return cfg.data.batch_size * num_devices * cfg.trainer.grad_accum_steps
+
+
+def scaled_lr(cfg: RunConfig, num_devices: int) -> float:
+    """The multi-GPU guide's rule: keep lr per sample constant as the effective batch grows (linear) or
+    grow it with the square root (sqrt, gentler for Adam)."""
+    ratio = effective_batch_size(cfg, num_devices) / cfg.optimizer.base_batch_size
+    factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.optimizer.lr_scaling]
+    return cfg.optimizer.lr * factor
+
+
+def optimizer_step(model: torch.nn.Module, optimizer, scheduler, scaler, cfg: OptimizerConfig) -> float:
+    """Unscale (fp16), clip the trainable parameters' gradients to cfg.max_grad_norm (0: no clipping), step the
+    optimizer and the schedule, clear the gradients; returns the gradient norm before clipping."""
+    scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf")).item()
+    scaler.step(optimizer)
+    scaler.update()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def build_optimizer(cfg: OptimizerConfig, model: torch.nn.Module, lr: float, total_steps: int):
+    """The configured optimizer over the trainable parameters; warmup then linear / cosine decay (or constant).
+    Returns (optimizer, scheduler, warmup steps)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = OPTIMIZERS.lookup(cfg.name)(trainable, lr, cfg)
+    warmup_steps = math.ceil(cfg.warmup_ratio * total_steps)
+    scheduler = get_scheduler(
+        _SCHEDULES[cfg.scheduler], optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
+    )
+    return optimizer, scheduler, warmup_steps

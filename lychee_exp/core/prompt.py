@@ -1,0 +1,153 @@
+"""A reranker's prompt: (instruction, query, document) -> token ids, within a length budget that cuts fields only.
+
+The rendered prompt is `prefix + separator + template + suffix + answer_prefix`, the template holding
+{instruction}, {query} and {document}. With `chat_template: true` the tokenizer's own chat template renders
+[system message, user turn = template] with the generation prompt, then `answer_prefix` (prefix, separator and
+suffix are then unused). The fields are cut to their token budgets first (the end of the
+prompt, where the model answers yes/no, is never cut); then the whole text is tokenized at once, exactly as the
+model's own usage tokenizes its prompt (a field's last character can merge with the text that follows, e.g. ".\n"
+in Qwen's tokenizer). Should that ever come out longer than the budget, the pieces tokenized one by one are used.
+
+Budgets: the instruction and the query are cut to their caps (`instruction_max_len`, `query_max_len`); with
+`max_len` (total tokens, template and special tokens included) the document gets what is left, so a short
+query leaves more room for its document; `doc_max_len` (0 = no cap of its own) caps the document as well.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from lychee_exp.core.config import PromptConfig
+from lychee_exp.core.errors import UserError
+
+# Fields get their budgets in this order: the document takes what the others leave.
+_PRIORITY = {"instruction": 0, "query": 1, "document": 2}
+_MARK = "\x00{}\x00"  # stands in for a field while a chat template renders the prompt
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    leading_space: bool  # the space before a field is tokenized with it, as BPE tokenizers expect
+
+
+def render_format(tokenizer, prompt: PromptConfig) -> str:
+    """The whole prompt as one format string with {instruction}/{query}/{document} left as fields."""
+    if not prompt.chat_template:
+        return prompt.prefix + prompt.separator + prompt.template + prompt.suffix + prompt.answer_prefix
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            "model.prompt.chat_template=true, but this tokenizer has no chat template "
+            "(set the template pieces by hand: model.prompt.prefix/template/suffix)"
+        )
+    names = ("instruction", "query", "document")
+    user = prompt.template.format(**{n: _MARK.format(n) for n in names})
+    messages = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + [
+        {"role": "user", "content": user}
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = (text + prompt.answer_prefix).replace("{", "{{").replace("}", "}}")
+    for name in names:
+        text = text.replace(_MARK.format(name), "{" + name + "}")
+    return text
+
+
+def render(tokenizer, prompt: PromptConfig, instruction: str, query: str, document: str) -> str:
+    """The full prompt text of one example, untruncated (what the model reads, as one string)."""
+    return render_format(tokenizer, prompt).format(instruction=instruction, query=query, document=document)
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer, prompt: PromptConfig, padding_side: str):
+        self.tokenizer = tokenizer
+        self.prompt = prompt
+        self.padding_side = padding_side
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.caps = {
+            "instruction": prompt.instruction_max_len,
+            "query": prompt.query_max_len,
+            "document": prompt.doc_max_len,
+        }  # 0 = no cap of its own
+        self._format = render_format(tokenizer, prompt)
+        self._pieces = self._parse(self._format)
+        # A chat template writes its own special tokens (BOS included); otherwise the tokenizer's are added.
+        self._special_before, self._special_after = ([], []) if prompt.chat_template else self._special_tokens()
+        self.template_len = (
+            len(self._special_before)
+            + len(self._special_after)
+            + sum(len(piece) for piece in self._pieces if not isinstance(piece, _Field))
+        )
+        if prompt.max_len and self.template_len >= prompt.max_len:
+            raise UserError(
+                f"model.prompt.max_len={prompt.max_len} leaves no room for the fields: the template "
+                f"alone is {self.template_len} tokens"
+            )
+
+    def _tokens(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def _parse(self, fmt: str) -> list:
+        pieces: list = []
+        literal = ""
+        for text, name, _, _ in string.Formatter().parse(fmt):
+            literal += text
+            if name is None:
+                continue
+            space = literal.endswith(" ")
+            pieces.append(self._tokens(literal[:-1] if space else literal))
+            pieces.append(_Field(name, space))
+            literal = ""
+        pieces.append(self._tokens(literal))
+        return pieces
+
+    def _special_tokens(self) -> tuple[list[int], list[int]]:
+        """The tokens the tokenizer wraps a single text in ([CLS] ... [SEP] for BERT, <bos> for Gemma)."""
+        bare = self._tokens("a")
+        wrapped = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+        start = next(i for i in range(len(wrapped)) if wrapped[i : i + len(bare)] == bare)
+        return wrapped[:start], wrapped[start + len(bare) :]
+
+    def encode(self, instruction: str, query: str, document: str) -> list[int]:
+        values = {"instruction": instruction, "query": query, "document": document}
+        fields = [(i, piece) for i, piece in enumerate(self._pieces) if isinstance(piece, _Field)]
+        left = self.prompt.max_len - self.template_len if self.prompt.max_len else None
+        tokens: dict[int, list[int]] = {}
+        cut = dict(values)  # each field's text, cut where its kept tokens end
+        for i, field in sorted(fields, key=lambda item: _PRIORITY[item[1].name]):
+            text = (" " if field.leading_space else "") + values[field.name]
+            encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True) if text else None
+            ids = encoded["input_ids"] if encoded else []
+            keep = min(len(ids), self.caps[field.name] or len(ids), len(ids) if left is None else max(left, 0))
+            if left is not None:
+                left -= keep
+            if keep < len(ids):
+                end = encoded["offset_mapping"][keep - 1][1] if keep else 0
+                text_kept = text[:end][1:] if field.leading_space else text[:end]
+                cut[field.name] = min(cut[field.name], text_kept, key=len)
+            tokens[i] = ids[:keep]
+        by_piece = list(self._special_before)
+        for i, piece in enumerate(self._pieces):
+            by_piece.extend(tokens[i] if isinstance(piece, _Field) else piece)
+        by_piece.extend(self._special_after)
+        whole = self.tokenizer(self._format.format(**cut), add_special_tokens=not self.prompt.chat_template)
+        return whole["input_ids"] if len(whole["input_ids"]) <= len(by_piece) else by_piece
+
+    def pad(self, sequences: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+        width = max(len(s) for s in sequences)
+        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            cols = slice(width - len(seq), width) if self.padding_side == "left" else slice(0, len(seq))
+            input_ids[row, cols] = torch.tensor(seq, dtype=torch.long)
+            attention_mask[row, cols] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    def single_token_id(self, key: str, text: str) -> int:
+        ids = self._tokens(text)
+        if len(ids) != 1:
+            raise UserError(f"{key}={text!r} is {len(ids)} tokens for this tokenizer; it must be exactly one")
+        return ids[0]

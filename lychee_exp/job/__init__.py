@@ -1,0 +1,2 @@
+"""One training job in the Hydra process: check, plan, calibrate, launch, write metrics.json.
+May import: everything below it (core, tracking, sweep, recipe, launch)."""

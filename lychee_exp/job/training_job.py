@@ -1,0 +1,122 @@
+"""One training job in the Hydra process: check the config and the inputs, plan the devices, calibrate the
+speedup baseline, launch the ranks, write metrics.json from rank 0's results, and return the optimized metric."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+from datetime import datetime
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lychee_exp.core.config import RunConfig, to_run_config
+from lychee_exp.core.devices import plan_devices
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.inputs import RunInputs, load_inputs
+from lychee_exp.core.losses import LOSSES
+from lychee_exp.core.optim import OPTIMIZERS
+from lychee_exp.job.results import write_results
+from lychee_exp.launch.cluster import is_main_process, launched_externally, local_ranks, under_torchrun
+from lychee_exp.launch.launcher import launch, train_in_process
+from lychee_exp.tracking.speedup import resolve_baseline
+
+log = logging.getLogger("lychee_exp")
+
+
+def run_stamp() -> str:
+    """Run directory name. Under torchrun every rank computes it, so it must not depend on the moment:
+    it comes from the rendezvous id that all ranks share (launch/torchrun.sh sets LYCHEE_RUN_STAMP)."""
+    if os.environ.get("LYCHEE_RUN_STAMP"):
+        return os.environ["LYCHEE_RUN_STAMP"]
+    if under_torchrun():
+        run_id = os.environ["TORCHELASTIC_RUN_ID"]
+        return (
+            f"{datetime.now():%Y-%m-%d}_torchrun-{run_id}"
+            if run_id != "none"
+            else f"{datetime.now():%Y-%m-%d_%H-%M}_torchrun"
+        )
+    # the suffix keeps two runs started in the same second apart
+    return f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{secrets.token_hex(2)}"
+
+
+def preflight(cfg: RunConfig) -> RunInputs:
+    """Everything a user can get wrong, checked before any training process starts; returns the inputs read,
+    which the ranks that train in this process reuse."""
+    LOSSES.lookup(cfg.loss.name)
+    OPTIMIZERS.lookup(cfg.optimizer.name)
+    return load_inputs(cfg)
+
+
+def _job_log_file() -> str | None:
+    """The Hydra job's log file, which rank 0 of a spawned run keeps writing to."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            return handler.baseFilename
+    return None
+
+
+def job_log_file() -> str | None:
+    """The Hydra job's log file, which rank 0 of a spawned run keeps writing to."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            return handler.baseFilename
+    return None
+
+
+def train_job(cfg: DictConfig) -> float:
+    """Runs one training job from a composed config and returns its optimized metric."""
+    try:
+        run_cfg = to_run_config(cfg)
+    except OmegaConfBaseException as err:
+        raise UserError(f"{err.full_key or 'config'}: {str(err).splitlines()[0]}") from None
+    if under_torchrun() and in_sweep():
+        raise UserError(
+            "-m sweeps cannot run under torchrun (every rank would sample its own hyperparameters); "
+            "run the sweep without torchrun: each trial launches its own ranks"
+        )
+    is_main = is_main_process()  # under torchrun global rank 0, on SLURM the first node: the one that writes
+    output_dir = Path(run_cfg.output_dir)
+    metrics_path = output_dir / "metrics.json"
+    if is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path.unlink(missing_ok=True)  # a stale result must not pass for this run's
+    inputs = preflight(run_cfg)
+    # under torchrun `gpus` is its ranks on this node, so CPU threads per rank follow the in-process rule
+    plan = plan_devices(
+        run_cfg.parallel.strategy,
+        local_ranks() or run_cfg.gpus,
+        cpu_threads_per_rank=run_cfg.parallel.cpu_threads_per_rank,
+    )
+    if is_main:
+        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))
+
+    if is_main:
+        # ranks started elsewhere (torchrun, other nodes) cannot wait for a calibration here: cache or given only
+        calibrate = run_cfg.speedup.calibrate and not launched_externally()
+        speedup = dataclasses.replace(run_cfg.speedup, calibrate=calibrate)
+        baseline = resolve_baseline(
+            dataclasses.replace(run_cfg, speedup=speedup),
+            plan,
+            lambda cfg, one: train_in_process(cfg, one, output_dir, inputs),
+        )
+        run_cfg = dataclasses.replace(
+            run_cfg, speedup=dataclasses.replace(run_cfg.speedup, baseline_samples_per_s=baseline)
+        )
+    metrics = launch(run_cfg, plan, output_dir, job_log_file(), inputs, keep_ranks=trials_run_here())
+    return write_results(run_cfg, plan, metrics, output_dir, is_main)
+
+
+def in_sweep() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def trials_run_here() -> bool:
+    """A sweep whose trials run one after another in this process (Hydra's basic launcher): the DDP ranks of
+    one trial can serve the next. Under submitit each trial is a job of its own, and its ranks end with it."""
+    return in_sweep() and str(HydraConfig.get().launcher.get("_target_", "")).endswith(".BasicLauncher")

@@ -1,0 +1,77 @@
+"""Which rank's failure to report when ranks fail together, and in which words.
+
+When one rank fails, its peers fail too, moments later, with errors about closed sockets or a stopped process
+group. The one line the user gets must name the rank that failed first for a reason of its own. Each failing
+rank writes a note (when and why) as it fails; the launcher reads them beside what it saw itself.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from lychee_exp.launch.cluster import NodeSpec
+
+FAILURE_NOTES = "logs/failures"
+
+# Errors that ranks report because ANOTHER rank died (its sockets closed, or the agent stopped them).
+_COLLATERAL = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "SIGTERM",
+    "NCCL",
+    "gloo",
+    "Gloo",
+    "ProcessGroup",
+)
+
+
+def failure_kind(message: str) -> str:
+    if "TrainingDiverged" in message or "loss is nan" in message or "loss is inf" in message:
+        return "diverged"
+    if "out of memory" in message.lower() or "OutOfMemoryError" in message:
+        return "oom"
+    return "crashed"
+
+
+def collateral(message: str) -> bool:
+    return any(m in message for m in _COLLATERAL)
+
+
+def first_cause(described: dict[int, tuple[float, str]]) -> tuple[int, str]:
+    """{rank: (unix time, message)} -> the rank and message to report: the earliest failure that is not a
+    consequence of another rank's."""
+    ranked = sorted((collateral(message), stamp, rank, message) for rank, (stamp, message) in described.items())
+    _, _, rank, message = ranked[0]
+    return rank, message
+
+
+def with_notes(described: dict[int, tuple[float, str]], notes: Path) -> dict[int, tuple[float, str]]:
+    """The ranks' own notes (written as they failed) over what the launcher saw: a rank killed by a signal
+    writes none, and the launcher's view fills that gap."""
+    described = dict(described)
+    for note in notes.glob("rank*.txt"):
+        stamp, _, message = note.read_text().strip().partition("\t")
+        described[int(note.stem[len("rank") :])] = (float(stamp), message)
+    return described
+
+
+def lost_nodes(nodes: NodeSpec, notes: Path, rank: int, message: str) -> str:
+    """The one line for a rank that lost its peers: the nodes whose ranks left no failure note are the ones
+    that went away (killed, preempted, or cut off)."""
+    noted = {int(p.stem[len("node") :]) for p in notes.glob("node*")}
+    lost = [nodes.node_name(k) for k in range(nodes.nnodes) if k != nodes.node_rank and k not in noted]
+    return (
+        f"lost {', '.join(lost) or 'another node'}: rank {rank} on {nodes.node_name(nodes.node_rank)} failed: {message}"
+    )
+
+
+def note_failure(output_dir: Path, rank: int, message: str) -> None:
+    """Each failing rank writes when and why at once, before any teardown: the launcher then names the rank
+    that failed first, not one that the agent happened to see exit first."""
+    notes = output_dir / FAILURE_NOTES
+    notes.mkdir(parents=True, exist_ok=True)
+    (notes / f"rank{rank}.txt").write_text(f"{time.time():.6f}\t{message}\n")
+    (notes / f"node{os.environ.get('SLURM_NODEID', '0')}").touch()  # this node was alive to write a note

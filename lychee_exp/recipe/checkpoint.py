@@ -1,0 +1,178 @@
+"""Periodic training checkpoints, written atomically and loaded without unpickling arbitrary objects.
+
+Layout: <run>/checkpoints/step_000120/{model.safetensors, state.pt} and <run>/checkpoints/latest (a file naming
+the newest complete checkpoint). A checkpoint is written into a temporary directory and renamed into place,
+then `latest` is replaced atomically: a crash mid-write leaves the previous checkpoint as the latest.
+model.safetensors holds the trainable parameters (all of them, or just LoRA's); state.pt holds optimizer,
+scheduler, scaler, progress and RNG states as tensors and plain containers, read with weights_only=True.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from lychee_exp.core.atomic import write_text_atomic
+from lychee_exp.recipe.progress import Progress
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+LATEST = "latest"
+
+
+def checkpoint_root(output_dir: Path) -> Path:
+    return output_dir / CHECKPOINT_DIR
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": json.dumps(random.getstate()),
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    python_state = json.loads(state["python"])
+    random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
+    torch.set_rng_state(state["torch"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().cpu().contiguous().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(output_dir: Path, step: int, model: torch.nn.Module, state: dict, keep: int) -> Path:
+    """Called on the main rank only; `state` holds everything but the weights."""
+    root = checkpoint_root(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(trainable_state(model), str(tmp / "model.safetensors"))
+    torch.save(state, tmp / "state.pt")
+    for name in ("model.safetensors", "state.pt"):
+        with open(tmp / name, "rb") as handle:
+            os.fsync(handle.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    write_text_atomic(root / LATEST, final.name + "\n")
+    for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _complete(path: Path) -> bool:
+    return (path / "state.pt").is_file() and (path / "model.safetensors").is_file()
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The checkpoint `latest` names; if that pointer is missing or stale, the newest complete step directory."""
+    root = checkpoint_root(output_dir)
+    pointer = root / LATEST
+    named = root / pointer.read_text().strip() if pointer.is_file() else None
+    if named is not None and named.name and _complete(named):
+        return named
+    steps = [path for path in sorted(root.glob("step_*"), reverse=True) if _complete(path)]
+    return steps[0] if steps else None
+
+
+def older_checkpoints(path: Path) -> list[Path]:
+    """Complete checkpoints of the same run older than path, newest first."""
+    return [
+        other
+        for other in sorted(path.parent.glob("step_*"), reverse=True)
+        if other.name < path.name and _complete(other)
+    ]
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module) -> dict:
+    """Loads the weights into model and returns the rest of the state (all ranks call this). Both files are
+    read before the model changes: a damaged checkpoint leaves the model as it was."""
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    weights = load_file(str(path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    wanted = {name for name, p in model.named_parameters() if p.requires_grad}
+    if unexpected or wanted & set(missing):
+        raise RuntimeError(
+            f"checkpoint {path} does not match the model: unexpected {unexpected[:3]}, "
+            f"missing {sorted(wanted & set(missing))[:3]}"
+        )
+    return state
+
+
+def save_training_state(
+    output_dir: Path, model: torch.nn.Module, optimizer, scheduler, scaler, env, progress: Progress, keep: int
+) -> Path | None:
+    """Collective (every rank's RNG state is gathered, so dropout continues as it would have); rank 0 writes."""
+    rngs = env.gather_objects(rng_state())
+    if not env.is_main:
+        return None
+    state = {
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        **{k: getattr(progress, k) for k in ("step", "epoch", "batch", "evaluated_at")},
+        "summary": json.dumps(progress.summary),
+        "rng": rngs,
+        "world_size": env.world_size,
+    }
+    return save_checkpoint(output_dir, progress.step, model, state, keep)
+
+
+def load_readable(path: Path, model: torch.nn.Module, fall_back: bool, report: bool) -> tuple[Path, dict]:
+    """Loads path, or (fall_back) the newest older checkpoint of the run that can be read, reporting each
+    unreadable one in one line (e.g. a state.pt truncated by a node that died mid-write outside our atomic
+    rename, or a damaged disk). Every rank sees the same files, so all ranks pick the same checkpoint."""
+    candidates = [path, *older_checkpoints(path)] if fall_back else [path]
+    for candidate in candidates:
+        try:
+            return candidate, load_checkpoint(candidate, model)
+        except Exception as err:  # safetensors, zip reader and unpickler errors have no common base
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            if candidate is candidates[-1]:
+                raise RuntimeError(
+                    f"no readable checkpoint: {candidate} cannot be read ({type(err).__name__}: {reason})"
+                ) from None
+            if report:
+                log.warning(
+                    "checkpoint %s cannot be read (%s: %s); resuming from the previous one",
+                    candidate,
+                    type(err).__name__,
+                    reason,
+                )
+    raise AssertionError("unreachable")
+
+
+def restore_training_state(path: Path, model: torch.nn.Module, optimizer, scheduler, scaler, env) -> Progress:
+    """Loads a checkpoint on every rank (with resume=auto, the newest readable one); returns the progress to
+    continue from, with the checkpoint it came from as its source."""
+    in_a_run = path.parent.name == CHECKPOINT_DIR  # a step directory of a run: its older ones may stand in
+    path, state = load_readable(path, model, fall_back=in_a_run, report=env.is_main)
+    if state["world_size"] != env.world_size:
+        raise ValueError(
+            f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
+            f"{env.world_size}; resume with the same gpus"
+        )
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"][env.rank])
+    fields = {k: state[k] for k in ("step", "epoch", "batch", "evaluated_at")}
+    return Progress(**fields, summary=json.loads(state["summary"]), source=path)

@@ -1,0 +1,333 @@
+"""The training recipe: setup -> fit (train with periodic dev evaluation) -> save -> cleanup, on one rank of a run.
+
+Every rank runs this same code; only the main rank logs, shows progress and saves. A step is one optimizer
+update over `grad_accum_steps` micro-batches of `data.batch_size` queries on each of `num_devices` devices.
+The parts (model, data, loss, optimizer, logger) come from the library (lychee_exp.core) and tracking modules
+named for them; what happens around a step (preemption, injected faults) comes from the caller as StepHooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from lychee_exp.core import evaluate as ev
+from lychee_exp.core.config import RunConfig
+from lychee_exp.core.data.groups import TrainGroups, build_dev_pairs
+from lychee_exp.core.data.loader import train_loader
+from lychee_exp.core.devices import DevicePlan, resolve_precision
+from lychee_exp.core.distributed import DistEnv, wrap_for_training
+from lychee_exp.core.errors import TrainingDiverged
+from lychee_exp.core.inputs import RunInputs, load_inputs
+from lychee_exp.core.losses import build_loss
+from lychee_exp.core.model import count_parameters, load_reranker, save_reranker
+from lychee_exp.core.optim import build_optimizer, optimizer_step, scaled_lr
+from lychee_exp.core.seeding import seed_everything
+from lychee_exp.recipe.checkpoint import latest_checkpoint, restore_training_state, save_training_state
+from lychee_exp.recipe.progress import NO_HOOKS, Progress, StepFigures, StepHooks
+from lychee_exp.recipe.step import WindowStep
+from lychee_exp.tracking.backends import NullLogger, run_logger
+from lychee_exp.tracking.console import log_eval, log_setup, log_train_step
+from lychee_exp.tracking.throughput import StepTimer, log_hints, setup_facts, speedup_facts, summarize
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """One rank's training run: `setup()` builds the model, data, optimizer, loss and logger; `fit()` trains with
+    periodic dev evaluation, checkpoints and the caller's step hooks and returns the run's metrics (the same on
+    every rank); `save()` writes the model (main rank); `cleanup()` closes the logger.
+
+    Raises TrainingDiverged when a step's loss is not finite, torch.OutOfMemoryError when a batch does not fit,
+    and whatever a step hook raises. A fit that a stop request ended returns with `preempted_at_step`."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        env: DistEnv,
+        plan: DevicePlan,
+        output_dir: Path,
+        eval_callbacks: Sequence[Callable[[int, dict], bool]] = (),
+        inputs: RunInputs | None = None,
+        hooks: StepHooks = NO_HOOKS,
+    ):
+        self.cfg, self.env, self.plan, self.output_dir, self.hooks = cfg, env, plan, output_dir, hooks
+        self.eval_callbacks = list(eval_callbacks)  # (step, dev metrics) -> True to stop; main rank only
+        self.inputs = inputs  # read by this process's preflight already, else loaded in setup
+        self.device = env.device
+        self.num_devices = plan.num_devices  # devices whose batches make one step (DDP ranks or DP GPUs)
+        # built by setup()
+        self.tokenizer = self.encoder = self.model = self.train_model = self.precision = None
+        self.train_set = self.dev_pairs = self.sampler = self.loader = None
+        self.num_batches = self.steps_per_epoch = self.total_steps = 0
+        self.lr, self.optimizer, self.scheduler, self.warmup_steps, self.scaler = 0.0, None, None, 0, None
+        self.loss_fn = self.resume_from = self.step = None
+        self.facts: dict = {}
+        self.logger = NullLogger()
+        # state of fit()
+        self.eval_time_s = 0.0
+        self.logged: list[StepFigures] = []  # steps since the last logged training row
+        self.bar: tqdm | None = None
+        self.stopped = False  # set when an evaluation callback (e.g. a sweep's pruner) ends the run early
+
+    # ----------------------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        seed_everything(cfg.seed, cfg.trainer.deterministic)
+        inputs = self.inputs or load_inputs(cfg, warn_unknown=False)  # the Hydra process warned already
+        self._setup_model(inputs)
+        self._setup_data(inputs)
+        self.loss_fn = build_loss(cfg.loss, cfg.data.train_group_size)
+        self._setup_optimizer()
+        self.resume_from = self._resume_path()
+        self.facts = setup_facts(cfg, self.env, self.plan, self.lr, self.precision, count_parameters(self.model))
+        self.logger = run_logger(cfg, self.output_dir, self.env.is_main, self.facts)
+        if self.env.is_main:
+            schedule = (self.total_steps, self.steps_per_epoch, self.warmup_steps)
+            log_setup(cfg, self.facts, len(self.train_set), self.dev_pairs, *schedule)
+
+    def _setup_model(self, inputs: RunInputs) -> None:
+        self.tokenizer, self.encoder = inputs.tokenizer, inputs.encoder
+        self.model = load_reranker(self.cfg.model, self.encoder, self.cfg.seed).to(self.device)
+        self.precision = resolve_precision(self.cfg.trainer.precision, self.device)
+        self.train_model = wrap_for_training(self.model, self.env, self.plan, self.cfg.parallel.find_unused_parameters)
+
+    def _setup_data(self, inputs: RunInputs) -> None:
+        cfg, env, data = self.cfg, self.env, self.cfg.data
+        instruction = data.instruction or cfg.model.prompt.default_instruction
+        self.train_set = TrainGroups(
+            inputs.train_queries, data.train_group_size, instruction, cfg.seed, data.random_negatives
+        )
+        self.dev_pairs = build_dev_pairs(inputs.dev_queries, self.encoder, instruction, cfg.seed)
+        # DataParallel splits one process's batch over its GPUs, so that process loads all of their batches.
+        loader_batch = data.batch_size * (self.num_devices if self.plan.strategy == "dp" else 1)
+        window = loader_batch * env.world_size * cfg.trainer.grad_accum_steps
+        self.sampler, self.loader = train_loader(
+            self.train_set, self.encoder, data, loader_batch, window, env.world_size, env.rank, cfg.seed, self.device
+        )
+        self.num_batches = math.ceil(self.sampler.num_samples / loader_batch)
+        self.steps_per_epoch = math.ceil(self.num_batches / cfg.trainer.grad_accum_steps)
+        trainer = cfg.trainer
+        self.total_steps = trainer.max_steps if trainer.max_steps > 0 else trainer.max_epochs * self.steps_per_epoch
+
+    def _setup_optimizer(self) -> None:
+        self.lr = scaled_lr(self.cfg, self.num_devices)
+        self.optimizer, self.scheduler, self.warmup_steps = build_optimizer(
+            self.cfg.optimizer, self.model, self.lr, self.total_steps
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.step = WindowStep(
+            self.train_model, self.loss_fn, self.scaler, self.precision, self.env, self.cfg.trainer.forward_chunks
+        )
+
+    def _resume_path(self) -> Path | None:
+        resume = self.cfg.trainer.resume
+        if resume == "never":
+            return None
+        return latest_checkpoint(self.output_dir) if resume == "auto" else Path(resume)
+
+    def evaluate(self) -> dict[str, float]:
+        start = time.perf_counter()
+        scorer = self.train_model if self.plan.strategy == "dp" else self.model  # DP: score on every GPU
+        batch = self.cfg.data.eval_batch_size
+        metrics = ev.evaluate(scorer, self.encoder, self.dev_pairs, batch, self.device, self.env, self.step.autocast)
+        self.eval_time_s += time.perf_counter() - start
+        return metrics
+
+    # ----------------------------------------------------------------------------------------------- train
+    def fit(self) -> dict:
+        cfg, env = self.cfg, self.env
+        progress = self._restore() if self.resume_from else Progress()
+        if progress.step == 0 and cfg.trainer.evaluate:
+            progress.summary.update(ev.reference_metrics(self.dev_pairs) if env.is_main else {})
+            if cfg.trainer.eval_before_training:
+                initial = self._eval_and_log(0)
+                progress.summary.update({f"initial_{k}": v for k, v in initial.items()}, **initial)
+                progress.evaluated_at = 0
+        timer = StepTimer(progress.step, self.total_steps)
+        self.logged = []
+        show = env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()
+        self.bar = tqdm(
+            total=self.total_steps, initial=progress.step, desc="train", dynamic_ncols=True, disable=not show
+        )
+        self.train_model.train()
+        train_start, eval_time_before = time.perf_counter(), self.eval_time_s
+        accum, batch = cfg.trainer.grad_accum_steps, self.loader.batch_size
+        while progress.step < self.total_steps and not self.stopped:
+            self.sampler.set_epoch(progress.epoch)
+            self.sampler.start = progress.batch * batch
+            self.train_set.set_epoch(progress.epoch)
+            batches = iter(self.loader)
+            for first in range(progress.batch, self.num_batches, accum):
+                micro_steps = min(accum, self.num_batches - first)
+                figures = self._train_window(batches, first, micro_steps, progress.step + 1)
+                progress.step += 1
+                timer.add(
+                    progress.step,
+                    figures.seconds,
+                    figures.wait,
+                    figures.busy,
+                    figures.queries,
+                    figures.tokens,
+                    figures.padded,
+                )
+                done = first + micro_steps
+                position = (progress.epoch, done) if done < self.num_batches else (progress.epoch + 1, 0)
+                if self._after_step(progress, figures, position):  # preemption: checkpointed, the requeued job resumes
+                    self.bar.close()
+                    return {**progress.summary, "steps": progress.step, "preempted_at_step": progress.step}
+                if progress.step >= self.total_steps or self.stopped:
+                    break
+            progress.epoch, progress.batch = progress.epoch + 1, 0
+            if progress.evaluated_at != progress.step and not self.stopped:
+                self._evaluate_into(progress)
+        self.bar.close()
+        train_time = time.perf_counter() - train_start - (self.eval_time_s - eval_time_before)
+        return self._finish(progress, timer, train_time)
+
+    def _train_window(self, batches, first: int, micro_steps: int, step: int) -> StepFigures:
+        """One optimizer step: forward and backward over the accumulation window, then the update."""
+        start = time.perf_counter()
+        # Queries in this window on each rank (the epoch's last batch may be short): the loss is a mean over
+        # the whole window, so accumulation and sharding give the gradient of one big batch.
+        batch = self.loader.batch_size
+        window_queries = min(self.sampler.num_samples, (first + micro_steps) * batch) - first * batch
+        stats, wait, busy = self.step.accumulate(batches, micro_steps, window_queries)
+        loss_sum, tokens, queries, distill_sum, padded = stats.tolist()  # one device-to-host copy per step
+        loss = loss_sum / queries
+        if not math.isfinite(loss):
+            raise TrainingDiverged(
+                f"loss is {loss} at step {step} (lr {self.lr:.3g}); lower "
+                "optimizer.lr or use trainer.precision=bf16/fp32"
+            )
+        grad_norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.scaler, self.cfg.optimizer)
+        if self.hooks.after_step:
+            self.hooks.after_step(step)
+        seconds = time.perf_counter() - start
+        return StepFigures(loss, distill_sum / queries, queries, tokens, padded, grad_norm, seconds, wait, busy)
+
+    def _after_step(self, progress: Progress, figures: StepFigures, position: tuple[int, int]) -> bool:
+        """Logging, evaluation and checkpoints due after this step; True when a stop request ended the run."""
+        cfg, step = self.cfg, progress.step
+        self.logged.append(figures)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{figures.loss:.4f}", samples_s=f"{figures.queries / figures.seconds:.1f}")
+        if step % cfg.trainer.log_every == 0 or step == self.total_steps:
+            self._log_train_row(progress, figures)
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+            self._evaluate_into(progress)
+        if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
+            self._checkpoint(progress, position)
+        if self.hooks.stop_requested():
+            self._checkpoint(progress, position)
+            return True
+        return False
+
+    def _log_train_row(self, progress: Progress, figures: StepFigures) -> None:
+        summary, logged = progress.summary, self.logged
+        summary["train_loss"] = sum(f.loss for f in logged) / len(logged)
+        if self.cfg.loss.distill_weight > 0:
+            summary["train_distill_loss"] = sum(f.distill_loss for f in logged) / len(logged)
+        lr = self.scheduler.get_last_lr()[0]
+        row = (
+            summary["train_loss"],
+            lr,
+            figures.grad_norm,
+            figures.queries,
+            figures.tokens,
+            figures.seconds,
+            figures.wait,
+        )
+        log_train_step(self.logger, self.env.is_main, progress.step, self.total_steps, progress.epoch, *row)
+        logged.clear()
+
+    def _evaluate_into(self, progress: Progress) -> None:
+        progress.summary.update(self._eval_and_log(progress.step))
+        progress.evaluated_at = progress.step
+
+    def _finish(self, progress: Progress, timer: StepTimer, train_time: float) -> dict:
+        """The run's metrics: its summary, setup facts, throughput over all ranks, times and speedup."""
+        env, summary = self.env, progress.summary
+        throughput = summarize(env.gather_objects(timer.rank_record(self.device)))
+        summary.update(self.facts, **throughput, steps=progress.step, epochs=progress.epoch, stopped_early=self.stopped)
+        summary.update(train_time_s=train_time, eval_time_s=self.eval_time_s)
+        summary.update(
+            speedup_facts(summary["train_samples_per_s"], self.cfg.speedup.baseline_samples_per_s, self.plan)
+        )
+        if env.is_main:
+            log_hints(summary, self.cfg.data.num_workers)
+        self.logger.log_summary({**summary, "peak_memory_mb": max(summary["peak_memory_mb_per_rank"])})
+        return summary
+
+    def _eval_and_log(self, step: int) -> dict[str, float]:
+        if not self.cfg.trainer.evaluate:
+            return {}
+        metrics = self.evaluate()
+        log_eval(self.logger, self.env.is_main, metrics, step)
+        # Callbacks decide on the main rank; every rank must then stop at the same step, or DDP would hang.
+        votes = [callback(step, metrics) for callback in self.eval_callbacks] if self.env.is_main else []  # all run
+        stop = any(votes)
+        stop = stop and step < self.total_steps  # a run that trained to the end is complete, never pruned
+        self.stopped = self.env.gather_objects(stop)[0]
+        if self.stopped and self.env.is_main:
+            log.info("stopping after the evaluation at step %d (an evaluation callback asked to)", step)
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ checkpoint
+    def _checkpoint(self, progress: Progress, position: tuple[int, int]) -> None:
+        """Collective; `position`: the epoch and batch the run continues from."""
+        at = dataclasses.replace(progress, epoch=position[0], batch=position[1])
+        parts = (self.model, self.optimizer, self.scheduler, self.scaler, self.env)
+        path = save_training_state(self.output_dir, *parts, at, self.cfg.trainer.keep_checkpoints)
+        if path:
+            log.info("checkpoint: %s", path)
+
+    def _restore(self) -> Progress:
+        parts = (self.model, self.optimizer, self.scheduler, self.scaler, self.env)
+        progress = restore_training_state(self.resume_from, *parts)
+        if self.env.is_main:
+            where = (progress.source, progress.step, progress.epoch, progress.batch)
+            log.info("resumed from %s at step %d (epoch %d, batch %d)", *where)
+        self.logger.truncate(progress.step)
+        return progress
+
+    # ------------------------------------------------------------------------------------------------ save
+    def save(self) -> None:
+        if self.env.is_main and self.cfg.trainer.save_model:
+            save_reranker(self.model, self.tokenizer, self.cfg.model, self.output_dir / "model")
+
+    def cleanup(self) -> None:
+        self.logger.finish()
+
+
+def train_on_rank(
+    cfg: RunConfig,
+    env: DistEnv,
+    plan: DevicePlan,
+    output_dir: Path,
+    inputs: RunInputs | None = None,
+    hooks: StepHooks = NO_HOOKS,
+) -> dict:
+    """setup -> fit -> save -> cleanup on this rank; every rank returns the same metrics."""
+    callbacks = []
+    if cfg.trial.storage and env.is_main:
+        from lychee_exp.sweep.pruning import pruning_callback  # optuna is only needed by sweeps
+
+        callbacks.append(pruning_callback(cfg.trial, cfg.optimized_metric))
+    trainer = Trainer(cfg, env, plan, output_dir, callbacks, inputs, hooks)
+    try:
+        trainer.setup()
+        metrics = trainer.fit()
+        if "preempted_at_step" not in metrics:
+            trainer.save()
+    finally:
+        trainer.cleanup()
+    return metrics

@@ -1,0 +1,3 @@
+"""What a run records and shows: metric names (keys, the one source), logging backends (metrics.csv, W&B), console
+lines, throughput and speedup, W&B record reading, the dashboard and the local report.
+May import: lychee_exp.core."""

@@ -1,0 +1,101 @@
+"""The run's own log lines (setup, training steps, evaluations) on the main rank, and the matching logger rows."""
+
+from __future__ import annotations
+
+import logging
+
+from lychee_exp.core.config import RunConfig
+from lychee_exp.tracking.backends import NullLogger
+from lychee_exp.tracking.keys import DEV_PREFIX, HISTORY
+
+log = logging.getLogger(__name__)
+
+
+def log_setup(
+    cfg: RunConfig,
+    facts: dict,
+    train_queries: int,
+    dev_pairs,
+    total_steps: int,
+    steps_per_epoch: int,
+    warmup_steps: int,
+) -> None:
+    """What the run is about to do, on the main rank: model, data, devices, batch and schedule."""
+    log.info(
+        "model %s (%s): %.1fM parameters, %.2fM trainable",
+        cfg.model.name,
+        cfg.model.kind,
+        facts["parameters"] / 1e6,
+        facts["trainable_parameters"] / 1e6,
+    )
+    log.info(
+        "data: %d train queries, %d dev queries (%d pairs); device %s x %d, precision %s",
+        train_queries,
+        len(set(dev_pairs.query_index)),
+        len(dev_pairs.labels),
+        facts["device"],
+        facts["num_devices"],
+        facts["precision"],
+    )
+    log.info(
+        "effective batch %d queries (%d per device x %d devices x %d accumulation); lr %.3g (base %.3g at "
+        "batch %d, scaling %s); %d steps (%d per epoch), warmup %d",
+        facts["effective_batch_size"],
+        cfg.data.batch_size,
+        facts["num_devices"],
+        cfg.trainer.grad_accum_steps,
+        facts["lr"],
+        cfg.optimizer.lr,
+        cfg.optimizer.base_batch_size,
+        cfg.optimizer.lr_scaling,
+        total_steps,
+        steps_per_epoch,
+        warmup_steps,
+    )
+
+
+def log_train_step(
+    logger: NullLogger,
+    is_main: bool,
+    step: int,
+    total_steps: int,
+    epoch: int,
+    loss: float,
+    lr: float,
+    grad_norm: float,
+    queries: float,
+    tokens: float,
+    elapsed: float,
+    wait: float,
+) -> None:
+    """One training row; queries and (non-pad) tokens of the step over all ranks."""
+    samples_per_s, tokens_per_s = queries / elapsed, tokens / elapsed
+    logger.log_metrics(
+        {
+            HISTORY["loss"]: loss,
+            HISTORY["lr"]: lr,
+            HISTORY["grad_norm"]: grad_norm,
+            HISTORY["samples_per_s"]: samples_per_s,
+            HISTORY["tokens_per_s"]: tokens_per_s,
+            HISTORY["data_wait"]: wait / elapsed,
+            HISTORY["epoch"]: epoch,
+        },
+        step,
+    )
+    if is_main:
+        log.info(
+            "step %d/%d | loss %.4f | lr %.3g | %.1f samples/s | %.0f tokens/s | data wait %.0f%%",
+            step,
+            total_steps,
+            loss,
+            lr,
+            samples_per_s,
+            tokens_per_s,
+            100 * wait / elapsed,
+        )
+
+
+def log_eval(logger: NullLogger, is_main: bool, metrics: dict[str, float], step: int) -> None:
+    logger.log_metrics({f"{DEV_PREFIX}{k}": v for k, v in metrics.items()}, step)
+    if is_main:
+        log.info("step %d: dev %s", step, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))

@@ -1,0 +1,37 @@
+"""Metric names: the one source for what the loggers write, what the dashboard plots, what the report and
+trials.csv read. A new W&B key is added here, then used by name."""
+
+# History keys, one value per logged step or evaluation
+HISTORY = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "samples_per_s": "train/samples_per_s",
+    "tokens_per_s": "train/tokens_per_s",
+    "data_wait": "train/data_wait_share",
+    "epoch": "epoch",
+    "dev_ndcg": "dev/ndcg@10",
+    "dev_mrr": "dev/mrr@10",
+}
+DEV_PREFIX = "dev/"  # every dev metric of an evaluation, e.g. dev/ndcg@10
+# Summary keys (one value per run; also in metrics.json). dev/ndcg@10's W&B summary is its best (define_metric).
+# `num_devices` counts the devices whose batches make a step (DDP ranks or DataParallel GPUs); runs written before
+# it existed call it `world_size`, which readers take as num_devices.
+SUMMARY = [
+    "ndcg@10",
+    "mrr@10",
+    "effective_batch_size",
+    "num_devices",
+    "speedup",
+    "scaling_efficiency",
+    "baseline_samples_per_s",
+    "peak_memory_mb",
+]
+# Config keys: the resolved Hydra config (nested: "optimizer.lr" is config.optimizer.lr) plus the derived values;
+# `lr` is the learning rate after scaling to the effective batch.
+CONFIG = ["optimizer.lr", "data.batch_size", "effective_batch_size", "num_devices", "lr"]
+
+
+def num_devices(metrics: dict):
+    """A run's device count, from its metrics (older runs: `world_size`)."""
+    return metrics.get("num_devices", metrics.get("world_size"))

@@ -1,0 +1,142 @@
+"""Training throughput and the numbers behind the multi-GPU guide's three questions:
+out of memory (peak memory per rank), no speedup (share of step time waiting for data), uneven GPU use
+(slowest / fastest rank); and the observed speedup over one device."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+from pathlib import Path
+
+import torch
+
+from lychee_exp.core.config import RunConfig
+from lychee_exp.core.devices import DevicePlan
+from lychee_exp.core.distributed import DistEnv, device_name
+from lychee_exp.core.optim import effective_batch_size
+
+log = logging.getLogger(__name__)
+
+WARMUP_STEPS = 2  # the first steps pay for allocator and kernel warm-up; throughput skips them
+DATA_WAIT_HINT = 0.2  # share of step time spent waiting for batches that earns a hint
+RANK_SPREAD_HINT = 1.25  # slowest / fastest rank compute time that earns a hint
+
+
+class StepTimer:
+    """Sums step times after warm-up. `busy` is a rank's time outside collectives (data wait + forward):
+    backward and the optimizer step wait for the slowest rank, so they would hide which rank is slow."""
+
+    def __init__(self, first_step: int, total_steps: int):
+        # a run too short to skip warm-up is timed whole rather than not at all
+        self.timed_from = first_step + WARMUP_STEPS if total_steps - first_step > WARMUP_STEPS else first_step
+        self.sums = {"time": 0.0, "wait": 0.0, "busy": 0.0, "queries": 0.0, "tokens": 0.0, "padded": 0.0}
+
+    def add(
+        self, step: int, elapsed: float, wait: float, busy: float, queries: float, tokens: float, padded: float
+    ) -> None:
+        """`tokens`: real (non-pad) tokens; `padded`: batch slots, pad included."""
+        if step > self.timed_from:
+            for key, value in zip(self.sums, (elapsed, wait, busy, queries, tokens, padded)):
+                self.sums[key] += value
+
+    def rank_record(self, device: torch.device) -> dict:
+        return {**self.sums, "peak_memory_mb": peak_memory_mb(device)}
+
+
+def setup_facts(
+    cfg: RunConfig, env: DistEnv, plan: DevicePlan, lr: float, precision: str, parameters: tuple[int, int]
+) -> dict:
+    """The run's parallel setup, as logged to W&B's config and written to metrics.json. Two counts differ
+    under DataParallel: num_devices (GPUs whose batches make a step) and num_processes (torch's world size)."""
+    return {
+        "num_devices": plan.num_devices,
+        "num_processes": env.world_size,
+        "strategy": str(plan.strategy),
+        "backend": torch.distributed.get_backend() if env.distributed else "none",
+        "per_device_batch_size": cfg.data.batch_size,
+        "grad_accum_steps": cfg.trainer.grad_accum_steps,
+        "effective_batch_size": effective_batch_size(cfg, plan.num_devices),
+        "train_group_size": cfg.data.train_group_size,
+        "lr": lr,
+        "base_lr": cfg.optimizer.lr,  # lr: optimizer.lr scaled to the effective batch
+        "precision": str(precision),
+        "device": device_name(env.device),
+        "device_type": env.device.type,
+        "cpu_threads_per_rank": torch.get_num_threads(),
+        "parameters": parameters[0],
+        "trainable_parameters": parameters[1],
+    }
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak since this process started, or since the last reset_peak_memory (a warm rank's trial)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:  # VmHWM: the peak resident set, which reset_peak_memory can reset (ru_maxrss cannot be)
+        status = Path("/proc/self/status").read_text()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: a process that runs several jobs reports each job's own."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM to the current resident set
+
+
+def summarize(per_rank: list[dict]) -> dict:
+    """Run-level figures from every rank's StepTimer record (queries and tokens are global already)."""
+    main = per_rank[0]
+    busy = [r["busy"] for r in per_rank]
+    return {
+        "train_samples_per_s": main["queries"] / main["time"] if main["time"] else 0.0,
+        "train_tokens_per_s": main["tokens"] / main["time"] if main["time"] else 0.0,
+        # share of the batch slots that hold padding: compute spent on no token
+        "padding_share": 1 - main["tokens"] / main["padded"] if main["padded"] else 0.0,
+        "data_wait_share": sum(r["wait"] / r["time"] if r["time"] else 0.0 for r in per_rank) / len(per_rank),
+        "rank_time_spread": max(busy) / min(busy) if min(busy) > 0 else 1.0,
+        "peak_memory_mb_per_rank": [r["peak_memory_mb"] for r in per_rank],
+    }
+
+
+def log_hints(facts: dict, num_workers: int) -> None:
+    if facts["data_wait_share"] > DATA_WAIT_HINT:
+        log.warning(
+            "data loading: %.0f%% of step time waits for batches; raise data.num_workers (now %d)",
+            100 * facts["data_wait_share"],
+            num_workers,
+        )
+    if facts["rank_time_spread"] > RANK_SPREAD_HINT:
+        log.warning(
+            "uneven ranks: the slowest takes %.2fx the fastest; check other jobs on those devices, "
+            "CPU threads per rank, or length-skewed batches",
+            facts["rank_time_spread"],
+        )
+
+
+def baseline_description(plan: DevicePlan) -> str:
+    """What `speedup` divides by, in words: on CPU one rank with the run's threads per rank, which is not one
+    process using every core (on a 2-core machine that one is as fast as 2 ranks x 1 thread)."""
+    if plan.device_type == "cuda":
+        return f"1 GPU ({torch.cuda.get_device_name(0)})"
+    threads = plan.threads_per_rank
+    return f"1 rank x {threads} thread{'s' if threads > 1 else ''} (CPU)"
+
+
+def speedup_facts(samples_per_s: float, baseline: float, plan: DevicePlan) -> dict:
+    """speedup = samples/s / one device's (baseline); a single-device run without a baseline is its own.
+    `speedup_baseline` says in words what was divided by."""
+    if baseline <= 0:
+        baseline = samples_per_s if plan.num_devices == 1 else 0.0
+    speedup = samples_per_s / baseline if baseline > 0 else float("nan")
+    return {
+        "baseline_samples_per_s": baseline,
+        "speedup": speedup,
+        "scaling_efficiency": speedup / plan.num_devices,
+        "speedup_baseline": baseline_description(plan) if baseline > 0 else "none measured",
+    }
