@@ -33,6 +33,7 @@ from lychee_exp.core.choices import (  # noqa: F401  (Choice: re-exported, the b
     Score,
     Strategy,
 )
+from lychee_exp.core.chunks import forward_chunk_count
 from lychee_exp.core.devices import parse_gpus
 from lychee_exp.core.errors import UserError
 
@@ -145,8 +146,9 @@ class TrainerConfig:
     eval_before_training: bool = True
     grad_accum_steps: int = at_least(1, 1)
     # forward each micro-batch's pairs in this many length-sorted chunks, each cut to its longest pair: less
-    # padding computed, the same logits (with data.bucket_by_length: what a long-tailed length mix wants)
-    forward_chunks: int = at_least(1, 1)
+    # padding computed, the same logits (with data.bucket_by_length: what a long-tailed length mix wants).
+    # auto: per device type, as measured (lychee_exp.core.chunks.AUTO_FORWARD_CHUNKS)
+    forward_chunks: Any = "auto"
     precision: Precision = Precision.auto
     log_every: int = at_least(1, 5)
     progress_bar: bool = True
@@ -237,6 +239,7 @@ def check_config(cfg: DictConfig | RunConfig) -> None:
         raise UserError("model.prompt.doc_max_len=0 needs a total budget: set model.prompt.max_len > 0")
     _check_template(run_cfg.model.prompt.template)
     parse_gpus(run_cfg.gpus)
+    forward_chunk_count(run_cfg.trainer.forward_chunks, "cpu")
 
 
 def _check_bounds(node: Any, prefix: str) -> None:
