@@ -1,0 +1,133 @@
+"""Trials in flight (hydra.sweeper.n_jobs): with hydra-submitit-launcher each trial is its own submitit job and
+up to n_jobs run at once, a slot taking the next trial as soon as its trial ends; other launchers get batches;
+the basic launcher runs trials one at a time. The app (tests/sweep_apps/sleepy.py) stamps when each job ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from hydra.core.utils import JobReturn, JobStatus
+from optuna.trial import TrialState
+
+from lychee_exp.sweep.trials import Pending, TrialRunner, launch_mode
+
+APPS = Path(__file__).resolve().parent / "sweep_apps"
+
+
+def _sleepy(tmp_path: Path, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, float]:
+    command = [sys.executable, str(APPS / "sleepy.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
+    began = time.monotonic()
+    proc = subprocess.run(command, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return proc, time.monotonic() - began
+
+
+def _stamps(tmp_path: Path) -> dict[int, dict]:
+    """Trial number -> the job's own {start, end, pid}."""
+    stamps = {}
+    for path in (tmp_path / "sweep").glob("*/stamps.json"):
+        stamps[int(path.parent.name)] = json.loads(path.read_text())
+    return stamps
+
+
+def _max_overlap(stamps: dict[int, dict]) -> int:
+    """The most jobs running at one instant (a job's start is such an instant when the most overlap)."""
+    return max(sum(1 for o in stamps.values() if o["start"] <= s["start"] < o["end"]) for s in stamps.values())
+
+
+@pytest.mark.slow
+def test_submitit_local_runs_n_jobs_trials_at_once(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    proc, wall = _sleepy(tmp_path, "hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=4", "sleep_s=8")
+    stamps = _stamps(tmp_path)
+    assert sorted(stamps) == [0, 1, 2, 3] and len({s["pid"] for s in stamps.values()}) == 4  # 4 job processes
+    assert _max_overlap(stamps) >= 3, stamps
+    study = optuna.load_study(study_name="sleepy", storage=f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
+    assert any("up to 4 trials at once" in line for line in proc.stdout.splitlines())
+    print(f"4 trials of 8 s, n_jobs=4, submitit_local: {wall:.1f} s wall, {_max_overlap(stamps)} at once")
+
+
+@pytest.mark.slow
+def test_a_slot_takes_the_next_trial_as_soon_as_its_trial_ends(tmp_path):
+    # trial 0 sleeps 14 s, the others 1 s: with n_jobs=2, trials 1 and 2 run in the second slot while trial 0
+    # still runs (in batches of 2, trial 2 would wait for trial 0)
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    _sleepy(
+        tmp_path,
+        "hydra/launcher=submitit_local",
+        "hydra.sweeper.n_jobs=2",
+        "hydra.sweeper.n_trials=3",
+        "first_s=14",
+        "sleep_s=1",
+    )
+    stamps = _stamps(tmp_path)
+    assert sorted(stamps) == [0, 1, 2]
+    assert stamps[1]["end"] <= stamps[2]["start"] < stamps[0]["end"], stamps
+
+
+def test_the_basic_launcher_runs_trials_one_at_a_time(tmp_path):
+    proc, _ = _sleepy(tmp_path, "hydra.sweeper.n_jobs=3", "hydra.sweeper.n_trials=3", "sleep_s=0.5")
+    assert _max_overlap(_stamps(tmp_path)) == 1
+    [line] = [line for line in proc.stdout.splitlines() if "n_jobs=3" in line]
+    assert "BasicLauncher runs trials one at a time" in line
+
+
+def test_launch_mode_per_launcher():
+    from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+    submitit = pytest.importorskip("hydra_plugins.hydra_submitit_launcher.submitit_launcher")
+    from hydra_plugins.lychee_submitit_launcher.launchers import RequeueingLocalLauncher
+
+    class JoblibLike:  # any other launcher: it runs a batch at once, but may not be called from threads
+        pass
+
+    assert launch_mode(BasicLauncher(), 4) == "one"
+    assert launch_mode(object.__new__(submitit.LocalLauncher), 1) == "one"
+    assert launch_mode(object.__new__(submitit.LocalLauncher), 2) == "slots"
+    assert launch_mode(object.__new__(submitit.SlurmLauncher), 2) == "slots"
+    assert launch_mode(object.__new__(RequeueingLocalLauncher), 2) == "slots"
+    assert launch_mode(JoblibLike(), 3) == "batch"
+
+
+def test_a_batch_is_one_launch_call_and_each_trial_gets_its_own_return(tmp_path):
+    calls = []
+
+    class Launcher:
+        def launch(self, jobs, initial_job_idx):
+            calls.append((len(jobs), initial_job_idx))
+            returns = []
+            for job in jobs:
+                ret = JobReturn()
+                x = float(next(line for line in job if line.startswith("x=")).split("=")[1])
+                ret.status, ret.return_value = (
+                    (JobStatus.COMPLETED, x) if x >= 0 else (JobStatus.FAILED, ValueError("x"))
+                )
+                returns.append(ret)
+            return returns
+
+    class Sweeper:  # what TrialRunner reads from the sweeper
+        launcher, sweep_dir, directions, objectives, oom_retry, lychee = Launcher(), tmp_path, ["minimize"], None, 0, 0
+
+    study = optuna.create_study()
+    batch = []
+    for number, x in enumerate([1.0, -1.0, 2.0]):
+        trial = study.ask()
+        batch.append(Pending(trial, number, [f"x={x}"], str(number)))
+    TrialRunner(Sweeper()).execute_batch(batch)
+    assert calls == [(3, 0)]
+    assert [(p.outcome.state, p.outcome.values) for p in batch] == [
+        ("COMPLETE", [1.0]),
+        ("FAIL", None),
+        ("COMPLETE", [2.0]),
+    ]
+    assert batch[1].outcome.reason == "crashed: ValueError: x"
