@@ -187,7 +187,11 @@ def test_an_oom_trial_is_retried_once_with_half_the_batch(tmp_path):
         capture_output=True,
         timeout=300,
     )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    # its only trial failed, retry included: the sweep ends with one line and exit 1 (no trial completed)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
+        f"error: no trial completed: 1 of 1 failed (reasons in {tmp_path / 'sweep'}/trials.csv)"
+    ]
     [trial] = _study(tmp_path / "sweep").trials
     assert trial.state == TrialState.FAIL and trial.user_attrs["fail_reason"].startswith("oom:")
     assert trial.user_attrs["oom_retry"] == {"batch_size": 1, "grad_accum_steps": 2}

@@ -75,6 +75,64 @@ def test_a_slot_takes_the_next_trial_as_soon_as_its_trial_ends(tmp_path):
     assert stamps[1]["end"] <= stamps[2]["start"] < stamps[0]["end"], stamps
 
 
+@pytest.mark.slow
+def test_the_failure_rate_stops_new_trials_and_waits_for_those_in_flight(tmp_path):
+    # n_trials=4, rate 0.25: the sweep stops at 2 failures; trial 0 (slow) is still in flight then: it is waited
+    # for and recorded, and no 4th trial starts
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    command = [sys.executable, str(APPS / "sleepy.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    args = ["hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=2", "hydra.sweeper.max_failure_rate=0.25"]
+    args += ["first_s=12", "sleep_s=0.5", "fail=true"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
+    proc = subprocess.run([*command, *args], cwd=tmp_path, env=env, text=True, capture_output=True, timeout=240)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    study = optuna.load_study(study_name="sleepy", storage=f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
+    assert [t.state for t in study.trials] == [TrialState.FAIL] * 3
+    assert study.trials[0].user_attrs["fail_reason"] == "crashed: RuntimeError: job 0 fails on purpose"
+    stamps = _stamps(tmp_path)
+    assert stamps[2]["end"] < stamps[0]["end"]  # trial 2 failed (the second failure) while trial 0 ran
+    [error] = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert "3 trials failed, more than max_failure_rate=0.25 x n_trials=4" in error
+
+
+@pytest.mark.slow
+def test_sigkill_with_trials_in_flight_then_the_same_command_finishes_the_study(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    command = [sys.executable, str(APPS / "sleepy.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    command += ["hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2", "sleep_s=3"]
+    command += ["hydra.sweeper.heartbeat_interval=1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    storage, deadline = f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}", time.monotonic() + 120
+    while True:  # both trials in flight
+        assert proc.poll() is None and time.monotonic() < deadline, "two trials never ran at once"
+        try:
+            trials = optuna.load_study(study_name="sleepy", storage=storage).trials
+        except Exception:  # no study yet
+            trials = []
+        if [t.state for t in trials] == [TrialState.RUNNING] * 2:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait(timeout=30)
+    _sleepy(tmp_path, *command[4:])
+    study = optuna.load_study(study_name="sleepy", storage=storage)
+    states = [(t.state, t.user_attrs.get("interrupted", False), t.user_attrs.get("retry_of")) for t in study.trials]
+    assert states == [
+        (TrialState.FAIL, True, None),
+        (TrialState.FAIL, True, None),
+        (TrialState.COMPLETE, False, 0),
+        (TrialState.COMPLETE, False, 1),
+    ] or states == [
+        (TrialState.FAIL, True, None),
+        (TrialState.FAIL, True, None),
+        (TrialState.COMPLETE, False, 1),
+        (TrialState.COMPLETE, False, 0),
+    ]
+    assert all("worker process is gone" in t.user_attrs["fail_reason"] for t in study.trials[:2])
+    assert {t.params["x"] for t in study.trials[2:]} == {t.params["x"] for t in study.trials[:2]}
+
+
 def test_the_basic_launcher_runs_trials_one_at_a_time(tmp_path):
     proc, _ = _sleepy(tmp_path, "hydra.sweeper.n_jobs=3", "hydra.sweeper.n_trials=3", "sleep_s=0.5")
     assert _max_overlap(_stamps(tmp_path)) == 1

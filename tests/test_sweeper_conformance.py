@@ -401,7 +401,7 @@ def test_failure_rate(tmp_path, max_failure_rate):
         assert len(trials) == 11 and "max_failure_rate=0.5" in error and "RuntimeError: cfg.error is True" in error
     else:
         assert "RuntimeError: cfg.error is True" not in proc.stderr
-        assert len(trials) == 20 and error.startswith("error: no trial completed: all 20 failed")
+        assert len(trials) == 20 and error.startswith("error: no trial completed: 20 of 20 failed")
         assert "best_value" not in _results(tmp_path)
 
 

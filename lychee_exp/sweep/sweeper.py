@@ -102,10 +102,10 @@ class LycheeOptunaSweeperImpl(Sweeper):
                 ran += self._told(runner, in_flight.pop(done.get()))
             st.recover_interrupted(self.study, self.storage, self.me)
             counts = st.tally(self.study)
-            if stop is None and counts.failed > self.max_failure_rate * self.n_trials:
-                stop = "failures"
             if stop is None and (self.exhausted or counts.finished >= self.n_trials):
                 stop = "done"
+            if stop is None and counts.failed > self.max_failure_rate * self.n_trials:
+                stop = "failures"  # no new trial; those in flight finish and are recorded
             if stop is not None and not in_flight:
                 break
             free = stop is None and len(in_flight) < (self.n_jobs if self.mode == "slots" else 1)
@@ -164,7 +164,8 @@ class LycheeOptunaSweeperImpl(Sweeper):
             self.sweep_dir,
         )
         if counts.finished and counts.failed == counts.finished:
-            fatal(f"no trial completed: all {counts.failed} failed (reasons in {self.sweep_dir}/trials.csv)", 1)
+            failed = f"{counts.failed} of {counts.finished}"
+            fatal(f"no trial completed: {failed} failed (reasons in {self.sweep_dir}/trials.csv)", 1)
 
     def _slot(self, runner: TrialRunner, pending: Pending, done: queue.Queue) -> None:
         try:
