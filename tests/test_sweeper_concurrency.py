@@ -133,6 +133,40 @@ def test_sigkill_with_trials_in_flight_then_the_same_command_finishes_the_study(
     assert {t.params["x"] for t in study.trials[2:]} == {t.params["x"] for t in study.trials[:2]}
 
 
+@pytest.fixture
+def postgres_url():
+    from lychee_exp.sweep.local_postgres import local_postgres, server_bindir
+
+    if server_bindir() is None:
+        pytest.skip("PostgreSQL server binaries are not installed")
+    pytest.importorskip("psycopg2")
+    with local_postgres() as url:
+        yield url
+
+
+@pytest.mark.slow
+def test_two_workers_with_two_slots_each_share_one_postgres_study(tmp_path, postgres_url):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    command = [sys.executable, str(APPS / "sleepy.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    command += ["hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=6", "sleep_s=4"]
+    command += [f"hydra.sweeper.storage={postgres_url}", "hydra.sweeper.sampler.seed=1"]
+    workers = []
+    for worker in range(2):
+        env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0", LYCHEE_SWEEP_WORKER=str(worker))
+        log = (tmp_path / f"worker_{worker}.log").open("w")
+        workers.append(subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
+    codes = [w.wait(timeout=300) for w in workers]
+    logs = [(tmp_path / f"worker_{worker}.log").read_text() for worker in range(2)]
+    assert codes == [0, 0], [log[-2000:] for log in logs]
+    study = optuna.load_study(study_name="sleepy", storage=postgres_url)
+    ran = [t for t in study.trials if not t.user_attrs.get("surplus")]
+    assert len(ran) == 6 and all(t.state == TrialState.COMPLETE for t in ran)
+    assert len({tuple(t.user_attrs["worker"]) for t in ran}) == 2  # both workers took trials
+    stamps = _stamps(tmp_path)
+    assert sorted(stamps) == sorted(t.number for t in ran)  # each trial ran once, in its own directory
+    assert _max_overlap(stamps) >= 3  # more than one worker's slots at once
+
+
 def test_the_basic_launcher_runs_trials_one_at_a_time(tmp_path):
     proc, _ = _sleepy(tmp_path, "hydra.sweeper.n_jobs=3", "hydra.sweeper.n_trials=3", "sleep_s=0.5")
     assert _max_overlap(_stamps(tmp_path)) == 1
@@ -189,3 +223,50 @@ def test_a_batch_is_one_launch_call_and_each_trial_gets_its_own_return(tmp_path)
         ("COMPLETE", [2.0]),
     ]
     assert batch[1].outcome.reason == "crashed: ValueError: x"
+
+
+def test_oom_retries_of_two_trials_in_flight_run_in_their_own_slots(tmp_path):
+    """Two slot threads at once, each trial out of memory once: each retries in `<number>-oom-retry` with half
+    the batch, and the retry's result is the trial's."""
+    import threading
+
+    from omegaconf import OmegaConf
+
+    from lychee_exp.errors import RunFailed
+
+    launched, lock = [], threading.Lock()
+
+    class Launcher:
+        def launch(self, jobs, initial_job_idx):
+            [job] = jobs
+            with lock:
+                launched.append(job[-1])
+            time.sleep(0.2)  # both trials' first attempts overlap
+            ret = JobReturn()
+            if "data.batch_size=1" in job:
+                ret.status, ret.return_value = JobStatus.COMPLETED, 0.5
+            else:
+                ret.status, ret.return_value = JobStatus.FAILED, RunFailed("rank 0: out of memory", "oom")
+            return [ret]
+
+    class Loader:
+        def load_sweep_config(self, config, overrides):
+            return OmegaConf.create({"data": {"batch_size": 2}, "trainer": {"grad_accum_steps": 1}})
+
+    class Sweeper:
+        launcher, sweep_dir, directions, objectives, oom_retry, lychee = Launcher(), tmp_path, ["maximize"], None, 1, 1
+        hydra_context, config = type("Context", (), {"config_loader": Loader()})(), None
+
+    study = optuna.create_study(direction="maximize")
+    runner = TrialRunner(Sweeper())
+    pending = [Pending(study.ask(), n, ["data.batch_size=2"], str(n)) for n in range(2)]
+    threads = [threading.Thread(target=runner.execute, args=(p,)) for p in pending]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(launched) == [f"hydra.sweep.subdir={n}{s}" for n in range(2) for s in ("", "-oom-retry")]
+    for p in pending:
+        assert (p.outcome.state, p.outcome.values) == ("COMPLETE", [0.5])
+        assert p.trial.user_attrs["oom_retry"] == {"batch_size": 1, "grad_accum_steps": 2}
+        assert p.trial.user_attrs["run_dir"] == str(tmp_path / f"{p.trial.number}-oom-retry")
