@@ -1,8 +1,11 @@
-"""Conformance of `hydra/sweeper=lychee_optuna` with hydra-optuna-sweeper: the upstream plugin's examples
-(sphere, grid, multi-objective, custom search space, failures, the removed motpe sampler) and its
-distribution tests, with the sweeper's name changed only, plus a lightning-hydra-template-shaped
-mnist_optuna.yaml. The apps in tests/sweep_apps are plain Hydra apps (no `trial` key) that return their
-objective; each sweep is a short subprocess (trials run in it through Hydra's basic launcher).
+"""Conformance of `hydra/sweeper=lychee_optuna` with hydra-optuna-sweeper, as read from facebookresearch/hydra
+`plugins/hydra_optuna_sweeper/{tests/test_optuna_sweeper_plugin.py,example/}` at upstream commit 2c03d1b925fe:
+its module surface (`_impl` helpers, `config.MOTPESamplerConfig`, `optuna_sweeper.OptunaSweeper`), its examples
+(sphere, grid, multi-objective, custom search space, failures, the removed motpe sampler) with the sweeper's name
+changed only, and a lightning-hydra-template-shaped mnist_optuna.yaml. Each assertion states upstream's expected
+value; where this sweeper differs on purpose, the test is named `test_deviation_*` and says what upstream does.
+The apps in tests/sweep_apps are plain Hydra apps (no `trial` key) that return their objective; each sweep is a
+short subprocess (trials run in it through Hydra's basic launcher).
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ def _lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
 
 
+def _errors(proc: subprocess.CompletedProcess) -> list[str]:
+    """The sweeper's fatal lines: on stderr, each starting `error: `."""
+    return [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+
+
 def _sampler(proc: subprocess.CompletedProcess) -> str:
     """The sampler class the sweeper built, from its start line (a loaded study does not keep its sampler)."""
     [sampler] = [m[1] for line in _lines(proc) if (m := re.search(r"\] study \S+ in .* \((\w+)\): \d+ of", line))]
@@ -106,6 +114,9 @@ def _space(*arguments: str, params: dict | None = None, custom: str | None = Non
     return build_space(params, list(arguments), config, custom, OverridesParser.create(config_loader=_Loader()))
 
 
+UPSTREAM_FORMS = 10  # DISTRIBUTIONS[:10] is upstream's table
+
+
 @pytest.mark.parametrize("line, expected", DISTRIBUTIONS, ids=[line for line, _ in DISTRIBUTIONS])
 def test_every_grammar_form_gives_upstreams_distribution(line, expected):
     [(key, actual)] = _space(line).distributions.items()
@@ -114,6 +125,73 @@ def test_every_grammar_form_gives_upstreams_distribution(line, expected):
         assert set(actual.choices) == set(expected.choices)
     else:
         assert actual == expected
+
+
+# ------------------------------------------------------------------- upstream's module surface, renamed
+@pytest.mark.parametrize(
+    "line, expected", DISTRIBUTIONS[:UPSTREAM_FORMS], ids=[line for line, _ in DISTRIBUTIONS[:UPSTREAM_FORMS]]
+)
+def test_impl_create_optuna_distribution_from_override(line, expected):
+    from hydra_plugins.lychee_optuna_sweeper import _impl
+
+    [override] = OverridesParser.create().parse_overrides([line])
+    actual = _impl.create_optuna_distribution_from_override(override)
+    assert type(actual) is type(expected)
+    assert set(actual.choices) == set(expected.choices) if "shuffle" in line else actual == expected
+
+
+@pytest.mark.parametrize(
+    "arguments, expected",
+    [  # upstream's cases: (distributions, fixed values as strings, deletion lines)
+        (["key=choice(1,2)"], ({"key": CategoricalDistribution([1, 2])}, {}, [])),
+        (["key=5"], ({}, {"key": "5"}, [])),
+        (["key1=choice(1,2)", "key2=5"], ({"key1": CategoricalDistribution([1, 2])}, {"key2": "5"}, [])),
+        (
+            ["key1=choice(1,2)", "key2=5", "key3=range(1,3)"],
+            ({"key1": CategoricalDistribution([1, 2]), "key3": IntDistribution(1, 3)}, {"key2": "5"}, []),
+        ),
+        (["~z"], ({}, {}, ["~z"])),
+        (["~z=10"], ({}, {}, ["~z=10"])),
+    ],
+)
+def test_impl_create_params_from_overrides(arguments, expected):
+    from hydra_plugins.lychee_optuna_sweeper import _impl
+
+    assert _impl.create_params_from_overrides(arguments) == expected
+
+
+def test_impl_refuses_a_sweep_it_cannot_map():
+    from hydra_plugins.lychee_optuna_sweeper import _impl
+
+    [override] = OverridesParser.create().parse_overrides(["key=range(5, 1)"])
+    with pytest.raises(ValueError, match=r"range\(5, 1, step=1\) needs start <= stop"):
+        _impl.create_optuna_distribution_from_override(override)
+
+
+def test_motpe_sampler_config_raises_that_it_was_removed():
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    from hydra_plugins.lychee_optuna_sweeper.config import MOTPESamplerConfig
+
+    with pytest.raises(InstantiationException, match="The 'motpe' sampler was removed in Optuna 4.0"):
+        instantiate(OmegaConf.structured(MOTPESamplerConfig))
+
+
+def test_optuna_sweeper_is_the_same_sweeper_under_upstreams_name():
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.sweeper import Sweeper
+
+    from hydra_plugins.lychee_optuna_sweeper.optuna_sweeper import OptunaSweeper
+    from hydra_plugins.lychee_optuna_sweeper.sweeper import LycheeOptunaSweeper
+
+    assert issubclass(OptunaSweeper, LycheeOptunaSweeper) and OptunaSweeper.__name__ == "OptunaSweeper"
+    discovered = {f"{c.__module__}.{c.__name__}" for c in Plugins.instance().discover(Sweeper)}
+    assert {
+        "hydra_plugins.lychee_optuna_sweeper.optuna_sweeper.OptunaSweeper",
+        "hydra_plugins.lychee_optuna_sweeper.sweeper.LycheeOptunaSweeper",
+    } <= discovered
+    assert not any(name.startswith("hydra_plugins.hydra_optuna_sweeper") for name in discovered)  # nothing forged
 
 
 def test_fixed_values_and_deletions_go_to_every_trial_and_the_command_line_wins():
@@ -148,22 +226,16 @@ def test_the_grid_holds_every_value_of_each_distribution():
 
 
 def test_the_plugin_shell_is_cheap_and_the_sweeper_does_not_import_the_training_stack():
+    # Hydra imports the plugin's public modules on every start (not _impl): none may import optuna
+    shell = [f"hydra_plugins.lychee_optuna_sweeper.{m}" for m in ("sweeper", "optuna_sweeper", "config", "_impl")]
     code = (
-        "import sys, hydra_plugins.lychee_optuna_sweeper.sweeper; shell = 'optuna' in sys.modules; "
-        "import hydra_plugins.lychee_optuna_sweeper._impl; "
-        "print(shell, [m for m in ('torch', 'lychee_exp.core.config', 'lychee_exp.recipe.trainer', 'lychee_exp.run') "
-        "if m in sys.modules])"
+        f"import sys, {', '.join(shell)}; shell = 'optuna' in sys.modules; "
+        "import lychee_exp.sweep.sweeper; "
+        "print(shell, 'optuna' in sys.modules, [m for m in ('torch', 'lychee_exp.core.config', "
+        "'lychee_exp.recipe.trainer', 'lychee_exp.run') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, check=True).stdout
-    assert out.split() == ["False", "[]"]
-
-
-def test_hydra_discovers_the_sweeper():
-    from hydra.core.plugins import Plugins
-    from hydra.plugins.sweeper import Sweeper
-
-    names = {f"{c.__module__}.{c.__name__}" for c in Plugins.instance().discover(Sweeper)}
-    assert "hydra_plugins.lychee_optuna_sweeper.sweeper.LycheeOptunaSweeper" in names
+    assert out.split() == ["False", "True", "[]"]
 
 
 # ------------------------------------------------------------------------------------ the examples, ported
@@ -205,28 +277,65 @@ def test_a_plain_app_gets_ten_tpe_trials_with_integer_values(tmp_path):
     assert (tmp_path / "sweep" / "optimization_history.html").is_file()
 
 
-def test_range_includes_its_stop(tmp_path):
+def test_deviation_a_grid_over_range_includes_its_stop(tmp_path):
+    # upstream's grid: [1, 2] (range's stop left out); its other samplers include 3, as every sampler here
     _ok(_run(tmp_path, "sphere", "hydra/sweeper/sampler=grid", "x=range(1,3)", "y=0"))
     assert sorted(t.params["x"] for t in _study(tmp_path, "sphere").trials) == [1, 2, 3]
 
 
-def test_n_jobs_above_one_runs_every_trial(tmp_path):
-    proc = _run(tmp_path, "sphere", "hydra.sweeper.n_trials=5", "hydra.sweeper.n_jobs=3")
+def test_launch_jobs_with_nothing_to_search_runs_the_fixed_config(tmp_path):
+    # upstream's test_launch_jobs: no params, n_trials=8, n_jobs=3 on the basic launcher; sweep() returns None
+    proc = _run(tmp_path, "sphere", "hydra.sweeper.params=null", "hydra.sweeper.n_trials=8", "hydra.sweeper.n_jobs=3")
     _ok(proc)
-    assert len(_study(tmp_path, "sphere").get_trials(states=(TrialState.COMPLETE,))) == 5
+    trials = _study(tmp_path, "sphere").trials
+    assert [(t.state, t.params, t.value) for t in trials] == [(TrialState.COMPLETE, {}, 2.0)] * 8  # x=1, y=1
+    [nothing] = [line for line in _lines(proc) if "nothing to search" in line]
+    assert "8 trial(s) of the fixed config" in nothing
+    [one_at_a_time] = [line for line in _lines(proc) if "n_jobs=3" in line]
+    assert "runs trials one at a time" in one_at_a_time
+    assert _results(tmp_path)["best_params"] == {} and _results(tmp_path)["best_value"] == 2.0
 
 
-@pytest.mark.parametrize("n_trials", [20, 1])
+def test_sweep_returns_none_in_process(hydra_sweep_runner):
+    # upstream's test_launch_jobs as written: Hydra's own test app and config, in this process
+    sweep = hydra_sweep_runner(
+        calling_file=None,
+        calling_module="hydra.test_utils.a_module",
+        config_path="configs",
+        config_name="compose.yaml",
+        task_function=None,
+        overrides=[
+            "hydra/sweeper=lychee_optuna",
+            "hydra/launcher=basic",
+            "hydra.sweeper.n_trials=8",
+            "hydra.sweeper.n_jobs=3",
+            "hydra.job.chdir=False",
+        ],
+    )
+    with sweep:
+        assert sweep.returns is None
+        study = optuna.load_study(study_name=Path(sweep.temp_dir).name, storage=f"sqlite:///{sweep.temp_dir}/optuna.db")
+        assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 8
+
+
+@pytest.mark.parametrize("n_trials", [20, 10, 1])
 def test_grid_example(tmp_path, n_trials):
     _ok(_run(tmp_path, "sphere", "--config-name=grid", f"hydra.sweeper.n_trials={n_trials}"))
     results = _results(tmp_path)
-    x, y, z = (results["best_params"][k] for k in "xyz")
+    bv, x, y, z = results["best_value"], *(results["best_params"][k] for k in "xyz")
+    if n_trials >= 12:  # upstream's expected values
+        assert bv == 1 and abs(x) == 1 and y == 0
+    assert x in (-1, 1) and z in ("foo", "bar")
     trials = _study(tmp_path, "sphere").trials
-    assert len(trials) == min(n_trials, 12)  # the grid: 2 x 3 x 2 points, each at most once
-    assert len({tuple(t.params.values()) for t in trials}) == len(trials)
-    if n_trials >= 12:
-        assert results["best_value"] == 1 and abs(x) == 1 and y == 0
-    assert x in (-1, 1) and y in (-1.0, 0.0, 1.0) and z in ("foo", "bar")
+    assert len({tuple(t.params.values()) for t in trials}) == len(trials)  # each grid point at most once
+
+
+def test_deviation_the_grid_includes_ranges_stop(tmp_path):
+    # upstream's grid leaves range's stop out: y=range(-1.0, 1.0, step=1) is {-1, 0} there (2 x 2 x 2 = 8 points,
+    # and upstream asserts best y in [-1, 0] for fewer trials); here every sampler, the grid too, includes it
+    _ok(_run(tmp_path, "sphere", "--config-name=grid", "hydra.sweeper.n_trials=20"))
+    trials = _study(tmp_path, "sphere").trials
+    assert len(trials) == 12 and {t.params["y"] for t in trials} == {-1.0, 0.0, 1.0}
 
 
 @pytest.mark.parametrize("sampler, with_commandline", [("random", True), ("random", False), ("nsgaii", False)])
@@ -270,25 +379,30 @@ def test_custom_search_space_example(tmp_path):
 
 @pytest.mark.parametrize("max_failure_rate", [0.5, 1.0])
 def test_failure_rate(tmp_path, max_failure_rate):
+    # upstream's case: 20 trials, n_jobs=2, every trial raises; 0.5: the trial's error is on stderr; 1.0: it is not
     proc = _run(
         tmp_path,
         "sphere",
-        "hydra.sweeper.n_trials=10",
+        "hydra.job.chdir=True",
+        "hydra.sweeper.n_trials=20",
         "hydra.sweeper.n_jobs=2",
-        "error=true",
         "hydra/sweeper/sampler=random",
+        "hydra.sweeper.sampler.seed=123",
         f"hydra.sweeper.max_failure_rate={max_failure_rate}",
+        "error=true",
     )
     trials = _study(tmp_path, "sphere").trials
-    assert all(t.state == TrialState.FAIL for t in trials)
     assert all(t.user_attrs["fail_reason"] == "crashed: RuntimeError: cfg.error is True" for t in trials)
-    if max_failure_rate < 1.0:  # stops once failures exceed the rate x n_trials: one line, exit 1
-        assert proc.returncode == 1 and len(trials) == 6
-        [error] = [line for line in _lines(proc) if " error: " in line]
-        assert "max_failure_rate=0.5" in error and "RuntimeError: cfg.error is True" in error
+    assert all(t.state == TrialState.FAIL for t in trials)
+    [error] = _errors(proc)
+    assert proc.returncode == 1  # upstream: 1 too (the trial's exception, or "No trials are completed yet")
+    if max_failure_rate < 1.0:  # stops once failures exceed the rate x n_trials: 11 > 0.5 x 20
+        assert "RuntimeError: cfg.error is True" in proc.stderr
+        assert len(trials) == 11 and "max_failure_rate=0.5" in error and "RuntimeError: cfg.error is True" in error
     else:
-        _ok(proc)
-        assert len(trials) == 10 and "best_value" not in _results(tmp_path)
+        assert "RuntimeError: cfg.error is True" not in proc.stderr
+        assert len(trials) == 20 and error.startswith("error: no trial completed: 20 of 20 failed")
+        assert "best_value" not in _results(tmp_path)
 
 
 def test_nan_and_exceptions_fail_their_trial_and_the_sweep_goes_on(tmp_path):
@@ -326,11 +440,10 @@ def test_every_sampler_of_the_group_runs(tmp_path, sampler):
 
 
 def test_lightning_hydra_template_config_drives_an_app_of_its_shape(tmp_path):
-    # conf/mnist_like/hparams_search/mnist_optuna.yaml: the template's file with the sweeper name changed and
-    # its old `_target_` line kept; hydra.mode MULTIRUN in the file, so no -m
+    # conf/mnist_like/hparams_search/mnist_optuna.yaml: the template's file with hydra_optuna_sweeper ->
+    # lychee_optuna_sweeper and optuna -> lychee_optuna, nothing else; hydra.mode MULTIRUN in the file, so no -m
     proc = _run(tmp_path, "mnist_like", "hparams_search=mnist_optuna", multirun=False)
     _ok(proc)
-    assert any("names hydra-optuna-sweeper's OptunaSweeper" in line for line in _lines(proc))
     study = _study(tmp_path, "sweep")  # study_name null: the sweep directory's name
     values = [t.value for t in study.trials]
     assert len(values) == 20 and all(t.state == TrialState.COMPLETE for t in study.trials)
@@ -339,6 +452,46 @@ def test_lightning_hydra_template_config_drives_an_app_of_its_shape(tmp_path):
     assert all(1e-4 <= t.params["model.optimizer.lr"] <= 0.1 for t in study.trials)
     results = _results(tmp_path)
     assert results["best_value"] == max(values) and results["best_params"] == study.best_trial.params
+
+
+def test_deviation_n_trials_is_the_studys_total_and_a_rerun_resumes(tmp_path):
+    # upstream: n_trials more trials on every invocation, job directories numbered from 0 again (overwritten)
+    _ok(_run(tmp_path, "sphere", "hydra.sweeper.n_trials=3"))
+    _ok(_run(tmp_path, "sphere", "hydra.sweeper.n_trials=3"))  # the study has its 3: no trial runs
+    assert len(_study(tmp_path, "sphere").trials) == 3
+    _ok(_run(tmp_path, "sphere", "hydra.sweeper.n_trials=5"))  # 2 more, in new directories
+    assert [t.number for t in _study(tmp_path, "sphere").trials] == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1", "2", "3", "4"]
+
+
+def test_deviation_a_study_is_always_stored(tmp_path):
+    # upstream: storage null keeps the study in memory, study_name null is a random name
+    _ok(
+        _run(
+            tmp_path,
+            "sphere",
+            "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.storage=null",
+            "hydra.sweeper.study_name=null",
+        )
+    )
+    assert len(_study(tmp_path, "sweep").trials) == 2  # sqlite:///<sweep dir>/optuna.db, named after the sweep dir
+
+
+def test_deviation_the_failure_rate_default_is_a_quarter():
+    # upstream's default is 0.0 (its examples set 0.0 and keep it here); counted over the study, not per batch
+    from hydra_plugins.lychee_optuna_sweeper.config import LycheeOptunaSweeperConf
+
+    assert LycheeOptunaSweeperConf.max_failure_rate == 0.25
+    assert OmegaConf.load(APPS / "conf" / "sphere.yaml").hydra.sweeper.max_failure_rate == 0.0
+
+
+def test_deviation_upstreams_module_path_is_not_provided(tmp_path):
+    # upstream's own `_target_` (hydra_plugins.hydra_optuna_sweeper...) needs the rename: nothing stands in for it
+    old = "hydra.sweeper._target_=hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+    proc = _run(tmp_path, "mnist_like", "hparams_search=mnist_optuna", old, multirun=False)
+    assert proc.returncode != 0 and "hydra_plugins.hydra_optuna_sweeper" in proc.stderr
+    assert not (tmp_path / "sweep" / "optuna.db").exists()
 
 
 # ------------------------------------------------------------------------------------------- bad inputs
@@ -363,7 +516,7 @@ BAD = [
         "sphere",
         ["hydra.sweeper.search_space={x: {type: float, low: -1, high: 1}, y: {type: categorical, choices: [0, 5]}}"],
         "hydra.sweeper.search_space was removed from hydra-optuna-sweeper (1.2 deprecated it); write it as "
-        "hydra.sweeper.params: x: interval(-1, 1); y: choice(0, 5)",
+        "hydra.sweeper.params: x: interval(-1.0, 1.0); y: choice(0, 5)",
     ),
     (
         "custom_search_space",
@@ -374,7 +527,8 @@ BAD = [
     (
         "multi_objective",
         ["--config-name=motpe"],
-        "hydra.sweeper.sampler: motpe (MOTPESampler) was removed in Optuna 4.0; use hydra/sweeper/sampler=tpe",
+        "hydra.sweeper.sampler: the 'motpe' sampler was removed in Optuna 4.0 (MOTPESampler); use "
+        "hydra/sweeper/sampler=tpe",
     ),
 ]
 
@@ -400,5 +554,5 @@ def test_every_bad_sweep_input_is_one_line_and_exit_2(tmp_path, app, args, expec
     proc = _run(tmp_path, app, *args)
     lines = _lines(proc)
     assert proc.returncode == 2, lines
-    assert len(lines) == 1 and lines[0].split(" error: ", 1)[1].startswith(expected), lines
+    assert lines == _errors(proc) and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), lines
     assert not (tmp_path / "sweep" / "optuna.db").exists()  # no study, no trial

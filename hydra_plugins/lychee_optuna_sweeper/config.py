@@ -8,7 +8,7 @@ their reasons, are listed in docs/sweeps.md.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NoReturn, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -73,8 +73,25 @@ SAMPLERS: Dict[str, Dict[str, Any]] = {
         "warn_independent_sampling": None,
     },
     # removed from Optuna 4: the sweeper stops with one line pointing to tpe
-    "motpe": {"_target_": "optuna.samplers.MOTPESampler"},
+    "motpe": {"_target_": f"{__name__}.raise_motpe_removed"},
 }
+
+MOTPE_REMOVED = (
+    "The 'motpe' sampler was removed in Optuna 4.0 (optuna.samplers.MOTPESampler): use "
+    "hydra/sweeper/sampler=tpe, whose TPESampler handles several objectives"
+)
+
+
+def raise_motpe_removed(*args: Any, **kwargs: Any) -> NoReturn:
+    """The `_target_` of the motpe sampler config: building it says what to use instead."""
+    raise ValueError(MOTPE_REMOVED)
+
+
+@dataclass
+class MOTPESamplerConfig:
+    """hydra-optuna-sweeper's name for the motpe sampler node (instantiating it raises)."""
+
+    _target_: str = f"{__name__}.raise_motpe_removed"
 
 
 @dataclass
@@ -95,7 +112,8 @@ class LycheeOptunaSweeperConf:
     study_name: Optional[str] = None
     # total of finished trials the study should hold (not a count per invocation)
     n_trials: int = 20
-    # trials of one worker run one at a time (start more workers for concurrency: launch/sweep_workers.sh)
+    # trials in flight at once in this worker, where the launcher runs jobs at once (submitit: each slot is
+    # refilled as its trial ends; joblib, ray: batches); the basic launcher runs them one at a time
     n_jobs: int = 1
     # the sweep stops once failed trials exceed max_failure_rate * n_trials (a value in [0, 1])
     max_failure_rate: float = 0.25

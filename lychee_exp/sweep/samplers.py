@@ -16,7 +16,11 @@ from hydra.utils import instantiate
 
 from lychee_exp.core.errors import UserError
 
-MOTPE = ("optuna.samplers.MOTPESampler", "hydra_plugins.hydra_optuna_sweeper.config.raise_motpe_removed")
+MOTPE = (
+    "optuna.samplers.MOTPESampler",
+    "hydra_plugins.lychee_optuna_sweeper.config.raise_motpe_removed",
+    "hydra_plugins.hydra_optuna_sweeper.config.raise_motpe_removed",
+)
 GRID = "optuna.samplers.GridSampler"
 
 
@@ -25,7 +29,7 @@ def build_sampler(spec: Mapping[str, Any], grid_space: Any, seed_shift: int = 0)
     spec = _given(spec)
     if spec.get("_target_") in MOTPE or str(spec.get("_target_", "")).endswith("motpe_removed"):
         raise UserError(
-            "hydra.sweeper.sampler: motpe (MOTPESampler) was removed in Optuna 4.0; use "
+            "hydra.sweeper.sampler: the 'motpe' sampler was removed in Optuna 4.0 (MOTPESampler); use "
             "hydra/sweeper/sampler=tpe, whose TPESampler handles multi-objective studies"
         )
     if spec.get("_target_") == GRID and "search_space" not in spec:

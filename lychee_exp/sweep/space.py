@@ -108,12 +108,7 @@ def build_space(
     space = SearchSpace(distributions, fixed)
     if custom_search_space:
         space.custom, space.custom_path = _import_function(custom_search_space), custom_search_space
-    if not space.distributions and space.custom is None:
-        raise UserError(
-            "hydra.sweeper.params: nothing to search (give params, sweep overrides such as "
-            "x='interval(-5, 5)', or custom_search_space)"
-        )
-    return space
+    return space  # nothing to search is allowed: the trials then run the fixed config (as upstream)
 
 
 def to_distribution(where: str, override: Any) -> Any:
@@ -216,18 +211,26 @@ def _import_function(path: str) -> Callable:
 
 
 def legacy_as_params(search_space: dict) -> str:
-    """The old `search_space` entries ({type, choices | low, high, step, log}) in the params grammar."""
+    """The old `search_space` entries ({type, choices | low, high, step, log}) in the params grammar. A float
+    entry keeps float bounds (`interval(0, 10)` and `range(0, 10, step=2)` would be int distributions)."""
     lines = []
     for key, spec in search_space.items():
         spec = spec if isinstance(spec, dict) else {}
         if spec.get("type") == "categorical":
-            value = f"choice({', '.join(render(c) for c in spec.get('choices', []))})"
+            lines.append(f"{key}: choice({', '.join(render(c) for c in spec.get('choices', []))})")
+            continue
+        as_float = spec.get("type") == "float"
+        low, high, step = (_legacy_number(spec.get(k), as_float) for k in ("low", "high", "step"))
+        if spec.get("step") and not spec.get("log"):
+            value = f"range({low}, {high}, step={step})"
         else:
-            bounds = f"{spec.get('low')}, {spec.get('high')}"
-            if spec.get("step") and not spec.get("log"):
-                value = f"range({bounds}, step={spec['step']})"
-            else:
-                value = f"interval({bounds})" if spec.get("type") == "float" else f"int(interval({bounds}))"
-                value = f"tag(log, {value})" if spec.get("log") else value
+            value = f"interval({low}, {high})" if as_float else f"int(interval({low}, {high}))"
+            value = f"tag(log, {value})" if spec.get("log") else value
         lines.append(f"{key}: {value}")
     return "; ".join(lines)
+
+
+def _legacy_number(value: Any, as_float: bool) -> str:
+    if as_float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return repr(float(value))
+    return str(value)
