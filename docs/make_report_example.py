@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from lychee_exp.sweep.results import CSV_COLUMNS
+from lychee_exp.tracking.keys import TRIALS_CSV_COLUMNS
 from lychee_exp.tracking.report.html import build, headless_chromium
 
 HERE = Path(__file__).resolve().parent
@@ -141,7 +141,7 @@ def make_data(root: Path) -> None:
         }
     )
     with (sweep / "trials.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS, restval="")  # the sweeper's own columns
+        writer = csv.DictWriter(handle, fieldnames=TRIALS_CSV_COLUMNS, restval="")  # the sweeper's own columns
         writer.writeheader()
         writer.writerows(rows)
     summary = {

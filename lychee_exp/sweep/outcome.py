@@ -15,25 +15,7 @@ from typing import Any, Sequence
 from hydra.core.utils import JobStatus
 
 from lychee_exp.core.errors import RunFailed, UserError
-
-# metrics.json facts kept on the trial (trials.csv columns; speedup and scaling_efficiency once runs have them)
-KEPT_METRICS = (
-    "ndcg@10",
-    "mrr@10",
-    "steps",
-    "effective_batch_size",
-    "per_device_batch_size",
-    "world_size",
-    "grad_accum_steps",
-    "lr",
-    "base_lr",
-    "train_time_s",
-    "eval_time_s",
-    "stopped_early",
-    "warm_ranks",
-    "speedup",
-    "scaling_efficiency",
-)
+from lychee_exp.tracking.keys import TRIAL_METRICS
 
 
 @dataclass
@@ -50,7 +32,7 @@ def read_metrics(run_dir: Path) -> dict[str, Any]:
         metrics = json.loads((run_dir / "metrics.json").read_text())
     except (OSError, ValueError):
         return {}
-    return {key: metrics[key] for key in KEPT_METRICS if key in metrics}
+    return {key: metrics[key] for key in TRIAL_METRICS if key in metrics}
 
 
 def job_outcome(job_return: Any, run_dir: Path, n_objectives: int, objectives: Sequence[str] | None) -> Outcome:

@@ -21,27 +21,9 @@ from optuna.trial import TrialState
 
 from lychee_exp.core.atomic import write_text_atomic
 from lychee_exp.sweep.storage import METRICS, REASON, RUN_DIR, SURPLUS, tally
+from lychee_exp.tracking.keys import TRIALS_CSV_COLUMNS
 
 log = logging.getLogger(__name__)
-
-CSV_COLUMNS = [
-    "number",
-    "state",
-    "lr",
-    "per_device_batch_size",
-    "effective_batch_size",
-    "metric",
-    "duration_s",
-    "reason",
-    "steps",
-    "train_time_s",
-    "eval_time_s",
-    "overhead_s",
-    "warm_ranks",
-    "speedup",
-    "scaling_efficiency",
-    "run_dir",
-]
 
 
 def write_results(
@@ -105,7 +87,7 @@ def _table(trials: list) -> str:
     other = [k for k in param_keys if k not in (lr_key, batch_key)]
     out = io.StringIO()
     writer = csv.writer(out)
-    writer.writerow([*CSV_COLUMNS, *other])
+    writer.writerow([*TRIALS_CSV_COLUMNS, *other])
     for t in trials:
         if t.state == TrialState.WAITING:
             continue
@@ -128,7 +110,7 @@ def _table(trials: list) -> str:
         for key in ("steps", "train_time_s", "eval_time_s", "warm_ranks", "speedup", "scaling_efficiency"):
             row[key] = m.get(key, "")
         row["overhead_s"] = _overhead(duration, m)
-        writer.writerow([*(row[c] for c in CSV_COLUMNS), *(t.params.get(k, "") for k in other)])
+        writer.writerow([*(row[c] for c in TRIALS_CSV_COLUMNS), *(t.params.get(k, "") for k in other)])
     return out.getvalue()
 
 

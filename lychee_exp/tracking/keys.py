@@ -31,6 +31,45 @@ SUMMARY = [
 # `lr` is the learning rate after scaling to the effective batch.
 CONFIG = ["optimizer.lr", "data.batch_size", "effective_batch_size", "num_devices", "lr"]
 
+# metrics.json facts kept on the trial (trials.csv columns; speedup and scaling_efficiency once runs have them)
+TRIAL_METRICS = (
+    "ndcg@10",
+    "mrr@10",
+    "steps",
+    "effective_batch_size",
+    "per_device_batch_size",
+    "num_devices",
+    "grad_accum_steps",
+    "lr",
+    "base_lr",
+    "train_time_s",
+    "eval_time_s",
+    "stopped_early",
+    "warm_ranks",
+    "speedup",
+    "scaling_efficiency",
+)
+# trials.csv, the sweep's table (lychee_exp.sweep.results writes it; the report reads it), then one column per
+# searched parameter
+TRIALS_CSV_COLUMNS = [
+    "number",
+    "state",
+    "lr",
+    "per_device_batch_size",
+    "effective_batch_size",
+    "metric",
+    "duration_s",
+    "reason",
+    "steps",
+    "train_time_s",
+    "eval_time_s",
+    "overhead_s",
+    "warm_ranks",
+    "speedup",
+    "scaling_efficiency",
+    "run_dir",
+]
+
 
 def num_devices(metrics: dict):
     """A run's device count, from its metrics (older runs: `world_size`)."""
