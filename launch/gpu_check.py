@@ -126,7 +126,7 @@ def plan(args, runner: timed.Runner, work: Path, cuda_count: int) -> list[tuple[
         ("matmul_ceiling", 20, lambda: runner.run("matmul", min_s=20)),
         ("lora_1p5b_512", 45, lambda: lora_check("lora_1p5b_512")),
         ("lora_1p5b_2048", 45, lambda: lora_check("lora_1p5b_2048")),
-        ("hf_side_by_side", 90, lambda: timed.side_by_side(runner, lora["lora_1p5b_2048"])),
+        ("hf_side_by_side", 90, lambda: timed.side_by_side(runner, lora.get("lora_1p5b_2048", {"skipped": "not run"}))),
         ("gpu_tests", 60, lambda: check_gpu_tests(budget.left - 5)),
     ]
     if not args.no_hf_compile:
@@ -138,6 +138,29 @@ def plan(args, runner: timed.Runner, work: Path, cuda_count: int) -> list[tuple[
             ("warm_sweep", 60, lambda: check_warm_sweep(work, budget.left - 5)),
         ]
     return steps
+
+
+def print_table(checks: dict) -> None:
+    """The timed rows last (the device reply carries the end of the output): one line each."""
+    rows = [(n, checks[n]) for n in ("lora_1p5b_512", "lora_1p5b_2048") if n in checks]
+    for mix, entry in (checks.get("hf_side_by_side") or {}).items():
+        if isinstance(entry, dict) and "rows" in entry:
+            # equal lengths: lychee_exp's row is lora_1p5b_2048's run
+            rows += [(f"{mix}/{k}", r) for k, r in entry["rows"].items() if k != "ours" or mix != "equal_lengths"]
+            print(f"gpu_check: first losses, {mix}: lychee_exp {entry['first_losses']['ours']} | "
+                  f"HF {entry['first_losses']['hf']}")  # fmt: skip
+    rows += [(f"hf_compiled/{m}", r) for m, r in (checks.get("hf_compiled") or {}).get("rows", {}).items()]
+    rows += [(f"ablation/{n}", r) for n, r in (checks.get("ablation") or {}).get("rows", {}).items()]
+    head = f"{'run':34} {'tokens/s':>10} {'MFU':>7} {'HFU':>7} {'steps':>5} {'shapes':>6} {'pad':>5} {'peak MB':>9}"
+    print(head + " ckpt")
+    for name, row in rows:
+        if "tokens_per_s" not in row:
+            print(f"{name:34} {(row.get('skipped') or row.get('error') or '')[:80]}")
+            continue
+        pct = lambda x: f"{100 * x:.1f}%" if x is not None else "-"  # noqa: E731
+        print(f"{name:34} {row['tokens_per_s']:>10.0f} {pct(row['mfu']):>7} {pct(row['hardware_utilisation']):>7} "
+              f"{row['timed_steps']:>5} {row['distinct_shapes']:>6} {row['padding_share']:>5.2f} "
+              f"{row.get('peak_memory_mb') or 0:>9.0f} {row.get('gradient_checkpointing')}")  # fmt: skip
 
 
 def main() -> int:
@@ -204,6 +227,7 @@ def main() -> int:
                 print(result["tail"], flush=True)
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["passed"] = all(c["passed"] is not False for c in report["checks"].values())
+    print_table(report["checks"])
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"gpu_check: {'all checks passed' if report['passed'] else 'FAILED'} in {report['seconds']} s "
           f"(budget {args.budget_s:.0f} s); report in {args.out}")  # fmt: skip

@@ -109,7 +109,8 @@ def run(spec: dict, out: Path) -> dict:
     log = BatchLog(cfg.trainer.forward_chunks)
     trainer.loader = RecordingLoader(trainer.loader, log)
     losses: list[torch.Tensor] = []
-    loss_fn = trainer.step.loss_fn
+    step = getattr(trainer, "step", None)
+    loss_fn = getattr(step, "loss_fn", None)
 
     def keep_first_losses(*args, **kwargs):
         per_query, *rest = loss_fn(*args, **kwargs)
@@ -117,7 +118,8 @@ def run(spec: dict, out: Path) -> dict:
             losses.append(per_query.detach().float().mean())  # stays on the device until the run is over
         return (per_query, *rest)
 
-    trainer.step.loss_fn = keep_first_losses
+    if loss_fn is not None:  # the window step's loss: the first losses, to set beside HF's
+        step.loss_fn = keep_first_losses
     try:
         metrics = trainer.fit()
     finally:
