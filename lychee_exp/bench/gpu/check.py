@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from lychee_exp.bench.gpu.mixes import Mix, full_mixes, model_dir, tiny_mixes, write_mix
+from lychee_exp.bench.gpu.ours import has_packing
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -40,6 +41,7 @@ ABLATION = {
     "lora_dropout_0": ["model.lora.dropout=0.0"],
     "not_deterministic": ["trainer.deterministic=false"],
     "tokenize_in_step": ["data.pretokenize=false"],
+    "no_packing": ["data.packing=false"],  # where the schema has data.packing (every lychee_exp run packs then)
 }
 
 
@@ -107,7 +109,7 @@ def ok(row: dict) -> bool:
 
 def lora_check(runner: Runner, key: str) -> dict:
     """lychee_exp's recipe on equal-length rows; passes when it trained through its timed window."""
-    row = runner.run("ours", key, min_s=45 if not runner.tiny else 5)
+    row = runner.run("ours", key, min_s=45 if not runner.tiny else 5, packing="auto")
     return {"passed": ok(row) and row["timed_steps"] == runner.timed, **row}
 
 
@@ -176,10 +178,16 @@ def ablation(runner: Runner, liger: bool) -> dict:
         if name == "liger_kernel" and not liger:
             rows[name] = {"skipped": "liger_kernel is not installed (docs/gpu_check.md: carry its wheel)"}
             continue
+        if name == "no_packing" and not has_packing():
+            rows[name] = {"skipped": "this config schema has no data.packing"}
+            continue
         if name == "compile_layers" and runner.tiny:
             rows[name] = {"skipped": "--tiny: inductor compilation on the CPU is left to tests/test_levers.py"}
             continue
-        rows[name] = runner.run("ours", "lora_1p5b_2048", 45 if not runner.tiny else 5, overrides=overrides)
+        if name == "before" and has_packing():
+            overrides = [*overrides, "data.packing=false"]  # padded rows, as then
+        min_s = 45 if not runner.tiny else 5
+        rows[name] = runner.run("ours", "lora_1p5b_2048", min_s, overrides=overrides, packing="auto")
     base = rows["defaults"].get("tokens_per_s")
     for row in rows.values():
         if ok(row) and base:

@@ -51,7 +51,7 @@ def recipe_overrides(spec: dict) -> list[str]:
         f"seed={spec.get('seed', 42)}",
     ]
     extra = list(spec.get("overrides", []))
-    if spec.get("packing") == "auto" and has_packing():
+    if spec.get("packing") == "auto" and has_packing() and "data.packing=false" not in extra:
         # packed rows have no padding to cut: the padded path's bucketing and forward chunks are left out
         extra = [o for o in extra if not o.startswith(("trainer.forward_chunks=", "data.bucket_by_length="))]
         extra.append("data.packing=true")
