@@ -21,6 +21,16 @@ def has_packing() -> bool:
     return "packing" in {f.name for f in dataclasses.fields(DataConfig)}
 
 
+def extra_overrides(spec: dict) -> list[str]:
+    """The run's own overrides on top of the recipe, with data.packing=true where the schema has it (`packing:
+    auto`); packed rows have no padding to cut, so the padded path's bucketing and forward chunks are left out."""
+    extra = list(spec.get("overrides", []))
+    if spec.get("packing") == "auto" and has_packing() and "data.packing=false" not in extra:
+        extra = [o for o in extra if not o.startswith(("trainer.forward_chunks=", "data.bucket_by_length="))]
+        extra.append("data.packing=true")
+    return extra
+
+
 def recipe_overrides(spec: dict) -> list[str]:
     """The run both systems read their settings from: the Lychee LoRA recipe on the check's model and mix."""
     mix, steps = spec["mix"], spec["warmup"] + spec["timed"]
@@ -50,12 +60,7 @@ def recipe_overrides(spec: dict) -> list[str]:
         "speedup.calibrate=false",
         f"seed={spec.get('seed', 42)}",
     ]
-    extra = list(spec.get("overrides", []))
-    if spec.get("packing") == "auto" and has_packing() and "data.packing=false" not in extra:
-        # packed rows have no padding to cut: the padded path's bucketing and forward chunks are left out
-        extra = [o for o in extra if not o.startswith(("trainer.forward_chunks=", "data.bucket_by_length="))]
-        extra.append("data.packing=true")
-    return [*overrides, *extra]
+    return [*overrides, *extra_overrides(spec)]
 
 
 def compose(spec: dict, out: Path) -> RunConfig:
@@ -147,7 +152,7 @@ def run(spec: dict, out: Path) -> dict:
                 "compile_layers": cfg.model.compile_layers,
                 "liger_kernel": cfg.model.liger_kernel,
             },
-            "overrides": spec.get("overrides", []),
+            "overrides": extra_overrides(spec),
         }
     )
     return row
