@@ -46,13 +46,15 @@ def pairs(cfg, steps: int) -> tuple[list[dict], object, tuple[int, int]]:
 def training_args(cfg, spec: dict, out: Path, rows: int, steps: int, checkpointing: bool, cuda: bool):
     from transformers import TrainingArguments
 
+    from lychee_exp.core.optim import scaled_lr
+
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     opt = cfg.optimizer
     args = {
         "output_dir": str(out / "hf"),
         "per_device_train_batch_size": rows,
         "max_steps": steps,
-        "learning_rate": opt.lr,
+        "learning_rate": scaled_lr(cfg, 1),  # the rate lychee_exp trains with (optimizer.lr_scaling applied)
         "weight_decay": opt.weight_decay,
         "adam_beta1": opt.betas[0],
         "adam_beta2": opt.betas[1],
