@@ -36,6 +36,7 @@ TINY_QWEN2 = ASSETS / "tiny_qwen2"
 # Seconds-long runs of the tiny random Qwen2 (Lychee's causal-LM code path) on the built-in sample data.
 TINY_OVERRIDES = [
     "model=tiny_lychee",
+    "loss=pointwise",  # Lychee's loss (the default job's quickstart recipe is listwise + distillation)
     "parallel=single",
     "gpus=1",
     "data.max_train_queries=8",
@@ -57,6 +58,7 @@ TINY_OVERRIDES = [
 # The tiny Lychee model on several ranks (DDP, torchrun, SLURM, sweep trials), fp32: seconds per run.
 TINY_RANKS = [
     "model=tiny_lychee",
+    "loss=pointwise",
     "data.max_train_queries=16",
     "data.max_dev_queries=6",
     "data.train_group_size=4",

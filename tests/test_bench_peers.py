@@ -16,6 +16,7 @@ from lychee_exp.bench.systems import Settings, hf_trainer, torch_loop  # noqa: E
 
 TINY = [
     "model=tiny_lychee",
+    "loss=pointwise",
     "data=sample",
     "data.batch_size=2",
     "data.train_group_size=4",

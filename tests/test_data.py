@@ -175,6 +175,7 @@ def test_cli_bad_input_exit_2_one_line_no_metrics(name, which, tmp_path):
     proc = run_cli(
         [
             "model=tiny_lychee",
+            "loss=pointwise",
             "data=jsonl",
             f"data.train_file={train}",
             f"data.dev_file={dev}",
@@ -208,6 +209,7 @@ def test_cli_train_query_without_negatives_exit_2(parallel, tmp_path):
     proc = run_cli(
         [
             "model=tiny_lychee",
+            "loss=pointwise",
             "data=jsonl",
             f"data.train_file={train}",
             f"data.dev_file={train}",

@@ -218,6 +218,7 @@ def test_cli_distillation_without_teacher_scores_is_one_line(tmp_path):
     proc = run_cli(
         [
             "model=tiny_lychee",
+            "loss=pointwise",
             "data=jsonl",
             f"data.train_file={train}",
             f"data.dev_file={train}",

@@ -17,6 +17,7 @@ from lychee_exp.tracking.wandb_records import find_run_files, read_run
 
 TINY = [
     "model=tiny_lychee",
+    "loss=pointwise",
     "data.batch_size=2",
     "data.max_train_queries=16",
     "data.max_dev_queries=4",

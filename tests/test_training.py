@@ -89,6 +89,7 @@ def test_scaled_lr(scaling, factor, tmp_path):
         compose_config(
             [
                 "model=tiny_lychee",
+                "loss=pointwise",
                 "optimizer.lr=1e-3",
                 "optimizer.base_batch_size=4",
                 f"optimizer.lr_scaling={scaling}",

@@ -126,7 +126,7 @@ def test_the_process_keeps_ranks_while_they_fit_and_renews_them_after_a_failure(
 
 def test_inputs_are_read_again_only_when_their_source_changes(tmp_path, compose_cfg):
     """A sweep worker (or a warm rank) reads data and tokenizer once, and again when a file or setting changes."""
-    base = ["model=tiny_lychee", "data.train_group_size=4"]
+    base = ["model=tiny_lychee", "loss=pointwise", "data.train_group_size=4"]
     cfg = to_run_config(compose_cfg(base, tmp_path))
     first = load_inputs(cfg)
     assert load_inputs(cfg) is first

@@ -3,6 +3,23 @@ each chunk cut to its own longest pair, so fewer padding slots are computed."""
 
 from __future__ import annotations
 
+from lychee_exp.core.errors import UserError
+
+# trainer.forward_chunks=auto. CPU: 4 chunks of a 32-pair micro-batch were 1.23x the tokens/s of one pass on the
+# sample mix and 2.42x with bucketing on a long-tailed mix (python -m lychee_exp.bench.peers, 2-core machine,
+# docs/benchmarks.md), with the same logits. CUDA: 1 until a GPU measurement says otherwise (small chunks can
+# leave a GPU underused, and data.packing removes the padding there instead).
+AUTO_FORWARD_CHUNKS = {"cpu": 4, "cuda": 1}
+
+
+def forward_chunk_count(setting, device_type: str) -> int:
+    """trainer.forward_chunks as a number of chunks for this device type; a bad value is a UserError."""
+    if setting == "auto":
+        return AUTO_FORWARD_CHUNKS.get(device_type, 1)
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise UserError(f"trainer.forward_chunks must be auto or an integer >= 1, got {setting!r}")
+    return setting
+
 
 def length_chunks(lengths: list[int], chunks: int) -> list[tuple[list[int], int]]:
     """A batch's rows (by their real lengths) in `chunks` groups of equal size and similar length, each with its

@@ -33,6 +33,7 @@ from lychee_exp.core.choices import (  # noqa: F401  (Choice: re-exported, the b
     Score,
     Strategy,
 )
+from lychee_exp.core.chunks import forward_chunk_count
 from lychee_exp.core.devices import parse_gpus
 from lychee_exp.core.errors import UserError
 
@@ -158,8 +159,9 @@ class TrainerConfig:
     eval_before_training: bool = True
     grad_accum_steps: int = at_least(1, 1)
     # forward each micro-batch's pairs in this many length-sorted chunks, each cut to its longest pair: less
-    # padding computed, the same logits (with data.bucket_by_length: what a long-tailed length mix wants)
-    forward_chunks: int = at_least(1, 1)
+    # padding computed, the same logits (with data.bucket_by_length: what a long-tailed length mix wants).
+    # auto: per device type, as measured (lychee_exp.core.chunks.AUTO_FORWARD_CHUNKS)
+    forward_chunks: Any = "auto"
     precision: Precision = Precision.auto
     log_every: int = at_least(1, 5)
     progress_bar: bool = True
@@ -256,6 +258,7 @@ def check_config(cfg: DictConfig | RunConfig) -> None:
     if run_cfg.model.lora.dtype not in ("auto", "float32", "model"):
         raise UserError(f"model.lora.dtype must be auto, float32 or model, got {run_cfg.model.lora.dtype!r}")
     parse_gpus(run_cfg.gpus)
+    forward_chunk_count(run_cfg.trainer.forward_chunks, "cpu")
 
 
 def _check_bounds(node: Any, prefix: str) -> None:

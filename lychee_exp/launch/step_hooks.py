@@ -15,7 +15,7 @@ from pathlib import Path
 from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.errors import UserError
 from lychee_exp.launch.preemption import stop_requested
-from lychee_exp.recipe.trainer import StepHooks
+from lychee_exp.recipe.progress import StepHooks
 
 STEP_HOOK_ENV = "LYCHEE_STEP_HOOK"
 

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from lychee_exp.core import evaluate as ev
+from lychee_exp.core.chunks import forward_chunk_count
 from lychee_exp.core.config import RunConfig
 from lychee_exp.core.data.groups import TrainGroups, build_dev_pairs
 from lychee_exp.core.data.loader import train_loader
@@ -71,6 +72,7 @@ class Trainer:
         self.train_set = self.dev_pairs = self.sampler = self.loader = None
         self.num_batches = self.steps_per_epoch = self.total_steps = 0
         self.lr, self.optimizer, self.scheduler, self.warmup_steps, self.scaler = 0.0, None, None, 0, None
+        self.forward_chunks = 1
         self.loss_fn = self.resume_from = self.step = None
         self.facts: dict = {}
         self.logger = NullLogger()
@@ -91,6 +93,7 @@ class Trainer:
         self._setup_optimizer()
         self.resume_from = self._resume_path()
         self.facts = setup_facts(cfg, self.env, self.plan, self.lr, self.precision, count_parameters(self.model))
+        self.facts["forward_chunks"] = self.forward_chunks
         self.logger = run_logger(cfg, self.output_dir, self.env.is_main, self.facts)
         if self.env.is_main:
             schedule = (self.total_steps, self.steps_per_epoch, self.warmup_steps)
@@ -130,8 +133,9 @@ class Trainer:
             self.cfg.optimizer, self.model, self.lr, self.total_steps
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.forward_chunks = forward_chunk_count(self.cfg.trainer.forward_chunks, self.device.type)
         self.step = WindowStep(
-            self.train_model, self.loss_fn, self.scaler, self.precision, self.env, self.cfg.trainer.forward_chunks
+            self.train_model, self.loss_fn, self.scaler, self.precision, self.env, self.forward_chunks
         )
 
     def _resume_path(self) -> Path | None:
@@ -312,28 +316,3 @@ class Trainer:
 
     def cleanup(self) -> None:
         self.logger.finish()
-
-
-def train_on_rank(
-    cfg: RunConfig,
-    env: DistEnv,
-    plan: DevicePlan,
-    output_dir: Path,
-    inputs: RunInputs | None = None,
-    hooks: StepHooks = NO_HOOKS,
-) -> dict:
-    """setup -> fit -> save -> cleanup on this rank; every rank returns the same metrics."""
-    callbacks = []
-    if cfg.trial.storage and env.is_main:
-        from lychee_exp.sweep.pruning import pruning_callback  # optuna is only needed by sweeps
-
-        callbacks.append(pruning_callback(cfg.trial, cfg.optimized_metric))
-    trainer = Trainer(cfg, env, plan, output_dir, callbacks, inputs, hooks)
-    try:
-        trainer.setup()
-        metrics = trainer.fit()
-        if "preempted_at_step" not in metrics:
-            trainer.save()
-    finally:
-        trainer.cleanup()
-    return metrics

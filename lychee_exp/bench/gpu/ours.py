@@ -111,7 +111,8 @@ def run(spec: dict, out: Path) -> dict:
         cfg, DistEnv(device=device), plan_devices("single", 1), out, hooks=StepHooks(after_step=clock.step_done)
     )
     trainer.setup()
-    log = BatchLog(cfg.trainer.forward_chunks)
+    chunks = getattr(trainer, "forward_chunks", cfg.trainer.forward_chunks)  # resolved (auto) by setup
+    log = BatchLog(chunks if isinstance(chunks, int) else 1)
     trainer.loader = RecordingLoader(trainer.loader, log)
     losses: list[torch.Tensor] = []
     step = getattr(trainer, "step", None)
@@ -140,7 +141,7 @@ def run(spec: dict, out: Path) -> dict:
             "first_losses": [round(float(x), 5) for x in losses],
             "gradient_checkpointing": checkpointing,
             "packing": bool(getattr(cfg.data, "packing", False)),
-            "forward_chunks": cfg.trainer.forward_chunks,
+            "forward_chunks": log.forward_chunks,
             "rows_per_step": cfg.data.batch_size * cfg.data.train_group_size,
             "steps": metrics.get("steps"),
             "levers": {

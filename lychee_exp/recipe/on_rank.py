@@ -1,0 +1,37 @@
+"""What a rank calls to train: the Trainer's setup -> fit -> save -> cleanup, with a sweep trial's pruning callback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lychee_exp.core.config import RunConfig
+from lychee_exp.core.devices import DevicePlan
+from lychee_exp.core.distributed import DistEnv
+from lychee_exp.core.inputs import RunInputs
+from lychee_exp.recipe.progress import NO_HOOKS, StepHooks
+from lychee_exp.recipe.trainer import Trainer
+
+
+def train_on_rank(
+    cfg: RunConfig,
+    env: DistEnv,
+    plan: DevicePlan,
+    output_dir: Path,
+    inputs: RunInputs | None = None,
+    hooks: StepHooks = NO_HOOKS,
+) -> dict:
+    """setup -> fit -> save -> cleanup on this rank; every rank returns the same metrics."""
+    callbacks = []
+    if cfg.trial.storage and env.is_main:
+        from lychee_exp.sweep.pruning import pruning_callback  # optuna is only needed by sweeps
+
+        callbacks.append(pruning_callback(cfg.trial, cfg.optimized_metric))
+    trainer = Trainer(cfg, env, plan, output_dir, callbacks, inputs, hooks)
+    try:
+        trainer.setup()
+        metrics = trainer.fit()
+        if "preempted_at_step" not in metrics:
+            trainer.save()
+    finally:
+        trainer.cleanup()
+    return metrics
