@@ -52,7 +52,7 @@ def activation_bytes(shape: dict, model: ModelConfig, tokens: int, checkpointing
     return tokens * layers * per_layer
 
 
-def _model_shape(model: ModelConfig) -> dict | None:
+def model_shape(model: ModelConfig) -> dict | None:
     config = json.loads((model_dir(model) / "config.json").read_text())
     config = config.get("text_config", config)
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
@@ -68,7 +68,7 @@ def resolve_checkpointing(cfg: RunConfig, encoder: PromptEncoder, device: torch.
         return bool(value), "set"
     if device.type != "cuda":
         return False, "auto: CPU"
-    shape = _model_shape(cfg.model)
+    shape = model_shape(cfg.model)
     if shape is None:
         return True, "auto: unknown model shape"
     free, _ = torch.cuda.mem_get_info(device)

@@ -77,6 +77,13 @@ def shape_of(cfg: RunConfig) -> tuple[Shape, int]:
     return shape, lora
 
 
+def estimated_activations(cfg: RunConfig, encoder, checkpointing: bool) -> int:
+    from lychee_exp.core.levers import activation_bytes, model_shape, prompt_width
+
+    tokens = cfg.data.batch_size * cfg.data.train_group_size * prompt_width(encoder)
+    return activation_bytes(model_shape(cfg.model), cfg.model, tokens, checkpointing, "bf16")
+
+
 def checkpointing_on(model: torch.nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
@@ -138,6 +145,8 @@ def run(spec: dict, out: Path) -> dict:
     row.update(
         {
             "system": "lychee_exp",
+            # core.levers' estimate behind gradient_checkpointing=auto, to read beside peak_memory_mb
+            "estimated_activation_gib": round(estimated_activations(cfg, trainer.encoder, checkpointing) / 2**30, 2),
             "first_losses": [round(float(x), 5) for x in losses],
             "gradient_checkpointing": checkpointing,
             "packing": bool(getattr(cfg.data, "packing", False)),
