@@ -1,69 +1,39 @@
-"""GPU acceptance check: every GPU-only path of lychee_exp, run for real, in one command (launch/gpu_check.sh).
+"""GPU acceptance check: every GPU-only path of lychee_exp, run for real, and the LoRA recipe timed against HF
+Trainer + peft, in one command within a time budget (launch/gpu_check.sh; docs/gpu_check.md).
 
-  bash launch/gpu_check.sh [--out gpu_check.json] [--steps 8]
+  bash launch/gpu_check.sh [--out gpu_check.json] [--budget-s 450] [--ablation] [--tiny]
 
-Checks, each a separate process so that one failure does not hide the others:
-  gpu_tests        pytest -m gpu (bf16/fp16 autocast, NCCL DDP, DataParallel on the tiny model)
-  lora_1p5b_<len>  bf16 LoRA r=64 + gradient checkpointing on a Qwen2.5-1.5B-shaped model with random weights
-                   (built from a config: no download) at <len> tokens per sequence; tokens/s, MFU, peak memory
-  ddp_cli / dp_cli `python -m lychee_exp.run parallel=ddp|dp gpus=auto` end to end on every visible GPU
-  warm_sweep       a 2-trial sweep with parallel=ddp gpus=auto: the second trial on the first one's warm ranks
-Writes one JSON (device, per-check pass/fail and figures) and exits 1 if any check failed.
-
-MFU counts model FLOPs, not hardware FLOPs: with LoRA the frozen weights get no weight gradients, so a token
-costs 2N (forward) + 2N (backward through activations) FLOPs for the N non-embedding weights, plus attention
-(4·layers·hidden·seq forward, twice that backward); recomputation by gradient checkpointing is not counted.
+Checks, each in its own process so that one failure does not hide the others (in this order; a check that no
+longer fits in the budget is recorded as skipped):
+  matmul_ceiling       bf16 8192^3 GEMM rate on random data (CUDA events): the measured ceiling beside MFU
+  lora_1p5b_<len>      lychee_exp's LoRA r=64 recipe on a Qwen2.5-1.5B-shaped model (random weights, built from a
+                       config: no download), rows of exactly <len> tokens; >= 30 timed steps after warm-up
+  hf_side_by_side      the same training in HF Trainer + peft, equal lengths (2048) and long-tailed (32-4096)
+  gpu_tests            pytest -m gpu
+  ddp_cli / dp_cli     `python -m lychee_exp.run parallel=ddp|dp gpus=auto` end to end on every visible GPU
+  warm_sweep           a 2-trial sweep with parallel=ddp gpus=auto: the second trial on the first one's warm ranks
+--ablation runs instead one lychee_exp row per speed lever (lychee_exp.bench.gpu.check.ABLATION), its own budget.
+--tiny (alias --dry-run) runs the same on the CPU with the tiny Qwen2 and tiny mixes, a few steps each.
+Writes one JSON (commit, device, per-check figures and pass/fail) and exits 1 if a check failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
-TINY_QWEN2 = REPO / "lychee_exp" / "assets" / "tiny_qwen2"
-SAMPLE_TRAIN = REPO / "lychee_exp" / "assets" / "sample" / "train.jsonl"
+sys.path.insert(0, str(REPO))
 
-# Qwen2.5-1.5B-Instruct's architecture (its config.json), with the tiny tokenizer: token ids stay below vocab_size.
-QWEN25_1P5B = {
-    "model_type": "qwen2",
-    "architectures": ["Qwen2ForCausalLM"],
-    "hidden_size": 1536,
-    "intermediate_size": 8960,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "max_position_embeddings": 32768,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-    "hidden_act": "silu",
-    "pad_token_id": 0,
-    "eos_token_id": 0,
-}
-
-# Dense bf16 tensor-core peak (vendor spec sheets, no sparsity), by a substring of the device name.
-BF16_PEAK_TFLOPS = {
-    "H200": 989.4,
-    "H100 PCIe": 756.0,
-    "H100": 989.4,
-    "A100": 312.0,
-    "L40S": 362.1,
-    "L4": 121.0,
-    "A10G": 125.0,
-    "RTX 4090": 165.2,
-    "V100": 0.0,
-}
+from lychee_exp.bench.gpu import check as timed  # noqa: E402  (after the repository is on the path)
+from lychee_exp.bench.gpu.flops import bf16_peak_tflops  # noqa: E402
 
 TINY_RUN = [
     "model=tiny_lychee",
@@ -75,205 +45,192 @@ TINY_RUN = [
     "trainer.progress_bar=false",
     "logger=csv",
 ]
+REQUIRED = ("lora_1p5b_512", "lora_1p5b_2048", "hf_side_by_side", "gpu_tests")  # skipped = failed; others optional
 
 
-def bf16_peak_tflops(name: str) -> float | None:
-    for key, peak in BF16_PEAK_TFLOPS.items():
-        if key in name:
-            return peak or None
-    return None
+def commit() -> str:
+    """The commit checked: git's, with -dirty for local changes; else LYCHEE_COMMIT (the device machine gets the
+    working tree without .git: the prepared command passes it)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=REPO, capture_output=True, text=True)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("LYCHEE_COMMIT", "unknown")
 
 
-def model_flops_per_token(seq_len: int) -> float:
-    c = QWEN25_1P5B
-    d, layers, ffn = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
-    kv = d * c["num_key_value_heads"] // c["num_attention_heads"]
-    per_layer = d * d * 2 + d * kv * 2 + 3 * d * ffn  # q, o; k, v; gate, up, down
-    n_non_embedding = layers * per_layer
-    attention = 4 * layers * d * seq_len  # QK^T and AV, forward
-    return 2 * n_non_embedding + attention + 2 * n_non_embedding + 2 * attention  # forward + activation backward
-
-
-def write_long_data(path: Path, words_per_doc: int, queries: int = 24) -> None:
-    """Sample queries with documents padded (by repeating real text) to at least words_per_doc words."""
-    lines = SAMPLE_TRAIN.read_text().splitlines()[:queries]
-    with path.open("w") as out:
-        for line in lines:
-            row = json.loads(line)
-
-            def stretch(text: str) -> str:
-                words = text.split() or ["text"]
-                return " ".join((words * (words_per_doc // len(words) + 1))[:words_per_doc])
-
-            row["pos"] = [stretch(t) for t in row["pos"]]
-            row["neg"] = [stretch(t) for t in row["neg"]]
-            out.write(json.dumps(row) + "\n")
-
-
-def run_lychee(args: list[str], run_dir: Path, timeout_s: int) -> tuple[bool, dict, str]:
+def run_lychee(args: list[str], run_dir: Path, timeout_s: float) -> tuple[bool, dict, str]:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", HYDRA_FULL_ERROR="1")
     cmd = [sys.executable, "-m", "lychee_exp.run", *args, f"hydra.run.dir={run_dir}"]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return False, {}, f"timed out after {timeout_s} s"
+        return False, {}, f"timed out after {timeout_s:.0f} s"
     metrics_file = run_dir / "metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
     return proc.returncode == 0 and bool(metrics), metrics, tail
 
 
-def check_gpu_tests() -> dict:
+def check_gpu_tests(timeout_s: float) -> dict:
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"passed": False, "error": f"timed out after {timeout_s:.0f} s"}
     summary = (proc.stdout.strip().splitlines() or [""])[-1]
-    return {
-        "passed": proc.returncode == 0,
-        "files": files,
-        "summary": summary,
-        "tail": "" if proc.returncode == 0 else proc.stdout[-3000:] + proc.stderr[-1500:],
-    }
+    # exit 5: every test skipped (no CUDA: the dry run), which is what they must do there
+    passed = proc.returncode == 0 or (proc.returncode == 5 and "skipped" in summary)
+    tail = "" if passed else proc.stdout[-3000:] + proc.stderr[-1500:]
+    return {"passed": passed, "files": files, "summary": summary, "tail": tail}
 
 
-def check_lora(seq_len: int, steps: int, work: Path, peak_tflops: float | None) -> dict:
-    model_dir = work / "qwen25_1p5b_shape"
-    if not model_dir.exists():
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps(QWEN25_1P5B, indent=2))
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(TINY_QWEN2 / name, model_dir / name)
-    data = work / f"long_{seq_len}.jsonl"
-    write_long_data(data, words_per_doc=seq_len)  # the tiny BPE gives >= 1 token per word: documents hit the cap
-    per_step_sequences = 16 if seq_len <= 512 else 4
-    group = 8 if seq_len <= 512 else 4
-    overrides = [
-        "experiment=lychee_lora",
-        f"model.path={model_dir}",
-        "model.random_init=true",
-        "parallel=single",
-        "gpus=1",
-        "data=jsonl",
-        f"data.train_file={data}",
-        f"data.dev_file={data}",
-        "data.max_dev_queries=4",
-        f"data.batch_size={per_step_sequences // group}",
-        f"data.train_group_size={group}",
-        "data.eval_batch_size=8",
-        "model.prompt.query_max_len=32",
-        f"model.prompt.doc_max_len={seq_len - 96}",
-        "trainer.precision=bf16",
-        f"trainer.max_steps={steps}",
-        "trainer.eval_before_training=false",
-        "trainer.save_model=false",
-        "trainer.progress_bar=false",
-        "trainer.log_every=1",
-        "logger=csv",
-        "speedup.calibrate=false",
-    ]
-    ok, metrics, tail = run_lychee(overrides, work / f"run_lora_{seq_len}", timeout_s=420)
-    result = {"passed": ok, "seq_len_cap": seq_len, "sequences_per_step": per_step_sequences}
-    if not ok:
-        return {**result, "tail": tail}
-    tokens_per_s = metrics["train_tokens_per_s"]
-    achieved = tokens_per_s * model_flops_per_token(seq_len) / 1e12
-    result.update(
-        {
-            "tokens_per_s": round(tokens_per_s, 1),
-            "sequences_per_s": round(metrics["train_samples_per_s"] * group, 2),
-            "model_tflops": round(achieved, 1),
-            "mfu": round(achieved / peak_tflops, 4) if peak_tflops else None,
-            "peak_memory_mb": round(max(metrics["peak_memory_mb_per_rank"]), 1),
-            "data_wait_share": round(metrics["data_wait_share"], 4),
-            "train_loss": metrics.get("train_loss"),
-            "steps": metrics.get("steps"),
-            "precision": metrics.get("precision"),
-        }
+def check_cli(strategy: str, work: Path, timeout_s: float, cuda_count: int) -> dict:
+    ok, metrics, tail = run_lychee(
+        [*TINY_RUN, f"parallel={strategy}", "gpus=auto"], work / f"run_{strategy}", timeout_s
     )
-    return result
-
-
-def check_cli(strategy: str, work: Path) -> dict:
-    ok, metrics, tail = run_lychee([*TINY_RUN, f"parallel={strategy}", "gpus=auto"], work / f"run_{strategy}", 300)
-    count = torch.cuda.device_count()
     facts = {k: metrics.get(k) for k in ("num_devices", "backend", "device", "ndcg@10", "steps")}
     # one rank needs no process group: NCCL is exercised only with two or more GPUs
-    expected_backend = "nccl" if strategy == "ddp" and count > 1 else "none"
-    ok = ok and metrics.get("num_devices") == count and metrics.get("backend") == expected_backend
+    expected_backend = "nccl" if strategy == "ddp" and cuda_count > 1 else "none"
+    ok = ok and metrics.get("num_devices") == cuda_count and metrics.get("backend") == expected_backend
     return {"passed": ok, "nccl_exercised": expected_backend == "nccl", **facts, **({} if ok else {"tail": tail})}
 
 
-def check_warm_sweep(work: Path) -> dict:
+def check_warm_sweep(work: Path, timeout_s: float) -> dict:
     """A 2-trial sweep on every visible GPU: trial 1 must run on the ranks trial 0 started (warm ranks)."""
     sweep = work / "warm_sweep"
     args = ["-m", "hparams_search=lr_batch", *TINY_RUN, "parallel=ddp", "gpus=auto", "speedup.calibrate=false"]
     args += ["hydra.sweeper.n_trials=2", f"hydra.sweep.dir={sweep}"]
-    ok, metrics, tail = run_lychee(args, sweep / "1", 300)  # trial 1's metrics.json
+    ok, metrics, tail = run_lychee(args, sweep / "1", timeout_s)  # trial 1's metrics.json
     ok = ok and metrics.get("warm_ranks") is True
     facts = {k: metrics.get(k) for k in ("warm_ranks", "num_devices", "backend", "ndcg@10")}
     return {"passed": ok, **facts, **({} if ok else {"tail": tail})}
 
 
+def plan(args, runner: timed.Runner, work: Path, cuda_count: int) -> list[tuple[str, float, object]]:
+    """(name, seconds it needs at least, check) in the order they run."""
+    budget = runner.budget
+    if args.ablation:
+        liger = importlib.util.find_spec("liger_kernel") is not None
+        return [("matmul_ceiling", 20, lambda: runner.run("matmul", min_s=20)),
+                ("ablation", 45, lambda: timed.ablation(runner, liger))]  # fmt: skip
+    lora = {}
+
+    def lora_check(key: str):
+        lora[key] = timed.lora_check(runner, key)
+        return lora[key]
+
+    steps = [
+        ("matmul_ceiling", 20, lambda: runner.run("matmul", min_s=20)),
+        ("lora_1p5b_512", 45, lambda: lora_check("lora_1p5b_512")),
+        ("lora_1p5b_2048", 45, lambda: lora_check("lora_1p5b_2048")),
+        ("hf_side_by_side", 90, lambda: timed.side_by_side(runner, lora.get("lora_1p5b_2048", {"skipped": "not run"}))),
+        ("gpu_tests", 60, lambda: check_gpu_tests(budget.left - 5)),
+    ]
+    if not args.no_hf_compile:
+        steps.append(("hf_compiled", 90, lambda: timed.hf_compiled(runner, runner.results.get("hf_side_by_side"))))
+    if not args.tiny:
+        steps += [
+            ("ddp_cli", 40, lambda: check_cli("ddp", work, budget.left - 5, cuda_count)),
+            ("dp_cli", 30, lambda: check_cli("dp", work, budget.left - 5, cuda_count)),
+            ("warm_sweep", 60, lambda: check_warm_sweep(work, budget.left - 5)),
+        ]
+    return steps
+
+
+def print_table(checks: dict) -> None:
+    """The timed rows last (the device reply carries the end of the output): one line each."""
+    rows = [(n, checks[n]) for n in ("lora_1p5b_512", "lora_1p5b_2048") if n in checks]
+    for mix, entry in (checks.get("hf_side_by_side") or {}).items():
+        if isinstance(entry, dict) and "rows" in entry:
+            # equal lengths: lychee_exp's row is lora_1p5b_2048's run
+            rows += [(f"{mix}/{k}", r) for k, r in entry["rows"].items() if k != "ours" or mix != "equal_lengths"]
+            print(f"gpu_check: first losses, {mix}: lychee_exp {entry['first_losses']['ours']} | "
+                  f"HF {entry['first_losses']['hf']}")  # fmt: skip
+    rows += [(f"hf_compiled/{m}", r) for m, r in (checks.get("hf_compiled") or {}).get("rows", {}).items()]
+    rows += [(f"ablation/{n}", r) for n, r in (checks.get("ablation") or {}).get("rows", {}).items()]
+    head = f"{'run':34} {'tokens/s':>10} {'MFU':>7} {'HFU':>7} {'steps':>5} {'shapes':>6} {'pad':>5} {'peak MB':>9}"
+    print(head + " ckpt")
+    for name, row in rows:
+        if "tokens_per_s" not in row:
+            print(f"{name:34} {(row.get('skipped') or row.get('error') or '')[:80]}")
+            continue
+        pct = lambda x: f"{100 * x:.1f}%" if x is not None else "-"  # noqa: E731
+        print(f"{name:34} {row['tokens_per_s']:>10.0f} {pct(row['mfu']):>7} {pct(row['hardware_utilisation']):>7} "
+              f"{row['timed_steps']:>5} {row['distinct_shapes']:>6} {row['padding_share']:>5.2f} "
+              f"{row.get('peak_memory_mb') or 0:>9.0f} {row.get('gradient_checkpointing')}")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.json", help="where the JSON report goes")
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per LoRA run (2 are warm-up)")
-    parser.add_argument("--seq-lens", default="512,2048")
+    parser.add_argument("--budget-s", type=float, default=450, help="the whole check ends within this (seconds)")
+    parser.add_argument("--timed", type=int, default=None, help="timed steps per run (default 30; --tiny: 2)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="warm-up steps before the clock (default 3; --tiny: 1)"
+    )
+    parser.add_argument("--ablation", action="store_true", help="one row per speed lever instead of the checks")
+    parser.add_argument("--no-hf-compile", action="store_true", help="leave out HF's torch_compile=True rows")
+    parser.add_argument("--tiny", "--dry-run", action="store_true", help="CPU, tiny model and mixes, a few steps")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print(
-            "gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); nothing to check", file=sys.stderr
-        )
+    import torch
+
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not cuda_count and not args.tiny:
+        print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); nothing to check "
+              "(--tiny runs the same checks on the CPU)", file=sys.stderr)  # fmt: skip
         return 2
-    name = torch.cuda.get_device_name(0)
-    peak = bf16_peak_tflops(name)
+    name = torch.cuda.get_device_name(0) if cuda_count else "cpu"
+    timed_steps = args.timed or (2 if args.tiny else 30)
+    warmup = args.warmup or (1 if args.tiny else 3)
     report: dict = {
+        "commit": commit(),
+        "mode": ("tiny " if args.tiny else "") + ("ablation" if args.ablation else "checks"),
         "device": name,
-        "device_count": torch.cuda.device_count(),
+        "device_count": cuda_count,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "bf16_peak_tflops": peak,
+        "bf16_peak_tflops": bf16_peak_tflops(name),
+        "budget_s": args.budget_s,
+        "warmup_steps": warmup,
+        "timed_steps": timed_steps,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "checks": {},
     }
     started = time.perf_counter()
+    budget = timed.Budget(args.budget_s)
     with tempfile.TemporaryDirectory(prefix="lychee_gpu_check_") as tmp:
         work = Path(tmp)
-        steps = [("gpu_tests", check_gpu_tests)]
-        steps += [
-            (f"lora_1p5b_{n}", lambda n=int(n): check_lora(n, args.steps, work, peak)) for n in args.seq_lens.split(",")
-        ]
-        steps += [("ddp_cli", lambda: check_cli("ddp", work)), ("dp_cli", lambda: check_cli("dp", work))]
-        steps += [("warm_sweep", lambda: check_warm_sweep(work))]
-        for check_name, check in steps:
+        runner = timed.Runner(work, args.tiny, warmup, timed_steps, budget)
+        for check_name, min_s, check in plan(args, runner, work, cuda_count):
             t0 = time.perf_counter()
-            try:
-                result = check()
-            except Exception as err:  # noqa: BLE001 - a broken check is a failed check, and the others still run
-                result = {"passed": False, "error": f"{type(err).__name__}: {err}"}
+            if budget.left < min_s:
+                result = {"skipped": f"time budget: {budget.left:.0f} s left, needs ~{min_s} s"}
+            else:
+                try:
+                    result = check()
+                except Exception as err:  # noqa: BLE001 - a broken check is a failed check, and the others still run
+                    result = {"passed": False, "error": f"{type(err).__name__}: {err}"}
+            if "skipped" in result:  # a required check that did not run fails the check; an optional one does not
+                result["passed"] = False if check_name in REQUIRED and not args.ablation else None
+            result.setdefault("passed", "error" not in result)
+            runner.results[check_name] = result
             result["seconds"] = round(time.perf_counter() - t0, 1)
             report["checks"][check_name] = result
-            print(
-                f"gpu_check: {check_name}: {'PASS' if result['passed'] else 'FAIL'} "
-                f"({result['seconds']} s) {json.dumps({k: v for k, v in result.items() if k != 'tail'})}",
-                flush=True,
-            )
-            if not result["passed"] and result.get("tail"):
+            brief = {k: v for k, v in result.items() if k not in ("tail", "rows")}
+            verdict = {True: "PASS", False: "FAIL", None: "SKIPPED"}[result["passed"]]
+            print(f"gpu_check: {check_name}: {verdict} ({result['seconds']} s) "
+                  f"{json.dumps(brief)[:1500]}", flush=True)  # fmt: skip
+            if result["passed"] is False and result.get("tail"):
                 print(result["tail"], flush=True)
     report["seconds"] = round(time.perf_counter() - started, 1)
-    report["passed"] = all(c["passed"] for c in report["checks"].values())
+    report["passed"] = all(c["passed"] is not False for c in report["checks"].values())
+    print_table(report["checks"])
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(
-        f"gpu_check: {'all checks passed' if report['passed'] else 'FAILED'} in {report['seconds']} s; "
-        f"report in {args.out}"
-    )
+    print(f"gpu_check: {'all checks passed' if report['passed'] else 'FAILED'} in {report['seconds']} s "
+          f"(budget {args.budget_s:.0f} s); report in {args.out}")  # fmt: skip
     return 0 if report["passed"] else 1
 
 

@@ -74,7 +74,13 @@ class LoraConfig:
     enabled: bool = False
     r: int = at_least(1, 64)
     alpha: int = 32
+    # LoRA's own dropout on each adapter's input. The Lychee paper does not state it; 0.05 is kept (see
+    # docs/gpu_check.md: a light regulariser, the value common for LoRA on 1-2B decoders); 0 drops the masks
     dropout: float = 0.05
+    # adapter weights: auto = float32 weights (exact AdamW updates) whose matmuls run in the autocast dtype
+    # (peft's cast of the input up to float32 skipped); float32 = peft's path; model = the model's dtype (bf16:
+    # no casts at all, but an update smaller than the weight's bf16 spacing is lost)
+    dtype: str = "auto"
     target_modules: List[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -88,7 +94,10 @@ class ModelConfig:
     random_init: bool = False  # build the architecture from path's config.json with fresh weights
     dtype: Dtype = Dtype.float32  # dtype of the loaded weights
     attn_implementation: str = "sdpa"
-    gradient_checkpointing: bool = False
+    # true | false | auto (on when the step's activations would not fit in free device memory; CPU: off)
+    gradient_checkpointing: Any = False
+    compile_layers: bool = False  # torch.compile each decoder layer (off until measured on the GPU)
+    liger_kernel: bool = False  # Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) for Qwen2/Qwen3; CUDA only
     dropout: Optional[float] = None  # overrides every dropout probability in the model's config; null = keep
     lora: LoraConfig = field(default_factory=LoraConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
@@ -110,6 +119,9 @@ class DataConfig:
     max_train_queries: int = at_least(0, 0)  # 0 = all; a prefix of the file, for quick runs
     max_dev_queries: int = at_least(0, 0)
     num_workers: int = at_least(0, 0)  # DataLoader workers that tokenize batches
+    # tokenize every (query, document) pair of the train file once per process before training (token ids kept
+    # with the run's inputs): the step only looks them up; false = tokenize each batch as it is drawn
+    pretokenize: bool = True
     bucket_by_length: bool = False  # batch queries whose prompts have similar lengths (less padding)
     bucket_pool_batches: int = at_least(1, 64)  # optimizer steps' worth of queries sorted by length together
 
@@ -135,6 +147,7 @@ class OptimizerConfig:
     scheduler: Schedule = Schedule.linear  # after warmup
     warmup_ratio: float = field(default=0.1, metadata={"min": 0, "below": 1})
     max_grad_norm: float = at_least(0, 1.0)  # 0 disables clipping
+    fused: Optional[bool] = None  # AdamW's fused kernel; null = on when every parameter is on a CUDA device
 
 
 @dataclass
@@ -238,6 +251,12 @@ def check_config(cfg: DictConfig | RunConfig) -> None:
     if not run_cfg.model.prompt.max_len and not run_cfg.model.prompt.doc_max_len:
         raise UserError("model.prompt.doc_max_len=0 needs a total budget: set model.prompt.max_len > 0")
     _check_template(run_cfg.model.prompt.template)
+    if run_cfg.model.gradient_checkpointing not in (True, False, "auto"):
+        raise UserError(
+            f"model.gradient_checkpointing must be true, false or auto, got {run_cfg.model.gradient_checkpointing!r}"
+        )
+    if run_cfg.model.lora.dtype not in ("auto", "float32", "model"):
+        raise UserError(f"model.lora.dtype must be auto, float32 or model, got {run_cfg.model.lora.dtype!r}")
     parse_gpus(run_cfg.gpus)
     forward_chunk_count(run_cfg.trainer.forward_chunks, "cpu")
 

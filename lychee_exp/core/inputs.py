@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lychee_exp.core.config import RunConfig
@@ -28,6 +28,8 @@ class RunInputs:
     dev_queries: list[RankingQuery]
     tokenizer: Any  # a transformers tokenizer
     encoder: PromptEncoder
+    # token ids of the train prompts, filled once per process by core.token_cache (data.pretokenize)
+    token_ids: dict = field(default_factory=dict)
 
 
 def load_inputs(cfg: RunConfig, warn_unknown: bool = True) -> RunInputs:

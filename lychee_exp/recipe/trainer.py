@@ -28,10 +28,12 @@ from lychee_exp.core.devices import DevicePlan, resolve_precision
 from lychee_exp.core.distributed import DistEnv, wrap_for_training
 from lychee_exp.core.errors import TrainingDiverged
 from lychee_exp.core.inputs import RunInputs, load_inputs
+from lychee_exp.core.levers import apply_levers, resolved_model_config
 from lychee_exp.core.losses import build_loss
 from lychee_exp.core.model import count_parameters, load_reranker, save_reranker
 from lychee_exp.core.optim import build_optimizer, optimizer_step, scaled_lr
 from lychee_exp.core.seeding import seed_everything
+from lychee_exp.core.token_cache import pretokenized
 from lychee_exp.recipe.checkpoint import latest_checkpoint, restore_training_state, save_training_state
 from lychee_exp.recipe.progress import NO_HOOKS, Progress, StepFigures, StepHooks
 from lychee_exp.recipe.step import WindowStep
@@ -99,8 +101,10 @@ class Trainer:
 
     def _setup_model(self, inputs: RunInputs) -> None:
         self.tokenizer, self.encoder = inputs.tokenizer, inputs.encoder
-        self.model = load_reranker(self.cfg.model, self.encoder, self.cfg.seed).to(self.device)
+        model_cfg = resolved_model_config(self.cfg, self.encoder, self.device)  # gradient_checkpointing: auto
+        self.model = load_reranker(model_cfg, self.encoder, self.cfg.seed).to(self.device)
         self.precision = resolve_precision(self.cfg.trainer.precision, self.device)
+        apply_levers(self.model, model_cfg, self.precision, self.device)
         self.train_model = wrap_for_training(self.model, self.env, self.plan, self.cfg.parallel.find_unused_parameters)
 
     def _setup_data(self, inputs: RunInputs) -> None:
@@ -113,8 +117,10 @@ class Trainer:
         # DataParallel splits one process's batch over its GPUs, so that process loads all of their batches.
         loader_batch = data.batch_size * (self.num_devices if self.plan.strategy == "dp" else 1)
         window = loader_batch * env.world_size * cfg.trainer.grad_accum_steps
+        # data.pretokenize: the train prompts' token ids are read once per process, off the step
+        encoder = pretokenized(self.encoder, self.train_set, inputs.token_ids) if data.pretokenize else self.encoder
         self.sampler, self.loader = train_loader(
-            self.train_set, self.encoder, data, loader_batch, window, env.world_size, env.rank, cfg.seed, self.device
+            self.train_set, encoder, data, loader_batch, window, env.world_size, env.rank, cfg.seed, self.device
         )
         self.num_batches = math.ceil(self.sampler.num_samples / loader_batch)
         self.steps_per_epoch = math.ceil(self.num_batches / cfg.trainer.grad_accum_steps)

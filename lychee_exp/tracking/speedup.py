@@ -33,7 +33,7 @@ def baseline_key(cfg: RunConfig, plan: DevicePlan) -> str:
         m.path,
         m.kind,
         f"lora{m.lora.r if m.lora.enabled else 0}",
-        f"gc{int(m.gradient_checkpointing)}",
+        f"gc{m.gradient_checkpointing if m.gradient_checkpointing == 'auto' else int(m.gradient_checkpointing)}",
         f"q{p.query_max_len}",
         f"d{p.doc_max_len}",
         f"group{cfg.data.train_group_size}",

@@ -1,0 +1,156 @@
+"""The same LoRA training as Hugging Face's docs would have a user set it up: transformers.Trainer + peft on the
+same model shape and seeded random init (bf16, sdpa), the same LoRA config (peft's defaults otherwise: float32
+adapters), the same pre-tokenized pairs in the same batches (the rows lychee_exp's sampler draws, in its order;
+on the long-tailed mix HF's group_by_length sampler reorders them), the same yes/no loss read at the last position
+with logits_to_keep=1, the same AdamW settings (fused, as `optim="adamw_torch_fused"`), schedule and clipping, and
+the same gradient checkpointing decision. `compile: true` adds TrainingArguments(torch_compile=True)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lychee_exp.bench.gpu.flops import bf16_peak_tflops
+from lychee_exp.bench.gpu.ours import FIRST_LOSSES, compose, shape_of
+from lychee_exp.bench.gpu.timing import BatchLog, WindowClock, peak_memory, window_figures
+
+
+def pairs(cfg, steps: int) -> tuple[list[dict], object, tuple[int, int]]:
+    """The rows of lychee_exp's first `steps` batches (its sampler, its groups, its prompt encoder), unpadded, with
+    labels (1 for each group's positive), pre-tokenized as a HF user pre-tokenizes a dataset."""
+    from lychee_exp.core.data.groups import TrainGroups
+    from lychee_exp.core.data.sampling import train_sampler
+    from lychee_exp.core.inputs import load_inputs
+    from lychee_exp.core.model import answer_token_ids
+
+    inputs = load_inputs(cfg, warn_unknown=False)
+    data = cfg.data
+    instruction = data.instruction or cfg.model.prompt.default_instruction
+    groups = TrainGroups(inputs.train_queries, data.train_group_size, instruction, cfg.seed, data.random_negatives)
+    order = list(train_sampler(groups, inputs.encoder, data.bucket_by_length, data.bucket_pool_batches,
+                               data.batch_size, 1, 0, cfg.seed))  # fmt: skip
+    rows = []
+    for index in order[: steps * data.batch_size]:
+        instr, query, docs, _ = groups[index]
+        rows += [
+            {"input_ids": inputs.encoder.encode(instr, query, doc), "labels": float(k == 0)}
+            for k, doc in enumerate(docs)
+        ]
+    return rows, inputs.encoder, answer_token_ids(cfg.model, inputs.encoder)
+
+
+def training_args(cfg, spec: dict, out: Path, rows: int, steps: int, checkpointing: bool, cuda: bool):
+    from transformers import TrainingArguments
+
+    from lychee_exp.core.optim import scaled_lr
+
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    opt = cfg.optimizer
+    args = {
+        "output_dir": str(out / "hf"),
+        "per_device_train_batch_size": rows,
+        "max_steps": steps,
+        "learning_rate": scaled_lr(cfg, 1),  # the rate lychee_exp trains with (optimizer.lr_scaling applied)
+        "weight_decay": opt.weight_decay,
+        "adam_beta1": opt.betas[0],
+        "adam_beta2": opt.betas[1],
+        "adam_epsilon": opt.eps,
+        "max_grad_norm": opt.max_grad_norm,
+        "lr_scheduler_type": "linear",
+        "warmup_steps": math.ceil(opt.warmup_ratio * steps),  # lychee_exp's rounding of the same ratio
+        "optim": "adamw_torch_fused",
+        "bf16": True,
+        "gradient_checkpointing": checkpointing,
+        "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        "torch_compile": bool(spec.get("compile")),
+        "report_to": "none",
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "remove_unused_columns": False,
+        "seed": cfg.seed,
+        "use_cpu": not cuda,
+    }
+    if spec.get("group_by_length"):  # transformers >= 5.2x names it train_sampling_strategy
+        if "train_sampling_strategy" in fields:
+            args["train_sampling_strategy"] = "group_by_length"
+        else:
+            args["group_by_length"] = True
+    return TrainingArguments(**{k: v for k, v in args.items() if k in fields})
+
+
+def run(spec: dict, out: Path) -> dict:
+    from peft import LoraConfig, get_peft_model
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback
+
+    from lychee_exp.core.levers import resolve_checkpointing
+    from lychee_exp.core.model import model_dir
+
+    cfg = compose(spec, out)
+    steps = spec["warmup"] + spec["timed"]
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    rows, encoder, (yes_id, no_id) = pairs(cfg, steps)
+    checkpointing, _ = resolve_checkpointing(cfg, encoder, device)  # the decision lychee_exp takes for this run
+
+    torch.manual_seed(cfg.seed)  # as load_reranker: the same draws give the same weights and adapters
+    config = AutoConfig.from_pretrained(str(model_dir(cfg.model)))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    lora = cfg.model.lora
+    peft_config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, peft_config)
+    per_step = cfg.data.batch_size * cfg.data.train_group_size
+    log, losses = BatchLog(), []
+    clock = WindowClock(spec["warmup"], spec["timed"], device)
+
+    def collate(batch_rows: list[dict]) -> dict:
+        batch = encoder.pad([r["input_ids"] for r in batch_rows])  # left padding, as lychee_exp pads
+        log.add(batch)
+        batch["labels"] = torch.tensor([r["labels"] for r in batch_rows])
+        return batch
+
+    class YesNoTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            out = model(**inputs, logits_to_keep=1, use_cache=False)
+            last = out.logits[:, -1, :].float()
+            loss = F.binary_cross_entropy_with_logits(last[:, yes_id] - last[:, no_id], labels.float())
+            if len(losses) < FIRST_LOSSES:
+                losses.append(loss.detach())
+            return (loss, out) if return_outputs else loss
+
+        def _get_train_sampler(self, *args, **kwargs):
+            if spec.get("group_by_length"):
+                return super()._get_train_sampler(*args, **kwargs)
+            return SequentialSampler(self.train_dataset)  # lychee_exp's batches, in its order
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_done(state.global_step)
+
+    args = training_args(cfg, spec, out, per_step, steps, checkpointing, cuda)
+    YesNoTrainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[Clock()]).train()
+    shape, lora_params = shape_of(cfg)
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    row = window_figures(log, clock, shape, lora_params, checkpointing, bf16_peak_tflops(name))
+    row.update(peak_memory(device))
+    row.update(
+        {
+            "system": "hf_trainer_compiled" if spec.get("compile") else "hf_trainer",
+            "first_losses": [round(float(x), 5) for x in losses],
+            "gradient_checkpointing": checkpointing,
+            "group_by_length": bool(spec.get("group_by_length")),
+            "rows_per_step": per_step,
+        }
+    )
+    return row

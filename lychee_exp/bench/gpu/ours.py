@@ -1,0 +1,168 @@
+"""lychee_exp's LoRA recipe on one device, timed: the Trainer itself (setup, fit) with a step hook that closes the
+timed window, and its loader wrapped to log the batches it draws. With `packing: auto` the run packs its rows
+(data.packing=true) where the config schema has that key, and pads them otherwise."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from lychee_exp.bench.gpu.flops import Shape, bf16_peak_tflops
+from lychee_exp.bench.gpu.timing import BatchLog, WindowClock, peak_memory, window_figures
+from lychee_exp.core.config import DataConfig, RunConfig, to_run_config
+
+FIRST_LOSSES = 5
+
+
+def has_packing() -> bool:
+    return "packing" in {f.name for f in dataclasses.fields(DataConfig)}
+
+
+def extra_overrides(spec: dict) -> list[str]:
+    """The run's own overrides on top of the recipe, with data.packing=true where the schema has it (`packing:
+    auto`); packed rows have no padding to cut, so the padded path's bucketing and forward chunks are left out."""
+    extra = list(spec.get("overrides", []))
+    if spec.get("packing") == "auto" and has_packing() and "data.packing=false" not in extra:
+        extra = [o for o in extra if not o.startswith(("trainer.forward_chunks=", "data.bucket_by_length="))]
+        extra.append("data.packing=true")
+    return extra
+
+
+def recipe_overrides(spec: dict) -> list[str]:
+    """The run both systems read their settings from: the Lychee LoRA recipe on the check's model and mix."""
+    mix, steps = spec["mix"], spec["warmup"] + spec["timed"]
+    overrides = [
+        "experiment=lychee_lora",
+        f"model.path={spec['model_dir']}",
+        "model.random_init=true",
+        "parallel=single",
+        "gpus=1",
+        "data=jsonl",
+        f"data.train_file={spec['data']}",
+        f"data.dev_file={spec['data']}",
+        "data.max_dev_queries=1",
+        f"data.batch_size={mix['queries_per_step']}",
+        f"data.train_group_size={mix['group']}",
+        "data.random_negatives=0",
+        f"model.prompt.max_len={mix['max_len']}",
+        "model.prompt.query_max_len=32",
+        "model.prompt.instruction_max_len=32",
+        "trainer.precision=bf16",
+        f"trainer.max_steps={steps}",
+        "trainer.evaluate=false",
+        "trainer.save_model=false",
+        "trainer.progress_bar=false",
+        f"trainer.log_every={steps}",
+        "logger=none",
+        "speedup.calibrate=false",
+        f"seed={spec.get('seed', 42)}",
+    ]
+    return [*overrides, *extra_overrides(spec)]
+
+
+def compose(spec: dict, out: Path) -> RunConfig:
+    from lychee_exp.testing.jobs import compose_job
+
+    return to_run_config(compose_job(recipe_overrides(spec), out))
+
+
+def shape_of(cfg: RunConfig) -> tuple[Shape, int]:
+    from lychee_exp.core.model import model_dir
+
+    shape = Shape.of(json.loads((model_dir(cfg.model) / "config.json").read_text()))
+    lora = shape.lora_params(cfg.model.lora.r, list(cfg.model.lora.target_modules)) if cfg.model.lora.enabled else 0
+    return shape, lora
+
+
+def estimated_activations(cfg: RunConfig, encoder, checkpointing: bool) -> int:
+    from lychee_exp.core.levers import activation_bytes, model_shape, prompt_width
+
+    tokens = cfg.data.batch_size * cfg.data.train_group_size * prompt_width(encoder)
+    return activation_bytes(model_shape(cfg.model), cfg.model, tokens, checkpointing, "bf16")
+
+
+def checkpointing_on(model: torch.nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+class RecordingLoader:
+    """The trainer's DataLoader, logging every batch it yields (host tensors: no device read)."""
+
+    def __init__(self, loader, log: BatchLog):
+        self.loader, self.log = loader, log
+
+    def __iter__(self):
+        for batch in self.loader:
+            self.log.add(batch)
+            yield batch
+
+    def __getattr__(self, name: str):
+        if name in ("loader", "log"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def run(spec: dict, out: Path) -> dict:
+    from lychee_exp.core.devices import plan_devices, torch_device
+    from lychee_exp.core.distributed import DistEnv
+    from lychee_exp.recipe.progress import StepHooks
+    from lychee_exp.recipe.trainer import Trainer
+
+    cfg = compose(spec, out)
+    device = torch_device("cuda" if torch.cuda.is_available() else "cpu")
+    clock = WindowClock(spec["warmup"], spec["timed"], device)
+    trainer = Trainer(
+        cfg, DistEnv(device=device), plan_devices("single", 1), out, hooks=StepHooks(after_step=clock.step_done)
+    )
+    trainer.setup()
+    chunks = getattr(trainer, "forward_chunks", cfg.trainer.forward_chunks)  # resolved (auto) by setup
+    log = BatchLog(chunks if isinstance(chunks, int) else 1)
+    trainer.loader = RecordingLoader(trainer.loader, log)
+    losses: list[torch.Tensor] = []
+    step = getattr(trainer, "step", None)
+    loss_fn = getattr(step, "loss_fn", None)
+
+    def keep_first_losses(*args, **kwargs):
+        per_query, *rest = loss_fn(*args, **kwargs)
+        if len(losses) < FIRST_LOSSES:
+            losses.append(per_query.detach().float().mean())  # stays on the device until the run is over
+        return (per_query, *rest)
+
+    if loss_fn is not None:  # the window step's loss: the first losses, to set beside HF's
+        step.loss_fn = keep_first_losses
+    try:
+        metrics = trainer.fit()
+    finally:
+        trainer.cleanup()
+    shape, lora = shape_of(cfg)
+    checkpointing = checkpointing_on(trainer.model)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    row = window_figures(log, clock, shape, lora, checkpointing, bf16_peak_tflops(name))
+    row.update(peak_memory(device))
+    row.update(
+        {
+            "system": "lychee_exp",
+            # core.levers' estimate behind gradient_checkpointing=auto, to read beside peak_memory_mb
+            "estimated_activation_gib": round(estimated_activations(cfg, trainer.encoder, checkpointing) / 2**30, 2),
+            "first_losses": [round(float(x), 5) for x in losses],
+            "gradient_checkpointing": checkpointing,
+            "packing": bool(getattr(cfg.data, "packing", False)),
+            "forward_chunks": log.forward_chunks,
+            "rows_per_step": cfg.data.batch_size * cfg.data.train_group_size,
+            "steps": metrics.get("steps"),
+            "levers": {
+                "lora_dtype": cfg.model.lora.dtype,
+                "lora_dropout": cfg.model.lora.dropout,
+                "fused_adamw": trainer.optimizer.defaults.get("fused"),
+                "deterministic": cfg.trainer.deterministic,
+                "pretokenize": cfg.data.pretokenize,
+                "compile_layers": cfg.model.compile_layers,
+                "liger_kernel": cfg.model.liger_kernel,
+            },
+            "overrides": extra_overrides(spec),
+        }
+    )
+    return row

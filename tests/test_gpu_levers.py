@@ -1,0 +1,72 @@
+"""Speed levers on a CUDA GPU: deterministic mode without a warning per GEMM, fused AdamW by default, checkpointing
+`auto` off when memory allows, the LoRA adapters' bf16 path, compiled decoder layers and Liger kernels giving the
+logits of the plain model."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import TINY_OVERRIDES, compose_config
+
+from lychee_exp.core.config import OptimizerConfig, to_run_config
+from lychee_exp.core.inputs import load_inputs
+from lychee_exp.core.levers import apply_levers, resolve_checkpointing
+from lychee_exp.core.model import load_reranker
+from lychee_exp.core.optim import adamw
+from lychee_exp.core.seeding import seed_everything
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+CUDA = torch.device("cuda", 0)
+
+
+def run_config(tmp_path, *extra):
+    return to_run_config(compose_config([*TINY_OVERRIDES, *extra], tmp_path))
+
+
+def test_deterministic_mode_does_not_warn_per_gemm():
+    seed_everything(0, deterministic=True)
+    a = torch.randn(256, 256, device=CUDA)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            (a @ a).sum().item()
+            torch.nn.functional.linear(a.bfloat16(), a.bfloat16()).sum().item()
+    seed_everything(0, deterministic=False)
+
+
+def test_adamw_is_fused_on_cuda_by_default():
+    params = [torch.nn.Parameter(torch.zeros(3, device=CUDA))]
+    assert adamw(params, 1e-3, OptimizerConfig()).defaults["fused"] is True
+
+
+def test_checkpointing_auto_is_off_for_the_tiny_model(tmp_path):
+    cfg = run_config(tmp_path, "model.gradient_checkpointing=auto")
+    on, why = resolve_checkpointing(cfg, load_inputs(cfg).encoder, CUDA)
+    assert on is False, why
+
+
+def logits(tmp_path, *extra) -> torch.Tensor:
+    cfg = run_config(tmp_path, "model.lora.enabled=true", "model.dtype=bfloat16", *extra)
+    inputs = load_inputs(cfg)
+    model = load_reranker(cfg.model, inputs.encoder, seed=3).to(CUDA).eval()
+    apply_levers(model, cfg.model, "bf16", CUDA)
+    batch = inputs.encoder.pad([inputs.encoder.encode("i", "a query", "a document about it" * n) for n in (1, 3, 5)])
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        return model(batch["input_ids"].to(CUDA), batch["attention_mask"].to(CUDA)).float().cpu()
+
+
+def test_lora_auto_path_gives_peft_float32_logits(tmp_path):
+    torch.testing.assert_close(logits(tmp_path, "model.lora.dtype=auto"), logits(tmp_path, "model.lora.dtype=float32"))
+
+
+def test_compiled_layers_give_the_same_logits(tmp_path):
+    torch.testing.assert_close(
+        logits(tmp_path, "model.compile_layers=true"), logits(tmp_path), rtol=2e-2, atol=2e-2
+    )  # bf16: fused kernels round differently
+
+
+def test_liger_kernels_give_the_same_logits(tmp_path):
+    pytest.importorskip("liger_kernel")
+    torch.testing.assert_close(logits(tmp_path, "model.liger_kernel=true"), logits(tmp_path), rtol=2e-2, atol=2e-2)
