@@ -273,3 +273,55 @@ def test_fault_injection_costs_the_loop_nothing_unless_asked(monkeypatch):
     hook(2)  # not yet
     with pytest.raises(RuntimeError, match="injected fault on rank 1 at step 3"):
         hook(3)
+
+
+def test_trainer_gradient_is_autograd_of_the_plain_mean_loss(tmp_path):
+    """The trainer's accumulated gradient (2 micro-batches, forward chunks) equals autograd of the mean over the
+    window's queries of Lychee's loss written out here (-log p(yes) for the positive, -log p(no) for negatives,
+    averaged over each group), and the logged grad_norm is that gradient's norm before clipping."""
+    from lychee_exp.core.devices import plan_devices
+    from lychee_exp.core.distributed import DistEnv
+    from lychee_exp.core.optim import optimizer_step
+    from lychee_exp.recipe.trainer import Trainer
+
+    cfg = to_run_config(
+        compose_config(
+            [
+                *TINY_OVERRIDES,
+                "loss=pointwise",
+                "trainer.grad_accum_steps=2",
+                "trainer.forward_chunks=2",
+                "optimizer.max_grad_norm=1e-3",  # clipping active: the logged norm must still be the pre-clip one
+            ],
+            tmp_path,
+        )
+    )
+    trainer = Trainer(cfg, DistEnv(), plan_devices("single", 1, cpu_threads_per_rank=1), tmp_path)
+    trainer.setup()
+    trainer.sampler.set_epoch(0)
+    loader = iter(trainer.loader)
+    batches = [next(loader), next(loader)]
+    group = cfg.data.train_group_size
+    queries = sum(len(b["input_ids"]) for b in batches) // group
+    assert queries == 4
+    trainer.step.accumulate(iter(batches), 2, queries)
+    params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    got = {n: p.grad.detach().clone() for n, p in params.items()}
+
+    trainer.model.zero_grad(set_to_none=True)
+    per_query = []
+    for b in batches:
+        logits = trainer.model(b["input_ids"], b["attention_mask"]).view(-1, group)  # logit(yes) - logit(no)
+        # -log sigmoid(z) for the positive (first), -log(1 - sigmoid(z)) for each negative
+        per_pair = torch.cat([F.softplus(-logits[:, :1]), F.softplus(logits[:, 1:])], dim=1)
+        per_query.append(per_pair.mean(dim=1))
+    torch.cat(per_query).mean().backward()
+    norm = 0.0
+    for name, param in params.items():
+        torch.testing.assert_close(got[name], param.grad, rtol=1e-4, atol=1e-7, msg=name)
+        norm += float(param.grad.double().pow(2).sum())
+    for name, param in params.items():
+        param.grad = got[name]
+    logged = optimizer_step(trainer.model, trainer.optimizer, trainer.scheduler, trainer.scaler, cfg.optimizer)
+    assert logged == pytest.approx(math.sqrt(norm), rel=1e-5)
+    trainer.cleanup()
