@@ -311,7 +311,7 @@ def test_training_distills_each_document_towards_its_own_teacher_score(tmp_path,
         "trainer.save_model=false",
     ]
     cfg = to_run_config(compose_config(overrides, tmp_path))
-    trainer = Trainer(cfg, DistEnv(), plan_devices("single", 1, cpu_threads_per_rank=1), tmp_path)
+    trainer = Trainer(cfg, DistEnv(), plan_devices("single", 1, cuda_count=0, cpu_threads_per_rank=1), tmp_path)
     trainer.setup()
     trainer.sampler.set_epoch(0)
     trainer.train_set.set_epoch(0)

@@ -148,8 +148,8 @@ def child(name: str, spec: dict) -> dict:
         }
     import torch
 
-    from lychee_exp.bench.scaling import systems as peers
-    from lychee_exp.bench.scaling.inputs import build_steps
+    from lychee_exp.bench import systems as peers
+    from lychee_exp.bench.inputs import build_steps
 
     torch.set_num_threads(spec["threads"])
     cfg, encoder, model, batches = build_steps(overrides, out, warmup + steps)
