@@ -152,7 +152,7 @@ class Trainer:
                 initial = self._eval_and_log(0)
                 progress.summary.update({f"initial_{k}": v for k, v in initial.items()}, **initial)
                 progress.evaluated_at = 0
-        timer = StepTimer(progress.step, self.total_steps)
+        timer = StepTimer(progress.step, self.total_steps, time.perf_counter() - self.eval_time_s)
         self.logged = []
         show = env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()
         self.bar = tqdm(
@@ -170,18 +170,14 @@ class Trainer:
                 micro_steps = min(accum, self.num_batches - first)
                 figures = self._train_window(batches, first, micro_steps, progress.step + 1)
                 progress.step += 1
-                timer.add(
-                    progress.step,
-                    figures.seconds,
-                    figures.wait,
-                    figures.busy,
-                    figures.queries,
-                    figures.tokens,
-                    figures.padded,
-                )
                 done = first + micro_steps
                 position = (progress.epoch, done) if done < self.num_batches else (progress.epoch + 1, 0)
-                if self._after_step(progress, figures, position):  # preemption: checkpointed, the requeued job resumes
+                stop = self._after_step(progress, figures, position)
+                # the step's end stamp, after its stop-request collective; evaluations are not training time
+                end = time.perf_counter() - self.eval_time_s
+                counts = (figures.queries, figures.tokens, figures.padded)
+                timer.add(progress.step, end, figures.wait, figures.busy, *counts)
+                if stop:  # preemption: checkpointed, the requeued job resumes
                     self.bar.close()
                     return {**progress.summary, "steps": progress.step, "preempted_at_step": progress.step}
                 if progress.step >= self.total_steps or self.stopped:

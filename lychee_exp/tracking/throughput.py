@@ -24,21 +24,29 @@ RANK_SPREAD_HINT = 1.25  # slowest / fastest rank compute time that earns a hint
 
 
 class StepTimer:
-    """Sums step times after warm-up. `busy` is a rank's time outside collectives (data wait + forward):
-    backward and the optimizer step wait for the slowest rank, so they would hide which rank is slow."""
+    """Times training by the wall clock between step END stamps, taken after everything a step does (its
+    collectives, the stop-request all-reduce, logging, checkpoints), minus the dev evaluations in between:
+    `time` runs from the end of the last warm-up step to the end of the last step, as the peer benchmark times
+    other systems. `busy` is a rank's time outside collectives (data wait + forward): backward and the optimizer
+    step wait for the slowest rank, so they would hide which rank is slow."""
 
-    def __init__(self, first_step: int, total_steps: int):
-        # a run too short to skip warm-up is timed whole rather than not at all
+    def __init__(self, first_step: int, total_steps: int, now: float = 0.0):
+        # a run too short to skip warm-up is timed whole (from `now`, before its first step) rather than not at all
         self.timed_from = first_step + WARMUP_STEPS if total_steps - first_step > WARMUP_STEPS else first_step
+        self.start = now if self.timed_from == first_step else None
         self.sums = {"time": 0.0, "wait": 0.0, "busy": 0.0, "queries": 0.0, "tokens": 0.0, "padded": 0.0}
 
     def add(
-        self, step: int, elapsed: float, wait: float, busy: float, queries: float, tokens: float, padded: float
+        self, step: int, end: float, wait: float, busy: float, queries: float, tokens: float, padded: float
     ) -> None:
-        """`tokens`: real (non-pad) tokens; `padded`: batch slots, pad included."""
-        if step > self.timed_from:
-            for key, value in zip(self.sums, (elapsed, wait, busy, queries, tokens, padded)):
+        """`end`: the step's end stamp on the training clock (wall clock less evaluation time so far);
+        `tokens`: real (non-pad) tokens; `padded`: batch slots, pad included."""
+        if step == self.timed_from:
+            self.start = end
+        elif step > self.timed_from and self.start is not None:
+            for key, value in zip(self.sums, (0.0, wait, busy, queries, tokens, padded)):
                 self.sums[key] += value
+            self.sums["time"] = end - self.start
 
     def rank_record(self, device: torch.device) -> dict:
         return {**self.sums, "peak_memory_mb": peak_memory_mb(device)}
