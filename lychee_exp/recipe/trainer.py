@@ -251,12 +251,17 @@ class Trainer:
 
     def _finish(self, progress: Progress, timer: StepTimer, train_time: float) -> dict:
         """The run's metrics: its summary, setup facts, throughput over all ranks, times and speedup."""
-        env, summary = self.env, progress.summary
+        env, summary, speedup = self.env, progress.summary, self.cfg.speedup
         throughput = summarize(env.gather_objects(timer.rank_record(self.device)))
         summary.update(self.facts, **throughput, steps=progress.step, epochs=progress.epoch, stopped_early=self.stopped)
         summary.update(train_time_s=train_time, eval_time_s=self.eval_time_s)
         summary.update(
-            speedup_facts(summary["train_samples_per_s"], self.cfg.speedup.baseline_samples_per_s, self.plan)
+            speedup_facts(
+                summary["train_samples_per_s"],
+                speedup.baseline_samples_per_s,
+                speedup.one_rank_samples_per_s,
+                self.plan,
+            )
         )
         if env.is_main:
             log_hints(summary, self.cfg.data.num_workers)
