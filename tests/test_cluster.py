@@ -178,7 +178,7 @@ def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp):
     assert m["cpu_threads_per_rank"] == available_cores()
     # no baseline cached or given: no speedup key (not NaN), and one line saying so
     assert "speedup" not in m and "scaling_efficiency" not in m
-    assert sum("no single-device baseline" in line for line in outputs[0].splitlines()) == 1
+    assert sum("no single-process baseline" in line for line in outputs[0].splitlines()) == 1
 
 
 def test_faked_slurm_nodes_match_in_process_ddp(tmp_path, in_process_ddp):

@@ -84,3 +84,15 @@ def test_nccl_process_group_on_one_gpu():
     proc = subprocess.run([sys.executable, "-c", NCCL_ONE_GPU], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["nccl", "[2.0,", "2.0,", "2.0,", "2.0]", "True"], proc.stdout
+
+
+def test_data_parallel_matches_one_gpu(tmp_path):
+    """DataParallel over every GPU with batch b per GPU trains as one GPU with batch b x GPUs: the same losses and
+    pre-clip gradient norms per step, and the same weights (GPU kernels: a looser tolerance than on CPU)."""
+    from lychee_exp.testing.equivalence import assert_same_training
+
+    count = torch.cuda.device_count()
+    single, dp = tmp_path / "single", tmp_path / "dp"
+    run_tiny(single, "parallel=single", f"data.batch_size={2 * count}", "model.dropout=0.0")
+    run_tiny(dp, "parallel=dp", "gpus=auto", "data.batch_size=2", "model.dropout=0.0")
+    assert_same_training(dp, single, rtol=1e-3)
