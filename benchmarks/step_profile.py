@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lychee_exp.bench.scaling.peers import MIXES, SETTINGS
+from lychee_exp.bench.peers import MIXES, SETTINGS
 from lychee_exp.core.config import to_run_config
 from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.distributed import DistEnv

@@ -1,11 +1,13 @@
 """Per-trial overhead of a sweep, warm ranks against fresh ranks per trial, side by side.
 
-    python benchmarks/sweep_overhead.py [--trials 6] [--gpus 2] [--out DIR] [overrides]
+    python benchmarks/sweep_overhead.py [--trials 6] [--gpus 2] [--repeats 2] [--out DIR] [overrides]
 
-Runs the same sweep twice (`hparams_search=lr_batch`, the tiny Qwen2, `parallel=ddp gpus=N`, the sampler's seed
-fixed, no pruning): once with `parallel.warm_ranks=true`, once with `false`. Prints each trial's overhead from
-trials.csv (duration - training - evaluation), the medians, and whether both sweeps' trials got the same metrics.
-Extra arguments are overrides for both sweeps (e.g. `model=minilm_cross_encoder`).
+Runs the same sweep (`hparams_search=lr_batch`, the tiny Qwen2, `parallel=ddp gpus=N`, the sampler's seed fixed,
+no pruning) with `parallel.warm_ranks=true` and with `false`, `--repeats` times each (at least 2), alternating
+which goes first (fresh-warm, warm-fresh, ...) so that cold caches and the first start-up fall on both sides.
+Prints each trial's overhead from trials.csv (duration - training - evaluation), the medians over all repeats,
+and whether the warm and fresh trials got the same metrics. Extra arguments are overrides for every sweep (e.g.
+`model=minilm_cross_encoder`).
 """
 
 from __future__ import annotations
@@ -75,24 +77,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="sweeps per kind, order alternating (>= 2)")
     parser.add_argument("--out", type=Path, default=None)
     args, overrides = parser.parse_known_args()
+    if args.repeats < 2:
+        parser.error("--repeats must be at least 2: the order alternates between repeats")
     out = args.out or Path(tempfile.mkdtemp(prefix="lychee-sweep-overhead-"))
-    walls, tables = {}, {}
-    for name, warm in (("fresh", False), ("warm", True)):
-        walls[name] = sweep(out / name, args.trials, args.gpus, warm, overrides)
-        tables[name] = rows(out / name)
-    print(f"{'trial':>5} {'fresh: overhead s':>18} {'warm: overhead s':>17} {'train+eval s':>13} same metrics")
+    walls: dict[str, list[float]] = {"fresh": [], "warm": []}
+    tables: dict[str, list[list[dict]]] = {"fresh": [], "warm": []}
+    for repeat in range(args.repeats):
+        order = (("fresh", False), ("warm", True)) if repeat % 2 == 0 else (("warm", True), ("fresh", False))
+        for name, warm in order:
+            sweep_dir = out / f"{repeat}-{name}"
+            walls[name].append(sweep(sweep_dir, args.trials, args.gpus, warm, overrides))
+            tables[name].append(rows(sweep_dir))
+        print(f"repeat {repeat}: {' then '.join(name for name, _ in order)}")
+    columns = ("rep", 3), ("trial", 5), ("fresh: overhead s", 18), ("warm: overhead s", 17), ("train+eval s", 13)
+    print(" ".join(f"{name:>{width}}" for name, width in columns), "same metrics")
     same = []
-    for fresh, warm in zip(tables["fresh"], tables["warm"]):
-        same.append(outcome(fresh["run_dir"]) == outcome(warm["run_dir"]))
-        work = float(warm["train_time_s"]) + float(warm["eval_time_s"])
-        print(f"{fresh['number']:>5} {fresh['overhead_s']:>18} {warm['overhead_s']:>17} {work:>13.2f} {same[-1]}")
-    medians = {name: statistics.median(float(r["overhead_s"]) for r in table) for name, table in tables.items()}
+    for repeat in range(args.repeats):
+        for fresh, warm in zip(tables["fresh"][repeat], tables["warm"][repeat]):
+            same.append(outcome(fresh["run_dir"]) == outcome(warm["run_dir"]))
+            work = float(warm["train_time_s"]) + float(warm["eval_time_s"])
+            print(
+                f"{repeat:>3} {fresh['number']:>5} {fresh['overhead_s']:>18} {warm['overhead_s']:>17} {work:>13.2f} "
+                f"{same[-1]}"
+            )
+    medians = {
+        name: statistics.median(float(r["overhead_s"]) for table in per_repeat for r in table)
+        for name, per_repeat in tables.items()
+    }
     print(
-        f"median overhead per trial: fresh ranks {medians['fresh']:.2f} s, warm ranks {medians['warm']:.2f} s "
-        f"({medians['fresh'] / medians['warm']:.1f}x less); sweep wall time {walls['fresh']:.0f} s vs "
-        f"{walls['warm']:.0f} s; metrics equal in {sum(same)}/{len(same)} trials; sweeps in {out}"
+        f"median overhead per trial over {args.repeats} repeats: fresh ranks {medians['fresh']:.2f} s, warm ranks "
+        f"{medians['warm']:.2f} s ({medians['fresh'] / medians['warm']:.1f}x less); median sweep wall time "
+        f"{statistics.median(walls['fresh']):.0f} s vs {statistics.median(walls['warm']):.0f} s; metrics equal in "
+        f"{sum(same)}/{len(same)} trials; sweeps in {out}"
     )
 
 

@@ -27,21 +27,47 @@ TINY = [
 ]
 
 
-def test_batches_are_the_ones_lychee_exp_trains_on(tmp_path):
-    from lychee_exp.core.data.groups import GroupCollator, TrainGroups
-    from lychee_exp.core.data.queries import load_queries
-    from lychee_exp.core.data.sampling import ResumableSampler
+def test_peers_get_lychee_exps_batches_and_the_same_gradient(tmp_path):
+    """The benchmark's steps are the batches lychee_exp's own Trainer loads (its loader, not a rebuilt one), and
+    the bare loop's backward on a batch gives the gradient lychee_exp's training step gives: the same work."""
+    from lychee_exp.core.config import to_run_config
+    from lychee_exp.core.devices import plan_devices
+    from lychee_exp.core.distributed import DistEnv
+    from lychee_exp.recipe.trainer import Trainer
+    from lychee_exp.testing.jobs import compose_job
 
-    cfg, encoder, _, steps = build_steps(TINY, tmp_path, 3)
-    queries = load_queries(cfg.data.train_file, "data.train_file")
-    groups = TrainGroups(queries, 4, cfg.data.instruction, cfg.seed, 1)
-    sampler = ResumableSampler(groups, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed, drop_last=True)
-    loader = torch.utils.data.DataLoader(groups, batch_size=2, sampler=sampler, collate_fn=GroupCollator(encoder))
-    for step, batch in zip(steps, loader):
-        assert torch.equal(step.input_ids, batch["input_ids"]) and torch.equal(
-            step.attention_mask, batch["attention_mask"]
-        )
+    _, _, model, steps = build_steps(TINY, tmp_path, 3)
+    overrides = [*TINY, "parallel=single", "gpus=1", "logger=none", "data.bucket_by_length=false"]
+    cfg = to_run_config(compose_job([*overrides, "trainer.max_steps=3"], tmp_path))
+    trainer = Trainer(cfg, DistEnv(), plan_devices("single", 1, cuda_count=0, cpu_threads_per_rank=1), tmp_path)
+    trainer.setup()
+    trainer.sampler.set_epoch(0)
+    trainer.train_set.set_epoch(0)
+    batches = [batch for batch, _ in zip(trainer.loader, steps)]
+    assert len(batches) == 3
+    for step, batch in zip(steps, batches):
+        assert torch.equal(step.input_ids, batch["input_ids"])
+        assert torch.equal(step.attention_mask, batch["attention_mask"])
         assert step.labels.tolist() == [1.0, 0, 0, 0] * 2 and len(step.pairs) == 8
+
+    trainer.model.load_state_dict(model.state_dict())
+    trainer.step.accumulate(iter(batches[:1]), 1, 2)
+    lychee = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    bare: dict[str, torch.Tensor] = {}
+
+    def catch(name: str):
+        def hook(param: torch.Tensor) -> None:
+            bare.setdefault(name, param.grad.clone())
+
+        return hook
+
+    for name, param in model.named_parameters():  # the bare loop's gradient, caught before it steps and clears
+        param.register_post_accumulate_grad_hook(catch(name))
+    torch_loop(model, steps[:1], Settings(1e-3, 0.0, 1.0, 42, torch.device("cpu")))
+    assert lychee.keys() == bare.keys() and lychee
+    for name in lychee:
+        torch.testing.assert_close(bare[name], lychee[name], rtol=1e-4, atol=1e-7, msg=name)
+    trainer.cleanup()
 
 
 def test_hf_trainer_and_bare_loop_take_the_same_steps(tmp_path):

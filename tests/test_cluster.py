@@ -20,6 +20,7 @@ from lychee_exp.core.devices import available_cores
 from lychee_exp.core.errors import Preempted, RunFailed, UserError
 from lychee_exp.launch.cluster import expand_nodelist, is_main_process, slurm_nodes
 from lychee_exp.launch.processes import free_port
+from lychee_exp.testing.equivalence import assert_same_training
 from lychee_exp.testing.jobs import run_job
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,6 +101,8 @@ def _assert_same_training(run_dir: Path, reference: Path) -> None:
     got, want = _metrics(run_dir), _metrics(reference)
     assert got["num_devices"] == want["num_devices"] == 2 and got["steps"] == 4
     assert _losses(run_dir) == pytest.approx(_losses(reference), abs=1e-5)
+    # every step's pre-clip gradient norm too: a gradient off by a constant factor leaves the losses alone
+    assert_same_training(run_dir, reference, weights=False)
     for key in ("initial_ndcg@10", "ndcg@10", "mrr@10"):
         assert got[key] == pytest.approx(want[key], abs=1e-6), key
 
@@ -175,7 +178,7 @@ def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp):
     assert m["cpu_threads_per_rank"] == available_cores()
     # no baseline cached or given: no speedup key (not NaN), and one line saying so
     assert "speedup" not in m and "scaling_efficiency" not in m
-    assert sum("no single-device baseline" in line for line in outputs[0].splitlines()) == 1
+    assert sum("no single-process baseline" in line for line in outputs[0].splitlines()) == 1
 
 
 def test_faked_slurm_nodes_match_in_process_ddp(tmp_path, in_process_ddp):
@@ -342,6 +345,11 @@ def test_sweep_trials_as_submitit_jobs(tmp_path):
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert results["finished"] == results["complete"] == 2
     assert len(list((sweep / ".submitit").iterdir())) >= 2  # two jobs, each with its own submitit folder
+    for trial in ("0", "1"):  # each job trained on its 2 ranks: both reported memory and wrote their own log
+        m = _metrics(sweep / trial)
+        assert m["num_devices"] == m["num_processes"] == 2 and len(m["peak_memory_mb_per_rank"]) == 2, trial
+        assert all(mb > 0 for mb in m["peak_memory_mb_per_rank"]), trial
+        assert sorted(p.parent.name for p in (sweep / trial).glob("logs/**/stderr.log")) == ["0", "1"], trial
 
 
 @pytest.mark.slow

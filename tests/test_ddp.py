@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.errors import UserError
+from lychee_exp.testing.equivalence import assert_same_training
 from lychee_exp.testing.jobs import run_job
 
 # Tiny Lychee path, fp32, no dropout: one process with batch 2b and 2 ranks with batch b must agree.
@@ -84,10 +85,9 @@ def test_ddp_matches_single_process(tmp_path, ddp_batch, accum, bucket, chunks):
     # sharded, gathered dev evaluation equals the single-process one (same initial weights)
     assert m_ddp["initial_ndcg@10"] == pytest.approx(m_single["initial_ndcg@10"], abs=1e-6)
     assert m_ddp["initial_mrr@10"] == pytest.approx(m_single["initial_mrr@10"], abs=1e-6)
-    w_single, w_ddp = _weights(single), _weights(ddp)
-    assert w_single.keys() == w_ddp.keys()
-    for name in w_single:
-        torch.testing.assert_close(w_ddp[name], w_single[name], atol=1e-5, rtol=1e-4, msg=name)
+    # the pre-clip gradient norm of every step and the final weights: a gradient off by a constant factor on the
+    # DDP ranks (which AdamW would divide out of the losses) fails here
+    assert_same_training(ddp, single)
 
 
 def test_metrics_record_the_parallel_setup(tmp_path):
@@ -240,8 +240,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, bucket):
         assert m_res[key] == pytest.approx(m_ref[key], abs=1e-5), key
     assert m_res["steps"] == 8
     assert 0 < m_res["padding_share"] < 1
-    for name, tensor in _weights(reference).items():
-        torch.testing.assert_close(_weights(killed)[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_training(killed, reference)  # every step's loss and pre-clip gradient norm, and the weights
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):

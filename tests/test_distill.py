@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -172,12 +173,28 @@ def test_distill_leaves_out_unscored_documents(name):
     assert torch.isfinite(student.grad).all() and student.grad[3] == 0
 
 
+def _listwise_by_hand(student: list[float], teacher: list[float] | None, temperature: float = 1.0) -> float:
+    """-log softmax(student)[0] (teacher None), else -sum_i softmax(teacher/T)_i log softmax(student/T)_i."""
+    s = [v / temperature for v in student] if teacher is not None else student
+    log_z = math.log(sum(math.exp(v) for v in s))
+    if teacher is None:
+        return log_z - s[0]
+    t = [v / temperature for v in teacher]
+    z_t = sum(math.exp(v) for v in t)
+    return -sum(math.exp(tv) / z_t * (sv - log_z) for sv, tv in zip(s, t))
+
+
 def test_ranking_loss_adds_weighted_term():
-    logits, teacher = torch.randn(8), torch.randn(2, 4)
+    """Expected values written out by hand, not through the functions the loss calls."""
+    student = [[2.0, -1.0, 0.5, 0.1], [-0.3, 0.7, 1.5, 0.0]]
+    teacher = [[3.0, 1.0, 2.0, 0.0], [1.0, 4.0, 0.5, 2.0]]
     loss = losses.RankingLoss("listwise", 4, distill_weight=0.5, distill_temperature=2.0)
-    total, _ = loss(logits, teacher)
-    torch.testing.assert_close(total, losses.listwise(logits, 4) + 0.5 * losses.listwise_distill(logits, teacher, 2.0))
-    assert losses.RankingLoss("listwise", 4)(logits, None)[1] is None
+    total, distill = loss(torch.tensor(student).view(-1), torch.tensor(teacher))
+    terms = [_listwise_by_hand(s, t, 2.0) for s, t in zip(student, teacher)]
+    expected = [_listwise_by_hand(s, None) + 0.5 * term for s, term in zip(student, terms)]
+    torch.testing.assert_close(total, torch.tensor(expected), atol=1e-5, rtol=0)
+    torch.testing.assert_close(distill, torch.tensor(terms), atol=1e-5, rtol=0)
+    assert losses.RankingLoss("listwise", 4)(torch.tensor(student).view(-1), None)[1] is None
 
 
 # --------------------------------------------------------------------------------------------------- runs
@@ -196,6 +213,7 @@ def test_run_with_distillation_reports_finite_distill_loss(tmp_path):
         "loss=listwise",
         "loss.distill_weight=1",
         "data.max_dev_queries=3",
+        "trainer.max_steps=1",
     )
     assert math.isfinite(metrics["train_distill_loss"]) and metrics["train_distill_loss"] > 0
     _, plain = run_tiny(
@@ -205,9 +223,12 @@ def test_run_with_distillation_reports_finite_distill_loss(tmp_path):
         f"data.dev_file={train}",
         "loss=listwise",
         "data.max_dev_queries=3",
+        "trainer.max_steps=1",
     )
     assert "train_distill_loss" not in plain
-    assert plain["train_loss"] < metrics["train_loss"]  # the distill term is added on top
+    # one step from the same weights on the same batch: the distilled loss is the plain one plus the term
+    total = plain["train_loss"] + metrics["train_distill_loss"]
+    assert metrics["train_loss"] == pytest.approx(total, rel=1e-5)
 
 
 def test_cli_distillation_without_teacher_scores_is_one_line(tmp_path):
@@ -247,3 +268,73 @@ def test_sample_data_carries_teacher_scores_that_rank_above_bm25():
     teacher = ranking_metrics(pairs.teacher_scores, pairs.labels, pairs.query_index)
     bm25 = ranking_metrics(bm25_scores(pairs), pairs.labels, pairs.query_index)
     assert teacher["ndcg@10"] > bm25["ndcg@10"] + 0.05  # a teacher worth distilling from
+
+
+@pytest.mark.parametrize("name", ["listwise", "pointwise"])
+def test_training_distills_each_document_towards_its_own_teacher_score(tmp_path, name):
+    """Through the trainer's own data path (length bucketing reorders queries, easy negatives from other
+    queries): every row's teacher score is the one its document text carries, and the distillation loss of the
+    first step equals the term computed here from the initial model's logits with teacher scores looked up by
+    document text, written out by hand."""
+    from conftest import TINY_OVERRIDES, compose_config
+
+    from lychee_exp.core.config import to_run_config
+    from lychee_exp.core.devices import plan_devices
+    from lychee_exp.core.distributed import DistEnv
+    from lychee_exp.recipe.trainer import Trainer
+
+    def teacher_of(number: int) -> float:  # varied signs and sizes, so that a score in the wrong row shows
+        return ((number * 37) % 11 - 5) / 2
+
+    # documents of different lengths (so that bucketing has something to sort)
+    records = []
+    for i in range(1, 9):
+        record = scored_record(i, n_neg=5)
+        record["neg"] = [f"{doc} {'word ' * (3 * ((i + j) % 4))}" for j, doc in enumerate(record["neg"])]
+        record["pos_scores"] = [teacher_of(i * 100)]
+        record["neg_scores"] = [teacher_of(i * 100 + j) for j in range(1, 6)]
+        records.append(record)
+    train = write_jsonl(tmp_path / "train.jsonl", records)
+    group = 4
+    overrides = [
+        *TINY_OVERRIDES,
+        "data=jsonl",
+        f"data.train_file={train}",
+        f"data.dev_file={train}",
+        f"loss={name}",
+        "loss.distill_weight=1",
+        f"data.train_group_size={group}",
+        "data.random_negatives=1",
+        "data.bucket_by_length=true",
+        "data.bucket_pool_batches=4",
+        "trainer.max_steps=1",
+        "trainer.evaluate=false",
+        "trainer.save_model=false",
+    ]
+    cfg = to_run_config(compose_config(overrides, tmp_path))
+    trainer = Trainer(cfg, DistEnv(), plan_devices("single", 1, cuda_count=0, cpu_threads_per_rank=1), tmp_path)
+    trainer.setup()
+    trainer.sampler.set_epoch(0)
+    trainer.train_set.set_epoch(0)
+    batch = next(iter(trainer.loader))
+    texts = trainer.tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True)
+    numbers = [int(re.search(r"Document: doc (\d+)", text).group(1)) for text in texts]
+    by_text = torch.tensor([teacher_of(n) for n in numbers], dtype=torch.float32).view(-1, group)
+    by_text[:, -1] = math.nan  # the easy negative: another query's positive, no score for this query
+    torch.testing.assert_close(batch["teacher_scores"], by_text, equal_nan=True)
+
+    with torch.no_grad():
+        logits = trainer.model(batch["input_ids"], batch["attention_mask"]).view(-1, group).tolist()
+    terms = []
+    for student, teacher in zip(logits, by_text.tolist()):
+        scored = [(s, t) for s, t in zip(student, teacher) if not math.isnan(t)]
+        if name == "listwise":
+            terms.append(_listwise_by_hand([s for s, _ in scored], [t for _, t in scored]))
+        else:  # mean over scored documents of BCE(sigmoid(s), sigmoid(t))
+            sig = [(1 / (1 + math.exp(-s)), 1 / (1 + math.exp(-t))) for s, t in scored]
+            terms.append(-sum(q * math.log(p) + (1 - q) * math.log(1 - p) for p, q in sig) / len(sig))
+    expected = sum(terms) / len(terms)
+    summary = trainer.fit()
+    trainer.cleanup()
+    assert summary["steps"] == 1
+    assert summary["train_distill_loss"] == pytest.approx(expected, rel=1e-4)

@@ -47,3 +47,52 @@ def test_data_parallel_runs_on_all_gpus(tmp_path):
     assert metrics["strategy"] == "dp" and metrics["num_devices"] == count
     assert metrics["effective_batch_size"] == metrics["per_device_batch_size"] * count
     assert math.isfinite(metrics["ndcg@10"])
+
+
+NCCL_ONE_GPU = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("nccl", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0, world_size=1,
+                        device_id=torch.device("cuda:0"))
+assert dist.get_backend() == "nccl"
+total = torch.full((4,), 2.0, device="cuda:0")
+dist.all_reduce(total)
+torch.manual_seed(0)
+plain = torch.nn.Linear(8, 1).cuda()
+wrapped = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1).cuda(), device_ids=[0])
+wrapped.module.load_state_dict(plain.state_dict())
+x = torch.randn(16, 8, device="cuda:0")
+plain(x).pow(2).mean().backward()
+wrapped(x).pow(2).mean().backward()  # DDP's gradient all-reduce over NCCL (one rank: the mean is the gradient)
+torch.cuda.synchronize()
+same = all(torch.allclose(a.grad, b.grad) for a, b in zip(plain.parameters(), wrapped.module.parameters()))
+print("nccl", total.tolist(), same, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_nccl_process_group_on_one_gpu():
+    """What one GPU can show of NCCL: a process group on the nccl backend, an all-reduce and DDP's gradient
+    all-reduce through it. (lychee_exp itself starts no process group for one rank; NCCL between two or more GPUs
+    is exercised by test_ddp_on_gpus_uses_nccl only on a machine with several GPUs.)"""
+    import os
+    import subprocess
+    import sys
+
+    from lychee_exp.launch.processes import free_port
+
+    env = {**os.environ, "PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-c", NCCL_ONE_GPU], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["nccl", "[2.0,", "2.0,", "2.0,", "2.0]", "True"], proc.stdout
+
+
+def test_data_parallel_matches_one_gpu(tmp_path):
+    """DataParallel over every GPU with batch b per GPU trains as one GPU with batch b x GPUs: the same losses and
+    pre-clip gradient norms per step, and the same weights (GPU kernels: a looser tolerance than on CPU)."""
+    from lychee_exp.testing.equivalence import assert_same_training
+
+    count = torch.cuda.device_count()
+    single, dp = tmp_path / "single", tmp_path / "dp"
+    run_tiny(single, "parallel=single", f"data.batch_size={2 * count}", "model.dropout=0.0")
+    run_tiny(dp, "parallel=dp", "gpus=auto", "data.batch_size=2", "model.dropout=0.0")
+    assert_same_training(dp, single, rtol=1e-3)

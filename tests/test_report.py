@@ -148,29 +148,7 @@ def root(tmp_path) -> Path:
             },
             history,
         )
-    write_csv(
-        root / "sweep" / "trials.csv",
-        [
-            [
-                "number",
-                "state",
-                "lr",
-                "per_device_batch_size",
-                "effective_batch_size",
-                "metric",
-                "duration_s",
-                "reason",
-                "speedup",
-                "scaling_efficiency",
-            ],
-            [0, "COMPLETE", 1e-4, 8, 8, 0.55, 10.0, "", 1.0, 1.0],
-            [1, "COMPLETE", 3e-4, 8, 8, 0.7, 11.0, "", 1.0, 1.0],
-            [2, "FAIL", 1e-3, 8, 8, "", 2.0, "loss is NaN", "", ""],
-        ],
-    )
-    (root / "sweep" / "optimization_results.yaml").write_text(
-        yaml.safe_dump({"study_name": "s1", "best_params": {"optimizer.lr": 3e-4}, "best_value": 0.7, "best_trial": 1})
-    )
+    _sweeper_writes_results(root / "sweep")
     write_csv(
         root / "bench" / "bench.csv",
         [
@@ -180,6 +158,31 @@ def root(tmp_path) -> Path:
         ],
     )
     return root
+
+
+def _sweeper_writes_results(sweep_dir: Path) -> None:
+    """trials.csv and optimization_results.yaml as the sweeper writes them (its own writer, from an Optuna study
+    of two complete trials and one failed), not a header typed here."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import TrialState, create_trial
+
+    from lychee_exp.sweep.results import write_results
+    from lychee_exp.sweep.storage import METRICS, REASON
+
+    study = optuna.create_study(study_name="s1", direction="maximize")
+    lr = {"optimizer.lr": FloatDistribution(1e-5, 1e-2, log=True)}
+    facts = {"per_device_batch_size": 8, "effective_batch_size": 8, "speedup": 1.0, "scaling_efficiency": 1.0}
+    for lr_value, value in [(1e-4, 0.55), (3e-4, 0.7)]:
+        study.add_trial(
+            create_trial(params={"optimizer.lr": lr_value}, distributions=lr, value=value, user_attrs={METRICS: facts})
+        )
+    study.add_trial(
+        create_trial(
+            state=TrialState.FAIL, params={"optimizer.lr": 1e-3}, distributions=lr, user_attrs={REASON: "loss is NaN"}
+        )
+    )
+    write_results(study, sweep_dir, 3, "ndcg@10", "sqlite:///:memory:", plots=False)
 
 
 def test_report_tables_hold_the_runs(root, tmp_path):

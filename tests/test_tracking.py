@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import socket
 import subprocess
@@ -113,19 +114,49 @@ def test_single_device_speedup_is_one(tmp_path, no_wandb_key):
     assert m["baseline_samples_per_s"] == pytest.approx(_metrics(first)["train_samples_per_s"])
     # 1.0 within timing noise; a timing is not asserted, the arithmetic is
     assert m["speedup"] == pytest.approx(m["train_samples_per_s"] / m["baseline_samples_per_s"])
+    assert m["speedup_vs_one_rank"] == pytest.approx(m["speedup"])  # one process is one rank
     assert m["scaling_efficiency"] == pytest.approx(m["speedup"])
 
 
-def test_multi_device_run_calibrates_and_caches_its_baseline(tmp_path, no_wandb_key):
-    run_job([*TINY, "parallel=ddp", "gpus=2", "logger=none", _baseline_file(tmp_path)], tmp_path / "run")
+def test_multi_device_run_calibrates_and_caches_its_baselines(tmp_path, no_wandb_key):
+    """2 CPU ranks x 1 thread: `speedup` over ONE process with both threads (the best single process on those
+    cores), speedup_vs_one_rank over one rank with one thread; both calibrated and cached by thread count."""
+    run_job(
+        [*TINY, "parallel=ddp", "gpus=2", "parallel.cpu_threads_per_rank=1", "logger=none", _baseline_file(tmp_path)],
+        tmp_path / "run",
+    )
     cached = json.loads((tmp_path / "baselines.json").read_text())
-    ((key, entry),) = cached.items()
-    assert entry["source"] == "calibration" and "cpu x1 threads" in key and "batch2" in key
+    by_threads = {key.rsplit("|", 1)[1]: entry for key, entry in cached.items()}
+    assert sorted(by_threads) == ["cpu x1 threads", "cpu x2 threads"]
+    assert all(e["source"] == "calibration" for e in cached.values()) and all("batch2" in k for k in cached)
     m = _metrics(tmp_path / "run")
-    assert m["baseline_samples_per_s"] == pytest.approx(entry["samples_per_s"])
-    assert m["speedup"] == pytest.approx(m["train_samples_per_s"] / entry["samples_per_s"])
-    assert m["scaling_efficiency"] == pytest.approx(m["speedup"] / 2)
-    assert m["speedup_baseline"] == "1 rank x 1 thread (CPU)"  # not 1 process on every core
+    process, rank = by_threads["cpu x2 threads"]["samples_per_s"], by_threads["cpu x1 threads"]["samples_per_s"]
+    assert m["baseline_samples_per_s"] == pytest.approx(process)
+    assert m["speedup"] == pytest.approx(m["train_samples_per_s"] / process)
+    assert m["speedup_baseline"] == "1 process x 2 threads (CPU)"
+    assert m["speedup_vs_one_rank"] == pytest.approx(m["train_samples_per_s"] / rank)
+    assert m["speedup_vs_one_rank_baseline"] == "1 process x 1 thread (CPU)"
+    assert m["scaling_efficiency"] == pytest.approx(m["speedup_vs_one_rank"] / 2)
+
+
+def test_speedup_divides_by_the_best_single_process():
+    from lychee_exp.core.devices import DevicePlan
+    from lychee_exp.tracking.speedup import single_device_plan, single_process_plan
+    from lychee_exp.tracking.throughput import speedup_facts
+
+    cpu = DevicePlan("ddp", "cpu", 4, 2)  # 4 ranks x 2 threads
+    assert (single_process_plan(cpu).num_devices, single_process_plan(cpu).threads_per_rank) == (1, 8)
+    assert single_device_plan(cpu).threads_per_rank == 2
+    gpu = DevicePlan("ddp", "cuda", 8, 1)
+    assert single_process_plan(gpu) == single_device_plan(gpu)  # on GPUs the best single process is one GPU
+    facts = speedup_facts(120.0, 60.0, 40.0, cpu)
+    assert (facts["speedup"], facts["speedup_vs_one_rank"], facts["scaling_efficiency"]) == (2.0, 3.0, 0.75)
+    assert facts["speedup_baseline"] == "1 process x 8 threads (CPU)"
+    assert facts["speedup_vs_one_rank_baseline"] == "1 process x 2 threads (CPU)"
+    missing = speedup_facts(120.0, 0.0, 0.0, cpu)  # a multi-device run without baselines has none
+    assert math.isnan(missing["speedup"]) and math.isnan(missing["speedup_vs_one_rank"])
+    alone = speedup_facts(50.0, 0.0, 0.0, DevicePlan("single", "cpu", 1, 2))  # a single process is its own
+    assert alone["speedup"] == alone["speedup_vs_one_rank"] == 1.0
 
 
 def test_bench_prints_table_csv_and_plot(tmp_path, no_wandb_key):
@@ -135,7 +166,7 @@ def test_bench_prints_table_csv_and_plot(tmp_path, no_wandb_key):
             sys.executable,
             "-m",
             "lychee_exp.bench.scaling",
-            "gpus=1,2",
+            "gpus=2",  # the 1-device row is measured all the same: speedup divides by it
             *TINY,
             "logger=wandb",
             "--steps",
@@ -154,6 +185,8 @@ def test_bench_prints_table_csv_and_plot(tmp_path, no_wandb_key):
     with (out / "bench.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     assert [int(r["devices"]) for r in rows] == [1, 2] and float(rows[0]["speedup"]) == 1.0
+    measured = float(rows[1]["samples_per_s"]) / float(rows[0]["samples_per_s"])
+    assert float(rows[1]["speedup"]) == pytest.approx(measured, rel=1e-3)
     assert all(float(r["samples_per_s"]) > 0 for r in rows)
     assert (out / "bench.png").stat().st_size > 1000
     (bench_run,) = find_run_files(out)

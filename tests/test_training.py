@@ -274,3 +274,98 @@ def test_fault_injection_costs_the_loop_nothing_unless_asked(monkeypatch):
     hook(2)  # not yet
     with pytest.raises(RuntimeError, match="injected fault on rank 1 at step 3"):
         hook(3)
+    monkeypatch.setenv("LYCHEE_FAULT", "1:3:oom:-1:4")  # any trial, only at per-device batch 4 or more
+    assert fault_hook(1, 5, batch_size=2) is None  # the OOM retry's half batch fits
+    assert fault_hook(1, 5, batch_size=4) is not None and fault_hook(1, -1, batch_size=8) is not None
+
+
+def test_trainer_gradient_is_autograd_of_the_plain_mean_loss(tmp_path):
+    """The trainer's accumulated gradient (2 micro-batches, forward chunks) equals autograd of the mean over the
+    window's queries of Lychee's loss written out here (-log p(yes) for the positive, -log p(no) for negatives,
+    averaged over each group), and the logged grad_norm is that gradient's norm before clipping."""
+    from lychee_exp.core.devices import plan_devices
+    from lychee_exp.core.distributed import DistEnv
+    from lychee_exp.core.optim import optimizer_step
+    from lychee_exp.recipe.trainer import Trainer
+
+    cfg = to_run_config(
+        compose_config(
+            [
+                *TINY_OVERRIDES,
+                "loss=pointwise",
+                "trainer.grad_accum_steps=2",
+                "trainer.forward_chunks=2",
+                "optimizer.max_grad_norm=1e-3",  # clipping active: the logged norm must still be the pre-clip one
+            ],
+            tmp_path,
+        )
+    )
+    trainer = Trainer(cfg, DistEnv(), plan_devices("single", 1, cuda_count=0, cpu_threads_per_rank=1), tmp_path)
+    trainer.setup()
+    trainer.sampler.set_epoch(0)
+    loader = iter(trainer.loader)
+    batches = [next(loader), next(loader)]
+    group = cfg.data.train_group_size
+    queries = sum(len(b["input_ids"]) for b in batches) // group
+    assert queries == 4
+    trainer.step.accumulate(iter(batches), 2, queries)
+    params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    got = {n: p.grad.detach().clone() for n, p in params.items()}
+
+    trainer.model.zero_grad(set_to_none=True)
+    per_query = []
+    for b in batches:
+        logits = trainer.model(b["input_ids"], b["attention_mask"]).view(-1, group)  # logit(yes) - logit(no)
+        # -log sigmoid(z) for the positive (first), -log(1 - sigmoid(z)) for each negative
+        per_pair = torch.cat([F.softplus(-logits[:, :1]), F.softplus(logits[:, 1:])], dim=1)
+        per_query.append(per_pair.mean(dim=1))
+    torch.cat(per_query).mean().backward()
+    norm = 0.0
+    for name, param in params.items():
+        torch.testing.assert_close(got[name], param.grad, rtol=1e-4, atol=1e-7, msg=name)
+        norm += float(param.grad.double().pow(2).sum())
+    for name, param in params.items():
+        param.grad = got[name]
+    logged = optimizer_step(trainer.model, trainer.optimizer, trainer.scheduler, trainer.scaler, cfg.optimizer)
+    assert logged == pytest.approx(math.sqrt(norm), rel=1e-5)
+    trainer.cleanup()
+
+
+def test_step_timer_is_the_wall_clock_between_step_end_stamps():
+    from lychee_exp.tracking.throughput import WARMUP_STEPS, StepTimer
+
+    timer = StepTimer(0, 5, now=0.0)
+    for step, end in enumerate([1.0, 2.0, 3.0, 4.5, 6.0], start=1):
+        timer.add(step, end, wait=0.1, busy=0.2, queries=2, tokens=10, padded=12)
+    assert timer.timed_from == WARMUP_STEPS == 2
+    # steps 3-5: from the end of step 2 to the end of step 5, whatever ran between the steps
+    assert timer.sums["time"] == 4.0 and timer.sums["queries"] == 6 and timer.sums["wait"] == pytest.approx(0.3)
+    short = StepTimer(0, 2, now=0.5)  # too short to skip warm-up: timed from before its first step
+    short.add(1, 1.0, 0, 0, 2, 10, 12)
+    short.add(2, 2.5, 0, 0, 2, 10, 12)
+    assert short.sums["time"] == 2.0 and short.sums["queries"] == 4
+
+
+def test_throughput_counts_what_runs_between_steps(tmp_path):
+    """A per-step stop-request collective (here a 0.2 s stand-in) is part of training time: samples/s must count
+    it, as the peer benchmark's wall clock counts everything a peer does between steps."""
+    import time
+
+    from lychee_exp.core.devices import plan_devices
+    from lychee_exp.core.distributed import DistEnv
+    from lychee_exp.recipe.progress import StepHooks
+    from lychee_exp.recipe.trainer import train_on_rank
+
+    def slow_stop_request() -> bool:
+        time.sleep(0.2)
+        return False
+
+    cfg = to_run_config(
+        compose_config(
+            [*TINY_OVERRIDES, "trainer.max_steps=5", "trainer.evaluate=false", "trainer.save_model=false"], tmp_path
+        )
+    )
+    plan = plan_devices("single", 1, cuda_count=0, cpu_threads_per_rank=1)
+    metrics = train_on_rank(cfg, DistEnv(), plan, tmp_path, hooks=StepHooks(stop_requested=slow_stop_request))
+    # 3 timed steps of 2 queries, each at least 0.2 s long: at most 10 queries/s
+    assert 0 < metrics["train_samples_per_s"] <= 2 / 0.2

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from lychee_exp.bench.scaling.systems import Step
+from lychee_exp.bench.systems import Step
 
 
 def build_steps(overrides: list[str], out: Path, count: int):

@@ -139,6 +139,9 @@ def child(name: str, spec: dict) -> dict:
             ],
             out,
         )
+        # train_samples_per_s is lychee_exp's StepTimer: the wall clock from the end of the last warm-up step to
+        # the end of the last step, everything between steps included (collectives, the stop request) - the same
+        # window and clock as timed_row gives the peers below
         m = json.loads((out / "metrics.json").read_text())
         return {
             "pairs_per_s": m["train_samples_per_s"] * m["train_group_size"],
@@ -148,8 +151,8 @@ def child(name: str, spec: dict) -> dict:
         }
     import torch
 
-    from lychee_exp.bench.scaling import systems as peers
-    from lychee_exp.bench.scaling.inputs import build_steps
+    from lychee_exp.bench import systems as peers
+    from lychee_exp.bench.inputs import build_steps
 
     torch.set_num_threads(spec["threads"])
     cfg, encoder, model, batches = build_steps(overrides, out, warmup + steps)

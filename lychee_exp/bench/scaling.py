@@ -2,11 +2,11 @@
 
     python -m lychee_exp.bench gpus=1,2,4 [any run overrides, e.g. model=tiny_lychee] [--out DIR]
 
-Each device count trains the same model on the same data for a few warm-up + timed steps (no evaluation),
-with DDP and the same per-device batch (weak scaling: the global batch grows with the devices). On CPU ranks
-each rank gets ONE thread, so that one rank stands for one device. Prints a table, writes bench.csv and
-bench.png into the output directory, and logs them to W&B (job_type=bench). Timings are measured side by side
-in one invocation; nothing is asserted.
+Each device count (1 is always measured: speedup divides by it) trains the same model on the same data for a
+few warm-up + timed steps (no evaluation), with DDP and the same per-device batch (weak scaling: the global
+batch grows with the devices). On CPU ranks each rank gets ONE thread, so that one rank stands for one device.
+Prints a table, writes bench.csv and bench.png into the output directory, and logs them to W&B (job_type=bench).
+Timings are measured side by side in one invocation; nothing is asserted.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def parse_args(argv: list[str]) -> tuple[list[int], list[str], Path, int]:
             rest.append(item)
     if not counts or min(counts) < 1:
         raise UserError("gpus: device counts must be >= 1")
+    counts = sorted({1, *counts})  # speedup divides by a measured 1-device run, never an assumed linear one
     out = args.out or Path("outputs/bench") / f"{datetime.now():%Y-%m-%d_%H-%M-%S}"
     return counts, rest, out, args.steps
 
@@ -74,8 +75,7 @@ def measure(counts: list[int], overrides: list[str], out: Path, steps: int) -> l
                 "peak_memory_mb": max(m["peak_memory_mb_per_rank"]),
             }
         )
-    # speedup is relative to 1 device when measured, else to the smallest count, assumed linear up to it
-    base = rows[0]["samples_per_s"] / rows[0]["devices"]
+    (base,) = [row["samples_per_s"] for row in rows if row["devices"] == 1]  # parse_args always adds 1 device
     for row in rows:
         row["speedup"] = row["samples_per_s"] / base
         row["efficiency"] = row["speedup"] / row["devices"]

@@ -199,12 +199,14 @@ class LoggerConfig:
 
 @dataclass
 class SpeedupConfig:
-    """Observed speedup = this run's train samples/s / one device's, same model, lengths, batch, precision."""
+    """Observed speedup = this run's train samples/s / the best single process's on the same hardware (CPU: one
+    process with all the run's threads; GPU: one GPU); speedup_vs_one_rank divides by one rank's (one device)."""
 
-    baseline_file: str = "outputs/throughput_baselines.json"  # cache of single-device throughput, by key
-    calibrate: bool = True  # without a cached baseline, time a few single-device steps before training
+    baseline_file: str = "outputs/throughput_baselines.json"  # cache of single-process throughput, by key
+    calibrate: bool = True  # without a cached baseline, time a few single-process steps before training
     calibration_steps: int = at_least(1, 4)  # timed steps (after 2 warm-up steps)
-    baseline_samples_per_s: float = 0.0  # > 0: use this single-device figure (skips cache and calibration)
+    baseline_samples_per_s: float = 0.0  # > 0: the best single process's figure (skips cache and calibration)
+    one_rank_samples_per_s: float = 0.0  # > 0: one rank's figure, for speedup_vs_one_rank (GPU: = the above)
 
 
 @dataclass

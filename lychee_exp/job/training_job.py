@@ -24,7 +24,7 @@ from lychee_exp.core.optim import OPTIMIZERS
 from lychee_exp.job.results import write_results
 from lychee_exp.launch.cluster import is_main_process, launched_externally, local_ranks, under_torchrun
 from lychee_exp.launch.launcher import launch, train_in_process
-from lychee_exp.tracking.speedup import resolve_baseline
+from lychee_exp.tracking.speedup import resolve_baselines
 
 log = logging.getLogger("lychee_exp")
 
@@ -100,14 +100,13 @@ def train_job(cfg: DictConfig) -> float:
         # ranks started elsewhere (torchrun, other nodes) cannot wait for a calibration here: cache or given only
         calibrate = run_cfg.speedup.calibrate and not launched_externally()
         speedup = dataclasses.replace(run_cfg.speedup, calibrate=calibrate)
-        baseline = resolve_baseline(
+        baseline, one_rank = resolve_baselines(
             dataclasses.replace(run_cfg, speedup=speedup),
             plan,
             lambda cfg, one: train_in_process(cfg, one, output_dir, inputs),
         )
-        run_cfg = dataclasses.replace(
-            run_cfg, speedup=dataclasses.replace(run_cfg.speedup, baseline_samples_per_s=baseline)
-        )
+        speedup = dataclasses.replace(run_cfg.speedup, baseline_samples_per_s=baseline, one_rank_samples_per_s=one_rank)
+        run_cfg = dataclasses.replace(run_cfg, speedup=speedup)
     metrics = launch(run_cfg, plan, output_dir, job_log_file(), inputs, keep_ranks=trials_run_here())
     return write_results(run_cfg, plan, metrics, output_dir, is_main)
 

@@ -84,7 +84,9 @@ def train_in_process(cfg: RunConfig, plan: DevicePlan, output_dir: Path, inputs:
         close_warm_ranks()  # idle ranks of earlier trials would hold GPU memory while this one trains
     try:
         env = DistEnv(device=torch_device(plan.device_type))
-        return train_on_rank(cfg, env, plan, output_dir, inputs, rank_hooks(output_dir, env, cfg.trial.number))
+        return train_on_rank(
+            cfg, env, plan, output_dir, inputs, rank_hooks(output_dir, env, cfg.trial.number, cfg.data.batch_size)
+        )
     except TrainingDiverged as err:
         raise RunFailed(f"TrainingDiverged: {err}", "diverged") from err
     except torch.OutOfMemoryError as err:

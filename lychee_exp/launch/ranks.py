@@ -89,7 +89,9 @@ def warm_job(env: DistEnv, payload: dict, output_dir: str, log_file: str | None,
             install_rank_handler(run_dir)
             cfg = to_run_config(payload)
             plan = DevicePlan("ddp", env.device.type, env.world_size, torch.get_num_threads())
-            result = train_on_rank(cfg, env, plan, run_dir, hooks=rank_hooks(run_dir, env, cfg.trial.number))
+            result = train_on_rank(
+                cfg, env, plan, run_dir, hooks=rank_hooks(run_dir, env, cfg.trial.number, cfg.data.batch_size)
+            )
         except BaseException:
             traceback.print_exc()  # into the rank log; the sweep gets one line
             raise  # no cleanup here: with a peer gone, freeing CUDA memory could wait on a collective forever
@@ -108,7 +110,9 @@ def as_rank(cfg: RunConfig, plan: DevicePlan, output_dir: Path, inputs: RunInput
     try:
         if not env.is_main:
             _quiet_non_main_logging()
-        return train_on_rank(cfg, env, plan, output_dir, inputs, rank_hooks(output_dir, env, cfg.trial.number))
+        return train_on_rank(
+            cfg, env, plan, output_dir, inputs, rank_hooks(output_dir, env, cfg.trial.number, cfg.data.batch_size)
+        )
     finally:
         dist.destroy_process_group()
 
@@ -163,7 +167,7 @@ def _worker(
     plan = DevicePlan("ddp", device_type, int(os.environ["WORLD_SIZE"]), threads)
     env = init_distributed(device_type, cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
-        hooks = rank_hooks(Path(output_dir), env, cfg.trial.number)
+        hooks = rank_hooks(Path(output_dir), env, cfg.trial.number, cfg.data.batch_size)
         result = train_on_rank(cfg, env, plan, Path(output_dir), hooks=hooks)
     except BaseException as err:
         note_failure(Path(output_dir), rank, one_line(err))

@@ -162,7 +162,7 @@ class Trainer:
                 initial = self._eval_and_log(0)
                 progress.summary.update({f"initial_{k}": v for k, v in initial.items()}, **initial)
                 progress.evaluated_at = 0
-        timer = StepTimer(progress.step, self.total_steps)
+        timer = StepTimer(progress.step, self.total_steps, time.perf_counter() - self.eval_time_s)
         self.logged = []
         show = env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()
         self.bar = tqdm(
@@ -180,18 +180,14 @@ class Trainer:
                 micro_steps = min(accum, self.num_batches - first)
                 figures = self._train_window(batches, first, micro_steps, progress.step + 1)
                 progress.step += 1
-                timer.add(
-                    progress.step,
-                    figures.seconds,
-                    figures.wait,
-                    figures.busy,
-                    figures.queries,
-                    figures.tokens,
-                    figures.padded,
-                )
                 done = first + micro_steps
                 position = (progress.epoch, done) if done < self.num_batches else (progress.epoch + 1, 0)
-                if self._after_step(progress, figures, position):  # preemption: checkpointed, the requeued job resumes
+                stop = self._after_step(progress, figures, position)
+                # the step's end stamp, after its stop-request collective; evaluations are not training time
+                end = time.perf_counter() - self.eval_time_s
+                counts = (figures.queries, figures.tokens, figures.padded)
+                timer.add(progress.step, end, figures.wait, figures.busy, *counts)
+                if stop:  # preemption: checkpointed, the requeued job resumes
                     self.bar.close()
                     return {**progress.summary, "steps": progress.step, "preempted_at_step": progress.step}
                 if progress.step >= self.total_steps or self.stopped:
@@ -265,12 +261,17 @@ class Trainer:
 
     def _finish(self, progress: Progress, timer: StepTimer, train_time: float) -> dict:
         """The run's metrics: its summary, setup facts, throughput over all ranks, times and speedup."""
-        env, summary = self.env, progress.summary
+        env, summary, speedup = self.env, progress.summary, self.cfg.speedup
         throughput = summarize(env.gather_objects(timer.rank_record(self.device)))
         summary.update(self.facts, **throughput, steps=progress.step, epochs=progress.epoch, stopped_early=self.stopped)
         summary.update(train_time_s=train_time, eval_time_s=self.eval_time_s)
         summary.update(
-            speedup_facts(summary["train_samples_per_s"], self.cfg.speedup.baseline_samples_per_s, self.plan)
+            speedup_facts(
+                summary["train_samples_per_s"],
+                speedup.baseline_samples_per_s,
+                speedup.one_rank_samples_per_s,
+                self.plan,
+            )
         )
         if env.is_main:
             log_hints(summary, self.cfg.data.num_workers)

@@ -1,6 +1,8 @@
-"""Fault injection for the tests of failure handling: LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang|oom>[:<trial>]
-makes that rank fail right after that optimizer step (oom: as a CUDA out-of-memory error would); with a trial
-number, only in that sweep trial (the sweep's other trials run normally).
+"""Fault injection for the tests of failure handling:
+LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang|oom>[:<trial>[:<batch>]] makes that rank fail right after that
+optimizer step (oom: as a CUDA out-of-memory error would); with a trial number (-1: any), only in that sweep
+trial (the sweep's other trials run normally); with a batch, only while data.batch_size is at least that (so
+an OOM retry with half the batch completes, as it would on a real GPU).
 
 The trainer asks `fault_hook` once at setup; without LYCHEE_FAULT (always, outside tests) it gets None and its
 loop calls nothing."""
@@ -16,13 +18,14 @@ from typing import Callable
 import torch
 
 
-def fault_hook(rank: int, trial_number: int = -1) -> Callable[[int], None] | None:
+def fault_hook(rank: int, trial_number: int = -1, batch_size: int = 0) -> Callable[[int], None] | None:
     """A per-step callback that fires this rank's injected fault, or None when no fault targets this rank."""
     spec = os.environ.get("LYCHEE_FAULT")
     if not spec:
         return None
-    fault_rank, fault_step, action, *trial = spec.split(":")
-    if int(fault_rank) != rank or (trial and int(trial[0]) != trial_number):
+    fault_rank, fault_step, action, *rest = spec.split(":")
+    trial, min_batch = (int(rest[0]) if rest else -1), (int(rest[1]) if len(rest) > 1 else 0)
+    if int(fault_rank) != rank or trial not in (-1, trial_number) or batch_size < min_batch:
         return None
 
     def after_step(step: int) -> None:

@@ -22,7 +22,8 @@ SUMMARY = [
     "mrr@10",
     "effective_batch_size",
     "num_devices",
-    "speedup",
+    "speedup",  # over the best single process on the same hardware (CPU: all the run's threads; GPU: one GPU)
+    "speedup_vs_one_rank",  # over one rank (one device); scaling_efficiency = this / num_devices
     "scaling_efficiency",
     "baseline_samples_per_s",
     "peak_memory_mb",

@@ -1,10 +1,13 @@
-"""Observed speedup: a run's training throughput over ONE device's, measured, never assumed.
-
-The single-device figure must match the run in everything but the device count: model, sequence lengths,
-group size, per-device batch, precision, device type and CPU threads per rank. It comes from the cache
-(`speedup.baseline_file`, JSON keyed by those settings; written by every single-device run and calibration,
-readable, safe to delete), or, when absent, from a short calibration on one device before training.
-`throughput.speedup_facts` turns it into the run's speedup.
+"""Observed speedup: a run's training throughput over a single process's on the same hardware, measured, never
+assumed. Two baselines, each matching the run in everything but the parallelism (model, sequence lengths, group
+size, per-device batch, precision, device type):
+- the best single process (`speedup`): on GPUs one GPU; on CPU ONE process with all the run's threads
+  (ranks x threads per rank), what a user would otherwise run on those cores;
+- one rank (`speedup_vs_one_rank`): one device, or on CPU one process with one rank's threads (the per-device
+  figure behind `scaling_efficiency`). On GPUs the two are the same run.
+Each comes from `speedup.*_samples_per_s` when given, else the cache (`speedup.baseline_file`, JSON keyed by the
+settings and thread count; written by every single-process run and calibration, readable, safe to delete), else
+a short calibration before training. `throughput.speedup_facts` turns them into the run's figures.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def baseline_key(cfg: RunConfig, plan: DevicePlan) -> str:
+    """The settings a single-process figure was measured at; `plan`: that single process (its threads)."""
     m, p = cfg.model, cfg.model.prompt
     device = torch.cuda.get_device_name(0) if plan.device_type == "cuda" else f"cpu x{plan.threads_per_rank} threads"
     parts = [
@@ -71,7 +75,17 @@ def store_baseline(cfg: RunConfig, plan: DevicePlan, samples_per_s: float, sourc
 
 
 def single_device_plan(plan: DevicePlan) -> DevicePlan:
+    """One rank of the run: one device, with one rank's threads on CPU."""
     return dataclasses.replace(plan, strategy="single", num_devices=1)
+
+
+def single_process_plan(plan: DevicePlan) -> DevicePlan:
+    """The best single process on the run's hardware: one GPU, or on CPU one process with every thread the
+    run's ranks use together."""
+    one = single_device_plan(plan)
+    if plan.device_type == "cuda":
+        return one
+    return dataclasses.replace(one, threads_per_rank=plan.num_devices * plan.threads_per_rank)
 
 
 def calibration_config(cfg: RunConfig) -> RunConfig:
@@ -88,21 +102,32 @@ def calibration_config(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, trainer=trainer, logger=dataclasses.replace(cfg.logger, name="none"))
 
 
-def resolve_baseline(cfg: RunConfig, plan: DevicePlan, train: Callable[[RunConfig, DevicePlan], dict]) -> float:
-    """Single-device samples/s for this run's setting (0 = the run itself will be the baseline). Without a
-    cached figure a multi-device run calibrates: `train` (the launcher's in-process runner) trains on one
-    device for a few steps."""
-    if cfg.speedup.baseline_samples_per_s > 0:
-        return cfg.speedup.baseline_samples_per_s
-    cached = cached_baseline(cfg, plan)
+def resolve_baselines(
+    cfg: RunConfig, plan: DevicePlan, train: Callable[[RunConfig, DevicePlan], dict]
+) -> tuple[float, float]:
+    """(best single process, one rank) samples/s for this run's setting; 0 = none (a single-process run is its
+    own). Without a given or cached figure a multi-device run calibrates: `train` (the launcher's in-process
+    runner) trains that single process for a few steps."""
+    process = _baseline(cfg, plan, single_process_plan(plan), cfg.speedup.baseline_samples_per_s, train)
+    rank_plan = single_device_plan(plan)
+    if rank_plan == single_process_plan(plan):  # GPUs, or one CPU rank: the same single process
+        return process, cfg.speedup.one_rank_samples_per_s or process
+    return process, _baseline(cfg, plan, rank_plan, cfg.speedup.one_rank_samples_per_s, train)
+
+
+def _baseline(cfg: RunConfig, plan: DevicePlan, single: DevicePlan, given: float, train: Callable) -> float:
+    if given > 0:
+        return given
+    cached = cached_baseline(cfg, single)
     if cached:
         return cached
-    if plan.num_devices == 1 or not cfg.speedup.calibrate:
-        return 0.0
+    if single == dataclasses.replace(plan, strategy="single") or not cfg.speedup.calibrate:
+        return 0.0  # the run is that single process (its own baseline), or calibration is off
     log.info(
-        "speedup: no single-device baseline cached for this setting; timing %d steps on one device",
+        "speedup: no baseline cached for one process with %d thread(s) per rank; timing %d steps",
+        single.threads_per_rank,
         cfg.speedup.calibration_steps,
     )
-    value = train(calibration_config(cfg), single_device_plan(plan))["train_samples_per_s"]
-    store_baseline(cfg, plan, value, "calibration")
+    value = train(calibration_config(cfg), single)["train_samples_per_s"]
+    store_baseline(cfg, single, value, "calibration")
     return value

@@ -24,21 +24,29 @@ RANK_SPREAD_HINT = 1.25  # slowest / fastest rank compute time that earns a hint
 
 
 class StepTimer:
-    """Sums step times after warm-up. `busy` is a rank's time outside collectives (data wait + forward):
-    backward and the optimizer step wait for the slowest rank, so they would hide which rank is slow."""
+    """Times training by the wall clock between step END stamps, taken after everything a step does (its
+    collectives, the stop-request all-reduce, logging, checkpoints), minus the dev evaluations in between:
+    `time` runs from the end of the last warm-up step to the end of the last step, as the peer benchmark times
+    other systems. `busy` is a rank's time outside collectives (data wait + forward): backward and the optimizer
+    step wait for the slowest rank, so they would hide which rank is slow."""
 
-    def __init__(self, first_step: int, total_steps: int):
-        # a run too short to skip warm-up is timed whole rather than not at all
+    def __init__(self, first_step: int, total_steps: int, now: float = 0.0):
+        # a run too short to skip warm-up is timed whole (from `now`, before its first step) rather than not at all
         self.timed_from = first_step + WARMUP_STEPS if total_steps - first_step > WARMUP_STEPS else first_step
+        self.start = now if self.timed_from == first_step else None
         self.sums = {"time": 0.0, "wait": 0.0, "busy": 0.0, "queries": 0.0, "tokens": 0.0, "padded": 0.0}
 
     def add(
-        self, step: int, elapsed: float, wait: float, busy: float, queries: float, tokens: float, padded: float
+        self, step: int, end: float, wait: float, busy: float, queries: float, tokens: float, padded: float
     ) -> None:
-        """`tokens`: real (non-pad) tokens; `padded`: batch slots, pad included."""
-        if step > self.timed_from:
-            for key, value in zip(self.sums, (elapsed, wait, busy, queries, tokens, padded)):
+        """`end`: the step's end stamp on the training clock (wall clock less evaluation time so far);
+        `tokens`: real (non-pad) tokens; `padded`: batch slots, pad included."""
+        if step == self.timed_from:
+            self.start = end
+        elif step > self.timed_from and self.start is not None:
+            for key, value in zip(self.sums, (0.0, wait, busy, queries, tokens, padded)):
                 self.sums[key] += value
+            self.sums["time"] = end - self.start
 
     def rank_record(self, device: torch.device) -> dict:
         return {**self.sums, "peak_memory_mb": peak_memory_mb(device)}
@@ -119,24 +127,32 @@ def log_hints(facts: dict, num_workers: int) -> None:
         )
 
 
-def baseline_description(plan: DevicePlan) -> str:
-    """What `speedup` divides by, in words: on CPU one rank with the run's threads per rank, which is not one
-    process using every core (on a 2-core machine that one is as fast as 2 ranks x 1 thread)."""
+def baseline_description(plan: DevicePlan, one_rank: bool = False) -> str:
+    """What a speedup divides by, in words: the best single process on the same hardware (CPU: one process with
+    all the run's threads; GPU: one GPU), or with one_rank=True one rank (CPU: one rank's threads)."""
     if plan.device_type == "cuda":
         return f"1 GPU ({torch.cuda.get_device_name(0)})"
-    threads = plan.threads_per_rank
-    return f"1 rank x {threads} thread{'s' if threads > 1 else ''} (CPU)"
+    threads = plan.threads_per_rank * (1 if one_rank else plan.num_devices)
+    return f"1 process x {threads} thread{'s' if threads > 1 else ''} (CPU)"
 
 
-def speedup_facts(samples_per_s: float, baseline: float, plan: DevicePlan) -> dict:
-    """speedup = samples/s / one device's (baseline); a single-device run without a baseline is its own.
-    `speedup_baseline` says in words what was divided by."""
+def speedup_facts(samples_per_s: float, baseline: float, one_rank: float, plan: DevicePlan) -> dict:
+    """speedup = samples/s / the best single process's (`baseline`); speedup_vs_one_rank = samples/s / one
+    rank's, and scaling_efficiency = that / devices. A single-process run without baselines is its own.
+    `speedup_baseline` and `speedup_vs_one_rank_baseline` say in words what was divided by."""
+    single = plan.num_devices == 1 and plan.strategy != "dp"
     if baseline <= 0:
-        baseline = samples_per_s if plan.num_devices == 1 else 0.0
+        baseline = samples_per_s if single else 0.0
+    if one_rank <= 0:
+        one_rank = samples_per_s if single else 0.0
     speedup = samples_per_s / baseline if baseline > 0 else float("nan")
+    per_device = samples_per_s / one_rank if one_rank > 0 else float("nan")
     return {
         "baseline_samples_per_s": baseline,
         "speedup": speedup,
-        "scaling_efficiency": speedup / plan.num_devices,
         "speedup_baseline": baseline_description(plan) if baseline > 0 else "none measured",
+        "one_rank_samples_per_s": one_rank,
+        "speedup_vs_one_rank": per_device,
+        "scaling_efficiency": per_device / plan.num_devices,
+        "speedup_vs_one_rank_baseline": baseline_description(plan, one_rank=True) if one_rank > 0 else "none measured",
     }

@@ -73,15 +73,15 @@ def _ticks_at_values(ax, runs: Sequence[Run], x: Callable[[Run], float | None], 
 
 def scaling(runs: Sequence[Run]) -> str:
     """Observed speedup and scaling efficiency against world size, with the ideal (linear) line."""
-    if not any(r.get("speedup") is not None and num_devices(r) is not None for r in runs):
+    if not any(r.get("speedup") is not None and num_devices(r.metrics) is not None for r in runs):
         return ""
     fig, (ax1, ax2) = _figure(2)
-    _scatter_by_group(ax1, runs, lambda r: num_devices(r), lambda r: r.get("speedup"))
-    top = max(num_devices(r) or 1 for r in runs)
+    _scatter_by_group(ax1, runs, lambda r: num_devices(r.metrics), lambda r: r.get("speedup"))
+    top = max(num_devices(r.metrics) or 1 for r in runs)
     ax1.plot([1, top], [1, top], "--", color="grey", lw=1, label="ideal (linear)")
     ax1.legend(fontsize=8, frameon=False)
-    ax1.set(xlabel="world size (devices)", ylabel="speedup over 1 device", title="Speedup")
-    _scatter_by_group(ax2, runs, lambda r: num_devices(r), lambda r: r.get("scaling_efficiency"))
+    ax1.set(xlabel="world size (devices)", ylabel="speedup over the best single process", title="Speedup")
+    _scatter_by_group(ax2, runs, lambda r: num_devices(r.metrics), lambda r: r.get("scaling_efficiency"))
     ax2.axhline(1.0, ls="--", color="grey", lw=1)
     ax2.set(xlabel="world size (devices)", ylabel="speedup / world size", title="Scaling efficiency", ylim=(0, 1.1))
     return _svg(fig)
