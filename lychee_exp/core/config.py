@@ -111,6 +111,9 @@ class DataConfig:
     num_workers: int = at_least(0, 0)  # DataLoader workers that tokenize batches
     bucket_by_length: bool = False  # batch queries whose prompts have similar lengths (less padding)
     bucket_pool_batches: int = at_least(1, 64)  # optimizer steps' worth of queries sorted by length together
+    # a micro-batch's prompts end to end in one row, each attending to itself only (causal LMs; docs/performance.md)
+    packing: bool = False
+    pack_multiple: int = at_least(1, 64)  # a packed row's width is rounded up to a multiple: few distinct shapes
 
 
 @dataclass
@@ -236,7 +239,20 @@ def check_config(cfg: DictConfig | RunConfig) -> None:
     if not run_cfg.model.prompt.max_len and not run_cfg.model.prompt.doc_max_len:
         raise UserError("model.prompt.doc_max_len=0 needs a total budget: set model.prompt.max_len > 0")
     _check_template(run_cfg.model.prompt.template)
+    _check_packing(run_cfg)
     parse_gpus(run_cfg.gpus)
+
+
+def _check_packing(cfg: RunConfig) -> None:
+    if not cfg.data.packing:
+        return
+    if cfg.model.kind != "causal_lm":
+        raise UserError(f"data.packing=true needs a causal LM reranker; model.kind={cfg.model.kind} pads its batches")
+    if cfg.model.attn_implementation not in ("sdpa", "eager"):
+        got = cfg.model.attn_implementation
+        raise UserError(f"data.packing=true needs model.attn_implementation sdpa or eager, got {got}")
+    if cfg.parallel.strategy == "dp":
+        raise UserError("data.packing=true cannot split a packed row over DataParallel GPUs; use parallel=ddp")
 
 
 def _check_bounds(node: Any, prefix: str) -> None:

@@ -1,0 +1,134 @@
+"""Packed batches (data.packing): a micro-batch's prompts laid end to end in one row instead of padded rows.
+
+Positions restart at each prompt, attention stays within each prompt, and each prompt's score is read at its own
+last token, so every logit equals the padded batch's (fp32, up to summation order). The row is padded at its end
+to a multiple of `data.pack_multiple` tokens so that a run sees few distinct shapes (kernels and cuDNN plans are
+reused); that pad is its own segment, whose outputs nothing reads.
+
+Attention: the model runs under `packed_<base>` (registered below), which is the base implementation (sdpa or
+eager) for ordinary padded batches (evaluation) and, for packed ones, torch's varlen (flash) attention on CUDA in
+half precision, else sdpa with a block-diagonal causal mask built from the segment boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PACKED_PREFIX = "packed_"
+# the model kwargs that carry the segments into every attention layer (transformers' FlashAttentionKwargs names)
+CU_SEQLENS, MAX_LENGTH = "cu_seq_lens_q", "max_length_q"
+
+
+def round_up(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple if multiple > 1 else length
+
+
+def pack(sequences: Sequence[Sequence[int]], pad_id: int, multiple: int) -> dict:
+    """One row of the sequences end to end, padded to a multiple of `multiple`: input_ids and position_ids
+    (1, width), cu_seqlens (segment boundaries, the pad a segment of its own, int32), last_index (each sequence's
+    last token), lengths, and max_length (a host int: the varlen kernel wants it without a device read)."""
+    lengths = [len(seq) for seq in sequences]
+    total = sum(lengths)
+    width = round_up(total, multiple)
+    ids = torch.full((1, width), pad_id, dtype=torch.long)
+    positions = torch.zeros((1, width), dtype=torch.long)
+    bounds, start = [0], 0
+    for seq in sequences:
+        ids[0, start : start + len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        positions[0, start : start + len(seq)] = torch.arange(len(seq))
+        start += len(seq)
+        bounds.append(start)
+    if width > total:  # the rounding pad: positions from 0, so it reads as one more segment
+        positions[0, total:] = torch.arange(width - total)
+        bounds.append(width)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    return {
+        "input_ids": ids,
+        "position_ids": positions,
+        "cu_seqlens": cu,
+        "last_index": cu[1 : len(sequences) + 1].long() - 1,
+        "lengths": torch.tensor(lengths, dtype=torch.long),
+        "max_length": max([*lengths, width - total]),
+    }
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, width: int) -> torch.Tensor:
+    """(1, 1, width, width) boolean: token i sees token j iff j <= i in the same segment."""
+    segment = torch.repeat_interleave(
+        torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    )
+    idx = torch.arange(width, device=cu_seqlens.device)
+    mask = (segment[:, None] == segment[None, :]) & (idx[None, :] <= idx[:, None])
+    return mask[None, None]
+
+
+def varlen_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.10)
+    except ImportError:
+        return False
+    return True
+
+
+def _varlen(module, query, key, value, cu_seqlens, max_length, scaling):
+    """torch's flash varlen kernel on (1, heads, width, dim) inputs; returns (1, width, heads, dim)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (width, heads, dim)
+    enable_gqa = q.shape[1] != k.shape[1]
+    # window (-1, 0): causal within each segment
+    out = varlen_attn(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_length,
+        max_length,
+        scale=scaling,
+        window_size=(-1, 0),
+        enable_gqa=enable_gqa,
+    )
+    return out[None]
+
+
+def _make_packed_attention(base: str):
+    from transformers import AttentionInterface
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        cu_seqlens = kwargs.pop(CU_SEQLENS, None)
+        max_length = kwargs.pop(MAX_LENGTH, None)
+        for extra in ("cu_seq_lens_k", "max_length_k"):
+            kwargs.pop(extra, None)
+        base_fn = AttentionInterface._global_mapping[base]
+        if cu_seqlens is None:  # an ordinary padded batch (evaluation)
+            return base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if (
+            query.device.type == "cuda"
+            and query.dtype in (torch.float16, torch.bfloat16)
+            and varlen_available(query.device)
+        ):
+            return _varlen(module, query, key, value, cu_seqlens, max_length, scaling), None
+        mask = block_causal_mask(cu_seqlens, query.shape[2])
+        return base_fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+
+    return attention
+
+
+def packed_attention(base: str) -> str:
+    """Registers (once) the attention implementation `packed_<base>` and returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = PACKED_PREFIX + base
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, _make_packed_attention(base))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name
