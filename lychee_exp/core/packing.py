@@ -77,6 +77,12 @@ def varlen_available(device: torch.device) -> bool:
     return True
 
 
+def _use_varlen(query: torch.Tensor) -> bool:
+    """The flash varlen kernel: CUDA, half precision (autocast included), torch >= 2.10."""
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    return query.device.type == "cuda" and half and varlen_available(query.device)
+
+
 def _varlen(module, query, key, value, cu_seqlens, max_length, scaling):
     """torch's flash varlen kernel on (1, heads, width, dim) inputs; returns (1, width, heads, dim)."""
     from torch.nn.attention.varlen import varlen_attn
@@ -110,11 +116,7 @@ def _make_packed_attention(base: str):
         base_fn = AttentionInterface._global_mapping[base]
         if cu_seqlens is None:  # an ordinary padded batch (evaluation)
             return base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        if (
-            query.device.type == "cuda"
-            and query.dtype in (torch.float16, torch.bfloat16)
-            and varlen_available(query.device)
-        ):
+        if not dropout and _use_varlen(query):  # the varlen kernel has no attention dropout
             return _varlen(module, query, key, value, cu_seqlens, max_length, scaling), None
         mask = block_causal_mask(cu_seqlens, query.shape[2])
         return base_fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
