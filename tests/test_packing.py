@@ -20,7 +20,7 @@ from lychee_exp.core.errors import TrainingDiverged, UserError
 from lychee_exp.core.losses import RankingLoss
 from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
 from lychee_exp.core.packing import block_causal_mask, pack, round_up
-from lychee_exp.recipe.progress import StepHooks
+from lychee_exp.recipe.progress import NO_HOOKS, StepHooks
 from lychee_exp.recipe.step import WindowStep
 from lychee_exp.recipe.trainer import train_on_rank
 
@@ -249,3 +249,25 @@ def test_non_finite_loss_stops_the_run_at_the_next_read(tmp_path):
         train_on_rank(cfg, DistEnv(), plan, tmp_path, hooks=StepHooks(after_step=done.append))
     diverged_at = int(err.value.args[0].split("at step ")[1].split()[0])
     assert 1 < diverged_at <= 4 and done == [1, 2, 3, 4]  # read at step 4, not at the diverged step
+
+
+def test_packed_run_resumes_where_it_stopped(tmp_path):
+    """Stopped mid-epoch at step 3 (checkpoint), resumed: the same rows and final metrics as one whole run."""
+    args = [*TINY_OVERRIDES, "data.packing=true", "trainer.max_steps=6", "trainer.save_model=false", "logger=csv"]
+    plan = plan_devices("single", 1, cuda_count=0, cpu_threads_per_rank=1)
+
+    def run(name: str, *extra: str, hooks: StepHooks = NO_HOOKS) -> dict:
+        cfg = to_run_config(compose_config([*args, *extra], tmp_path / name))
+        (tmp_path / name).mkdir(exist_ok=True)
+        return train_on_rank(cfg, DistEnv(), plan, tmp_path / name, hooks=hooks)
+
+    whole = run("whole")
+    steps: list[int] = []
+    cut = run("cut", hooks=StepHooks(after_step=steps.append, stop_requested=lambda: len(steps) == 3))
+    assert cut["preempted_at_step"] == 3
+    resumed = run("cut", "trainer.resume=auto")
+    assert resumed["steps"] == 6
+    for key in ("train_loss", "ndcg@10", "mrr@10"):
+        assert resumed[key] == pytest.approx(whole[key], abs=1e-6), key
+    cut_rows, whole_rows = _history(tmp_path / "cut"), _history(tmp_path / "whole")
+    assert len(cut_rows) == 6 and sum(cut_rows, ()) == pytest.approx(sum(whole_rows, ()), abs=1e-6)
