@@ -74,7 +74,7 @@ def test_pack_layout():
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1, 0, 1]]  # the rounding pad is a segment too
     assert batch["cu_seqlens"].tolist() == [0, 3, 4, 6, 8] and batch["cu_seqlens"].dtype == torch.int32
     assert batch["last_index"].tolist() == [2, 3, 5] and batch["lengths"].tolist() == [3, 1, 2]
-    assert batch["max_length"] == 3
+    assert batch["max_length"] == 3 and batch["bounds"] == (0, 3, 4, 6, 8)
     exact = pack([[1, 2], [3, 4]], pad_id=0, multiple=4)  # no pad: no extra segment
     assert exact["cu_seqlens"].tolist() == [0, 2, 4] and exact["input_ids"].shape == (1, 4)
     assert [round_up(n, 64) for n in (1, 64, 65, 128)] == [64, 64, 128, 128] and round_up(7, 1) == 7
@@ -85,9 +85,10 @@ def test_block_causal_mask():
     assert mask.tolist() == [[True, False, False], [True, True, False], [False, False, True]]
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_packed_logits_and_gradients_equal_padded(tmp_path, lora):
-    encoder, padded, packed = _pair(tmp_path, *(LORA if lora else ()))
+@pytest.mark.parametrize("overrides", [(), LORA, ("model.attn_implementation=eager",)], ids=["sdpa", "lora", "eager"])
+def test_packed_logits_and_gradients_equal_padded(tmp_path, overrides):
+    """sdpa: causal attention per segment; eager: one block-diagonal mask over the row."""
+    encoder, padded, packed = _pair(tmp_path, *overrides)
     groups = _groups(3)
     plain = GroupCollator(encoder)(groups)
     row = GroupCollator(encoder, pack_multiple=64)(groups)
@@ -96,7 +97,7 @@ def test_packed_logits_and_gradients_equal_padded(tmp_path, lora):
     loss = RankingLoss("listwise", 4)
     a = padded(plain["input_ids"], plain["attention_mask"])
     loss(a)[0].sum().backward()
-    extra = {k: row[k] for k in ("position_ids", "cu_seqlens", "last_index", "max_length")}
+    extra = {k: row[k] for k in ("position_ids", "cu_seqlens", "last_index", "max_length", "bounds")}
     b = packed(row["input_ids"], packed=extra)
     loss(b)[0].sum().backward()
     assert a.shape == b.shape == (12,) and a.std() > 0.1  # the scores differ: parity has teeth
@@ -157,7 +158,7 @@ def test_fake_varlen_kernel_path_equals_padded(tmp_path, monkeypatch):
     groups = _groups(2, seed=2)
     plain = GroupCollator(encoder)(groups)
     row = GroupCollator(encoder, pack_multiple=64)(groups)
-    extra = {k: row[k] for k in ("position_ids", "cu_seqlens", "last_index", "max_length")}
+    extra = {k: row[k] for k in ("position_ids", "cu_seqlens", "last_index", "max_length", "bounds")}
     torch.testing.assert_close(
         packed(row["input_ids"], packed=extra),
         padded(plain["input_ids"], plain["attention_mask"]),

@@ -19,7 +19,7 @@ from torch import nn
 from lychee_exp.core.choices import ModelKind
 from lychee_exp.core.config import ModelConfig
 from lychee_exp.core.errors import UserError
-from lychee_exp.core.packing import CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX, packed_attention
+from lychee_exp.core.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX, packed_attention
 from lychee_exp.core.prompt import PromptEncoder
 from lychee_exp.core.resources import resolve_path
 
@@ -118,7 +118,7 @@ class Reranker(nn.Module):
             position_ids=packed["position_ids"],
             logits_to_keep=packed["last_index"],  # only the prompts' last tokens go through the LM head
             use_cache=False,
-            **{CU_SEQLENS: packed["cu_seqlens"], MAX_LENGTH: packed["max_length"]},
+            **{CU_SEQLENS: packed["cu_seqlens"], MAX_LENGTH: packed["max_length"], BOUNDS: packed["bounds"]},
         )
         return self._answer(out.logits[0].float())
 

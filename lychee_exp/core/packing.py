@@ -7,12 +7,13 @@ reused); that pad is its own segment, whose outputs nothing reads.
 
 Attention: the model runs under `packed_<base>` (registered below), which is the base implementation (sdpa or
 eager) for ordinary padded batches (evaluation) and, for packed ones, torch's varlen (flash) attention on CUDA in
-half precision, else sdpa with a block-diagonal causal mask built from the segment boundaries.
+half precision, else causal sdpa on each segment in turn (eager: a block-diagonal causal mask).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Sequence
 
 import torch
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 PACKED_PREFIX = "packed_"
 # the model kwargs that carry the segments into every attention layer (transformers' FlashAttentionKwargs names)
 CU_SEQLENS, MAX_LENGTH = "cu_seq_lens_q", "max_length_q"
+BOUNDS = "packed_bounds"  # the same boundaries as host ints: slicing by them reads nothing from the device
+HOST_KEYS = ("max_length", "bounds")  # what pack() returns as host values, not tensors
 
 
 def round_up(length: int, multiple: int) -> int:
@@ -31,7 +34,8 @@ def round_up(length: int, multiple: int) -> int:
 def pack(sequences: Sequence[Sequence[int]], pad_id: int, multiple: int) -> dict:
     """One row of the sequences end to end, padded to a multiple of `multiple`: input_ids and position_ids
     (1, width), cu_seqlens (segment boundaries, the pad a segment of its own, int32), last_index (each sequence's
-    last token), lengths, and max_length (a host int: the varlen kernel wants it without a device read)."""
+    last token), lengths, and as host values max_length (the varlen kernel wants it without a device read) and
+    bounds (cu_seqlens as a tuple)."""
     lengths = [len(seq) for seq in sequences]
     total = sum(lengths)
     width = round_up(total, multiple)
@@ -54,6 +58,7 @@ def pack(sequences: Sequence[Sequence[int]], pad_id: int, multiple: int) -> dict
         "last_index": cu[1 : len(sequences) + 1].long() - 1,
         "lengths": torch.tensor(lengths, dtype=torch.long),
         "max_length": max([*lengths, width - total]),
+        "bounds": tuple(bounds),
     }
 
 
@@ -111,14 +116,33 @@ def _make_packed_attention(base: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         cu_seqlens = kwargs.pop(CU_SEQLENS, None)
         max_length = kwargs.pop(MAX_LENGTH, None)
+        bounds = kwargs.pop(BOUNDS, None)
         for extra in ("cu_seq_lens_k", "max_length_k"):
             kwargs.pop(extra, None)
-        base_fn = AttentionInterface._global_mapping[base]
+        if base == "eager":  # each model's modeling file has its own, which transformers falls back to
+            base_fn = sys.modules[type(module).__module__].eager_attention_forward
+        else:
+            base_fn = AttentionInterface._global_mapping[base]
         if cu_seqlens is None:  # an ordinary padded batch (evaluation)
             return base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if not dropout and _use_varlen(query):  # the varlen kernel has no attention dropout
             return _varlen(module, query, key, value, cu_seqlens, max_length, scaling), None
-        mask = block_causal_mask(cu_seqlens, query.shape[2])
+        if base == "sdpa":  # causal attention segment by segment: no width x width mask or scores
+            parts = [
+                base_fn(
+                    module,
+                    *(t[:, :, s:e] for t in (query, key, value)),
+                    None,
+                    scaling=scaling,
+                    dropout=dropout,
+                    **kwargs,
+                )[0]
+                for s, e in zip(bounds[:-1], bounds[1:])
+            ]
+            return torch.cat(parts, dim=1), None
+        # eager adds its mask to the scores
+        allowed = block_causal_mask(cu_seqlens, query.shape[2])
+        mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(~allowed, float("-inf"))
         return base_fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
 
     return attention

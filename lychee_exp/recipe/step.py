@@ -11,6 +11,7 @@ import torch
 
 from lychee_exp.core.chunks import length_chunks, padded_slots
 from lychee_exp.core.distributed import DistEnv
+from lychee_exp.core.packing import HOST_KEYS
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STATS = ("loss_sum", "tokens", "queries", "distill_sum", "padded")  # the order of accumulate()'s statistics
@@ -37,7 +38,7 @@ class WindowStep:
         counted on the host copy)."""
         if "cu_seqlens" in inputs:  # packed: one row, every slot computed (the rounding pad included)
             packed = {key: self._to_device(inputs[key]) for key in _PACKED_KEYS}
-            packed["max_length"] = inputs["max_length"]
+            packed.update({key: inputs[key] for key in HOST_KEYS})
             self.shapes.add(tuple(inputs["input_ids"].shape))
             return {"packed": packed}, int(inputs["lengths"].sum()), inputs["input_ids"].numel()
         mask = inputs["attention_mask"]
