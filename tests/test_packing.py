@@ -3,6 +3,7 @@ under accumulation, with every loss and distillation; the layout, the bounded sh
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -132,40 +133,50 @@ def test_window_with_accumulation_packed_equals_one_padded_batch(tmp_path, loss_
     _assert_same_grads(g_pad, g_pack)
 
 
-def test_fake_varlen_kernel_path_equals_padded(tmp_path, monkeypatch):
-    """The CUDA branch's tensor plumbing (layout, GQA, causal window, scale) on CPU, with a reference kernel that
-    does what torch's varlen_attn documents: causal attention within each cu_seqlens segment."""
+def _segments_attention(q, k, v, cu, scale, enable_gqa):
+    out = torch.empty_like(q)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        seg = [t[s:e].transpose(0, 1) for t in (q, k, v)]
+        out[s:e] = F.scaled_dot_product_attention(*seg, is_causal=True, scale=scale, enable_gqa=enable_gqa).transpose(
+            0, 1
+        )
+    return out
+
+
+def _kernel_now(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """What torch's varlen_attn documents today: causal within each cu_seqlens segment for window (-1, 0)."""
+    assert q.dim() == 3 and window_size == (-1, 0) and torch.equal(cu_q, cu_k) and max_q == max_k
+    assert enable_gqa == (q.shape[1] != k.shape[1])
+    return _segments_attention(q, k, v, cu_q, scale, enable_gqa)
+
+
+def _kernel_2_10(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10's signature: is_causal, no scale, no GQA (key/value must have the query's heads)."""
+    assert is_causal and q.shape == k.shape == v.shape
+    return _segments_attention(q, k, v, cu_q, None, False)
+
+
+@pytest.mark.parametrize("kernel", [_kernel_now, _kernel_2_10], ids=["window-gqa-scale", "is_causal"])
+def test_varlen_kernel_path_equals_padded(tmp_path, monkeypatch, kernel):
+    """The CUDA branch's tensor plumbing (layout, GQA: 4 query heads on 2 key/value heads, causal, scale) on CPU,
+    with reference kernels of both varlen_attn signatures."""
     import torch.nn.attention.varlen as varlen
 
     from lychee_exp.core import packing
 
     calls = []
-
-    def reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-        assert q.dim() == 3 and window_size == (-1, 0) and torch.equal(cu_q, cu_k) and max_q == max_k
-        calls.append(enable_gqa)
-        out = torch.empty_like(q)
-        for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-            seg = [t[s:e].transpose(0, 1) for t in (q, k, v)]
-            out[s:e] = F.scaled_dot_product_attention(
-                *seg, is_causal=True, scale=scale, enable_gqa=enable_gqa
-            ).transpose(0, 1)
-        return out
-
-    monkeypatch.setattr(varlen, "varlen_attn", reference)
+    monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     monkeypatch.setattr(packing, "_use_varlen", lambda query: True)
+    # the lambda hides the signature: give it the kernel's
+    monkeypatch.setattr(varlen.varlen_attn, "__signature__", inspect.signature(kernel), raising=False)
     encoder, padded, packed = _pair(tmp_path)
     groups = _groups(2, seed=2)
     plain = GroupCollator(encoder)(groups)
     row = GroupCollator(encoder, pack_multiple=64)(groups)
     extra = {k: row[k] for k in ("position_ids", "cu_seqlens", "last_index", "max_length", "bounds")}
-    torch.testing.assert_close(
-        packed(row["input_ids"], packed=extra),
-        padded(plain["input_ids"], plain["attention_mask"]),
-        atol=1e-5,
-        rtol=1e-5,
-    )
-    assert calls and all(calls)  # 4 query heads, 2 key/value heads
+    a, b = packed(row["input_ids"], packed=extra), padded(plain["input_ids"], plain["attention_mask"])
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2  # one per layer
 
 
 def test_evaluation_batches_score_as_before_under_packed_attention(tmp_path):

@@ -88,25 +88,31 @@ def _use_varlen(query: torch.Tensor) -> bool:
     return query.device.type == "cuda" and half and varlen_available(query.device)
 
 
-def _varlen(module, query, key, value, cu_seqlens, max_length, scaling):
-    """torch's flash varlen kernel on (1, heads, width, dim) inputs; returns (1, width, heads, dim)."""
+def _varlen(module, query, key, value, cu_seqlens, max_length, scaling) -> torch.Tensor | None:
+    """torch's flash varlen kernel on (1, heads, width, dim) inputs; returns (1, width, heads, dim), or None when
+    this torch's kernel cannot apply the scale. Its signature changed across releases (2.10/2.11: is_causal and
+    no GQA or scale; later: window_size, enable_gqa, scale), so the arguments follow what it accepts."""
+    import inspect
+
     from torch.nn.attention.varlen import varlen_attn
 
+    params = inspect.signature(varlen_attn).parameters
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (width, heads, dim)
-    enable_gqa = q.shape[1] != k.shape[1]
-    # window (-1, 0): causal within each segment
-    out = varlen_attn(
-        q,
-        k,
-        v,
-        cu_seqlens,
-        cu_seqlens,
-        max_length,
-        max_length,
-        scale=scaling,
-        window_size=(-1, 0),
-        enable_gqa=enable_gqa,
-    )
+    options = {}
+    if "window_size" in params:
+        options["window_size"] = (-1, 0)  # causal within each segment
+    else:
+        options["is_causal"] = True
+    if q.shape[1] != k.shape[1]:  # grouped-query attention
+        if "enable_gqa" in params:
+            options["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if "scale" in params:
+        options["scale"] = scaling
+    elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-12:
+        return None
+    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, **options)
     return out[None]
 
 
@@ -126,7 +132,9 @@ def _make_packed_attention(base: str):
         if cu_seqlens is None:  # an ordinary padded batch (evaluation)
             return base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if not dropout and _use_varlen(query):  # the varlen kernel has no attention dropout
-            return _varlen(module, query, key, value, cu_seqlens, max_length, scaling), None
+            out = _varlen(module, query, key, value, cu_seqlens, max_length, scaling)
+            if out is not None:
+                return out, None
         if base == "sdpa":  # causal attention segment by segment: no width x width mask or scores
             parts = [
                 base_fn(
