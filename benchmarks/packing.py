@@ -1,7 +1,7 @@
 """Padded against packed batches (data.packing), side by side in one process: training tokens/s of the tiny Qwen2
 on long-tailed documents (bench peers' longtail mix: 32-2048 tokens, median ~100).
 
-    python benchmarks/packing.py [--steps 12] [--rounds 2] [--batch 8] [overrides]
+    python benchmarks/packing.py [--steps 12] [--rounds 2] [--batch 8] [--threads 1] [overrides]
 
 Each variant is a fresh in-process Trainer (no evaluation, fp32, parallel=single) over the same data; variants run
 in turns, `--rounds` times. Each row reports its fastest round's wall-time tokens/s and its median round's tokens per
@@ -37,11 +37,11 @@ VARIANTS = {
 KEYS = ("train_tokens_per_s", "tokens_per_cpu_s", "padding_share", "distinct_shapes", "train_loss")
 
 
-def run_variant(overrides: list[str], out: Path) -> dict:
+def run_variant(overrides: list[str], out: Path, threads: int) -> dict:
     """The run's metrics plus `tokens_per_cpu_s`: real tokens per second of this process's CPU time (all its
     threads) over the timed steps, which other jobs on the machine disturb far less than wall time."""
     cfg = to_run_config(compose_job([*overrides, "trainer.progress_bar=false", "speedup.calibrate=false"], out))
-    plan = plan_devices("single", 1)
+    plan = plan_devices("single", 1, cpu_threads_per_rank=threads)
     torch.set_num_threads(plan.threads_per_rank)
     trainer = Trainer(cfg, DistEnv(), plan, out)
     trainer.setup()
@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="queries per step (x 4 documents)")
+    # one thread: CPU time is then the step's own work, without other threads' spin-waits on a busy machine
+    parser.add_argument("--threads", type=int, default=1)
     args, overrides = parser.parse_known_args()
     out = Path(tempfile.mkdtemp(prefix="lychee-packing-"))
     data = longtail_file(out, args.batch * (args.steps + 2) * 2)
@@ -76,10 +78,10 @@ def main() -> None:
     base += ["trainer.evaluate=false", "logger=none", "trainer.save_model=false", *overrides]
     results: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     # the process's first run pays one-time set-up (kernel selection, allocator growth): a short one, not counted
-    run_variant([*base, "trainer.max_steps=3"], out / "warm-up")
+    run_variant([*base, "trainer.max_steps=3"], out / "warm-up", args.threads)
     for round_ in range(args.rounds):
         for name, extra in VARIANTS.items():
-            results[name].append(run_variant([*base, *extra], out / f"{name}_{round_}"))
+            results[name].append(run_variant([*base, *extra], out / f"{name}_{round_}", args.threads))
     print(f"{'variant':<26}" + "".join(f"{key:>20}" for key in KEYS))
     best = {name: max(runs, key=lambda r: r["train_tokens_per_s"]) for name, runs in results.items()}
     padded_rate = best["padded"]["train_tokens_per_s"]

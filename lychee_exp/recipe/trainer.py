@@ -183,6 +183,7 @@ class Trainer:
             progress.epoch, progress.batch = progress.epoch + 1, 0
             if progress.evaluated_at != progress.step and not self.stopped:
                 self._evaluate_into(progress)
+        self._read_steps()  # before the clock stops: the device may still be running queued steps
         self.bar.close()
         train_time = time.perf_counter() - train_start - (self.eval_time_s - eval_time_before)
         return self._finish(progress, timer, train_time)
