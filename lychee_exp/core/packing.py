@@ -97,7 +97,8 @@ def _varlen(module, query, key, value, cu_seqlens, max_length, scaling) -> torch
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (width, heads, dim)
+    # (width, heads, dim); contiguous: RoPE leaves query and key head-major, the kernel wants token-major
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
     options = {}
     if "window_size" in params:
         options["window_size"] = (-1, 0)  # causal within each segment
