@@ -35,11 +35,11 @@ def _metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
-def _losses(run_dir: Path) -> list[float]:
+def _losses(run_dir: Path, key: str = "train/loss") -> list[float]:
     import csv
 
     with (run_dir / "metrics.csv").open() as handle:
-        return [float(row["train/loss"]) for row in csv.DictReader(handle) if row.get("train/loss")]
+        return [float(row[key]) for row in csv.DictReader(handle) if row.get(key)]
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -58,12 +58,13 @@ def _cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Pope
 
 
 @pytest.mark.parametrize(
-    "ddp_batch, accum, bucket, chunks",
-    [(2, 1, False, 1), (1, 2, False, 1), (1, 2, True, 2)],
-    ids=["batch", "accumulation", "accumulation-bucketed-chunked"],
+    "ddp_batch, accum, bucket, chunks, packing",
+    [(2, 1, False, 1, False), (1, 2, False, 1, False), (1, 2, True, 2, False), (1, 2, True, 1, True)],
+    ids=["batch", "accumulation", "accumulation-bucketed-chunked", "accumulation-bucketed-packed"],
 )
-def test_ddp_matches_single_process(tmp_path, ddp_batch, accum, bucket, chunks):
-    """chunks: the DDP run forwards its pairs in length chunks, the single process in one pass."""
+def test_ddp_matches_single_process(tmp_path, ddp_batch, accum, bucket, chunks, packing):
+    """chunks: the DDP run forwards its pairs in length chunks, the single process in one pass; packing: the
+    DDP run packs each micro-batch into one row, the single process pads."""
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     bucketing = [f"data.bucket_by_length={bucket}", "data.bucket_pool_batches=2"]
     run_job([*TINY_DDP, *bucketing, "parallel=single", "data.batch_size=4"], single)
@@ -76,12 +77,15 @@ def test_ddp_matches_single_process(tmp_path, ddp_batch, accum, bucket, chunks):
             f"data.batch_size={ddp_batch}",
             f"trainer.grad_accum_steps={accum}",
             f"trainer.forward_chunks={chunks}",
+            f"data.packing={packing}",
         ],
         ddp,
     )
     m_single, m_ddp = _metrics(single), _metrics(ddp)
     assert m_ddp["num_devices"] == 2 and m_ddp["effective_batch_size"] == m_single["effective_batch_size"] == 4
     assert _losses(ddp) == pytest.approx(_losses(single), abs=1e-5)
+    # the gradient's size too: Adam's update alone would hide a gradient scaled by a constant
+    assert _losses(ddp, "train/grad_norm") == pytest.approx(_losses(single, "train/grad_norm"), rel=1e-4)
     # sharded, gathered dev evaluation equals the single-process one (same initial weights)
     assert m_ddp["initial_ndcg@10"] == pytest.approx(m_single["initial_ndcg@10"], abs=1e-6)
     assert m_ddp["initial_mrr@10"] == pytest.approx(m_single["initial_mrr@10"], abs=1e-6)

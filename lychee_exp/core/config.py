@@ -124,6 +124,9 @@ class DataConfig:
     pretokenize: bool = True
     bucket_by_length: bool = False  # batch queries whose prompts have similar lengths (less padding)
     bucket_pool_batches: int = at_least(1, 64)  # optimizer steps' worth of queries sorted by length together
+    # a micro-batch's prompts end to end in one row, each attending to itself only (causal LMs; docs/performance.md)
+    packing: bool = False
+    pack_multiple: int = at_least(1, 64)  # a packed row's width is rounded up to a multiple: few distinct shapes
 
 
 @dataclass
@@ -259,8 +262,21 @@ def check_config(cfg: DictConfig | RunConfig) -> None:
         )
     if run_cfg.model.lora.dtype not in ("auto", "float32", "model"):
         raise UserError(f"model.lora.dtype must be auto, float32 or model, got {run_cfg.model.lora.dtype!r}")
+    _check_packing(run_cfg)
     parse_gpus(run_cfg.gpus)
     forward_chunk_count(run_cfg.trainer.forward_chunks, "cpu")
+
+
+def _check_packing(cfg: RunConfig) -> None:
+    if not cfg.data.packing:
+        return
+    if cfg.model.kind != "causal_lm":
+        raise UserError(f"data.packing=true needs a causal LM reranker; model.kind={cfg.model.kind} pads its batches")
+    if cfg.model.attn_implementation not in ("sdpa", "eager"):
+        got = cfg.model.attn_implementation
+        raise UserError(f"data.packing=true needs model.attn_implementation sdpa or eager, got {got}")
+    if cfg.parallel.strategy == "dp":
+        raise UserError("data.packing=true cannot split a packed row over DataParallel GPUs; use parallel=ddp")
 
 
 def _check_bounds(node: Any, prefix: str) -> None:

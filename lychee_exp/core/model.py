@@ -19,6 +19,7 @@ from torch import nn
 from lychee_exp.core.choices import ModelKind
 from lychee_exp.core.config import ModelConfig
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX, packed_attention
 from lychee_exp.core.prompt import PromptEncoder
 from lychee_exp.core.resources import resolve_path
 
@@ -64,11 +65,18 @@ class Reranker(nn.Module):
         self.score = score
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunks: list[tuple[list[int], int]] | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        chunks: list[tuple[list[int], int]] | None = None,
+        packed: dict | None = None,
     ) -> torch.Tensor:
         """One relevance logit per row. `chunks` (from bucketing.length_chunks): score the rows in groups of
         similar length, each cut to its own width, so that fewer padding slots are computed; every row's logit
-        is the same as in one pass (positions count real tokens, padding is masked), in the rows' order."""
+        is the same as in one pass (positions count real tokens, padding is masked), in the rows' order.
+        `packed` (core.packing.pack, without its input_ids): input_ids is one packed row; one logit per prompt."""
+        if packed is not None:
+            return self._score_packed(input_ids, packed)
         if not chunks or len(chunks) == 1:
             return self._score(input_ids, attention_mask)
         width = input_ids.shape[1]
@@ -95,7 +103,26 @@ class Reranker(nn.Module):
             logits_to_keep=1,
             use_cache=False,
         )
-        last = out.logits[:, -1, :].float()
+        return self._answer(out.logits[:, -1, :].float())
+
+    def _score_packed(self, input_ids: torch.Tensor, packed: dict) -> torch.Tensor:
+        config = self.backbone.config
+        if not KINDS[self.kind].yes_no or not config._attn_implementation.startswith(PACKED_PREFIX):
+            raise ValueError("a packed batch needs a causal LM loaded with packing=True (load_reranker)")
+        # A prepared mask per layer type skips transformers' mask building (and its device read): the packed
+        # attention confines each prompt to itself from the segment boundaries.
+        masks = dict.fromkeys(getattr(config, "layer_types", None) or ["full_attention"])
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=masks,
+            position_ids=packed["position_ids"],
+            logits_to_keep=packed["last_index"],  # only the prompts' last tokens go through the LM head
+            use_cache=False,
+            **{CU_SEQLENS: packed["cu_seqlens"], MAX_LENGTH: packed["max_length"], BOUNDS: packed["bounds"]},
+        )
+        return self._answer(out.logits[0].float())
+
+    def _answer(self, last: torch.Tensor) -> torch.Tensor:
         if self.score == "yes_logit":
             return last[:, self.yes_id]
         return last[:, self.yes_id] - last[:, self.no_id]
@@ -131,8 +158,9 @@ def build_encoder(cfg: ModelConfig, tokenizer) -> PromptEncoder:
     return PromptEncoder(tokenizer, cfg.prompt, padding_side(cfg))
 
 
-def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int) -> Reranker:
-    """Loads (or, with random_init, freshly initialises) the backbone and wraps it; LoRA when enabled."""
+def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int, packing: bool = False) -> Reranker:
+    """Loads (or, with random_init, freshly initialises) the backbone and wraps it; LoRA when enabled.
+    `packing`: attention that also takes packed rows (core.packing); padded batches score as before."""
     import transformers
 
     transformers.logging.set_verbosity_error()  # the "newly initialised head" report is expected here
@@ -141,7 +169,10 @@ def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int) -> Rerank
     kind = KINDS[cfg.kind]
     auto_cls = getattr(transformers, kind.auto_class)
     extra = {"num_labels": kind.num_labels} if kind.num_labels else {}
-    kwargs = {"dtype": _DTYPES[cfg.dtype], "attn_implementation": cfg.attn_implementation}
+    attention = cfg.attn_implementation
+    if packing:  # check_config has refused other model kinds and attention implementations
+        attention = packed_attention(attention)
+    kwargs = {"dtype": _DTYPES[cfg.dtype], "attn_implementation": attention}
     torch.manual_seed(seed)  # random_init weights and new heads are part of the seeded run
     config = transformers.AutoConfig.from_pretrained(path, **extra)
     if cfg.dropout is not None:
@@ -158,6 +189,8 @@ def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int) -> Rerank
                 "initialise this architecture from scratch)"
             )
         backbone = auto_cls.from_pretrained(path, config=config, **kwargs)
+    if packing and set(getattr(backbone.config, "layer_types", None) or []) - {"full_attention"}:
+        raise UserError(f"data.packing: model.path={cfg.path} has sliding-window layers, which packing does not handle")
     if backbone.config.pad_token_id is None:
         backbone.config.pad_token_id = encoder.pad_id
     if cfg.gradient_checkpointing:

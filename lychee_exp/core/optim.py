@@ -40,12 +40,13 @@ def scaled_lr(cfg: RunConfig, num_devices: int) -> float:
     return cfg.optimizer.lr * factor
 
 
-def optimizer_step(model: torch.nn.Module, optimizer, scheduler, scaler, cfg: OptimizerConfig) -> float:
+def optimizer_step(model: torch.nn.Module, optimizer, scheduler, scaler, cfg: OptimizerConfig) -> torch.Tensor:
     """Unscale (fp16), clip the trainable parameters' gradients to cfg.max_grad_norm (0: no clipping), step the
-    optimizer and the schedule, clear the gradients; returns the gradient norm before clipping."""
+    optimizer and the schedule, clear the gradients; returns the gradient norm before clipping, as a device
+    tensor (reading it would wait for the device)."""
     scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf")).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
     scaler.step(optimizer)
     scaler.update()
     scheduler.step()

@@ -26,7 +26,6 @@ from lychee_exp.core.data.groups import TrainGroups, build_dev_pairs
 from lychee_exp.core.data.loader import train_loader
 from lychee_exp.core.devices import DevicePlan, resolve_precision
 from lychee_exp.core.distributed import DistEnv, wrap_for_training
-from lychee_exp.core.errors import TrainingDiverged
 from lychee_exp.core.inputs import RunInputs, load_inputs
 from lychee_exp.core.levers import apply_levers, resolved_model_config
 from lychee_exp.core.losses import build_loss
@@ -35,6 +34,7 @@ from lychee_exp.core.optim import build_optimizer, optimizer_step, scaled_lr
 from lychee_exp.core.seeding import seed_everything
 from lychee_exp.core.token_cache import pretokenized
 from lychee_exp.recipe.checkpoint import latest_checkpoint, restore_training_state, save_training_state
+from lychee_exp.recipe.pending import PendingSteps
 from lychee_exp.recipe.progress import NO_HOOKS, Progress, StepFigures, StepHooks
 from lychee_exp.recipe.step import WindowStep
 from lychee_exp.tracking.backends import NullLogger, run_logger
@@ -78,7 +78,9 @@ class Trainer:
         self.logger = NullLogger()
         # state of fit()
         self.eval_time_s = 0.0
-        self.logged: list[StepFigures] = []  # steps since the last logged training row
+        self.logged: list[StepFigures] = []  # steps read since the last logged training row
+        self.pending = PendingSteps()  # steps whose figures are still on the device
+        self.timer: StepTimer | None = None
         self.bar: tqdm | None = None
         self.stopped = False  # set when an evaluation callback (e.g. a sweep's pruner) ends the run early
 
@@ -102,7 +104,8 @@ class Trainer:
     def _setup_model(self, inputs: RunInputs) -> None:
         self.tokenizer, self.encoder = inputs.tokenizer, inputs.encoder
         model_cfg = resolved_model_config(self.cfg, self.encoder, self.device)  # gradient_checkpointing: auto
-        self.model = load_reranker(model_cfg, self.encoder, self.cfg.seed).to(self.device)
+        model = load_reranker(model_cfg, self.encoder, self.cfg.seed, packing=self.cfg.data.packing)
+        self.model = model.to(self.device)
         self.precision = resolve_precision(self.cfg.trainer.precision, self.device)
         apply_levers(self.model, model_cfg, self.precision, self.device)
         self.train_model = wrap_for_training(self.model, self.env, self.plan, self.cfg.parallel.find_unused_parameters)
@@ -162,7 +165,7 @@ class Trainer:
                 initial = self._eval_and_log(0)
                 progress.summary.update({f"initial_{k}": v for k, v in initial.items()}, **initial)
                 progress.evaluated_at = 0
-        timer = StepTimer(progress.step, self.total_steps, time.perf_counter() - self.eval_time_s)
+        timer = self.timer = StepTimer(progress.step, self.total_steps, time.perf_counter() - self.eval_time_s)
         self.logged = []
         show = env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()
         self.bar = tqdm(
@@ -178,15 +181,13 @@ class Trainer:
             batches = iter(self.loader)
             for first in range(progress.batch, self.num_batches, accum):
                 micro_steps = min(accum, self.num_batches - first)
-                figures = self._train_window(batches, first, micro_steps, progress.step + 1)
+                self._train_window(batches, first, micro_steps, progress.step + 1)
                 progress.step += 1
                 done = first + micro_steps
                 position = (progress.epoch, done) if done < self.num_batches else (progress.epoch + 1, 0)
-                stop = self._after_step(progress, figures, position)
+                stop = self._after_step(progress, position)
                 # the step's end stamp, after its stop-request collective; evaluations are not training time
-                end = time.perf_counter() - self.eval_time_s
-                counts = (figures.queries, figures.tokens, figures.padded)
-                timer.add(progress.step, end, figures.wait, figures.busy, *counts)
+                timer.stamp(progress.step, time.perf_counter() - self.eval_time_s)
                 if stop:  # preemption: checkpointed, the requeued job resumes
                     self.bar.close()
                     return {**progress.summary, "steps": progress.step, "preempted_at_step": progress.step}
@@ -195,50 +196,59 @@ class Trainer:
             progress.epoch, progress.batch = progress.epoch + 1, 0
             if progress.evaluated_at != progress.step and not self.stopped:
                 self._evaluate_into(progress)
+        self._read_steps()  # before the clock stops: the device may still be running queued steps
+        timer.stamp(progress.step, time.perf_counter() - self.eval_time_s)  # the last step's end, device drained
         self.bar.close()
         train_time = time.perf_counter() - train_start - (self.eval_time_s - eval_time_before)
         return self._finish(progress, timer, train_time)
 
-    def _train_window(self, batches, first: int, micro_steps: int, step: int) -> StepFigures:
-        """One optimizer step: forward and backward over the accumulation window, then the update."""
+    def _train_window(self, batches, first: int, micro_steps: int, step: int) -> None:
+        """One optimizer step: forward and backward over the accumulation window, then the update. Its figures
+        stay on the device (self.pending) until _read_steps: no host sync here."""
         start = time.perf_counter()
         # Queries in this window on each rank (the epoch's last batch may be short): the loss is a mean over
         # the whole window, so accumulation and sharding give the gradient of one big batch.
         batch = self.loader.batch_size
         window_queries = min(self.sampler.num_samples, (first + micro_steps) * batch) - first * batch
         stats, wait, busy = self.step.accumulate(batches, micro_steps, window_queries)
-        loss_sum, tokens, queries, distill_sum, padded = stats.tolist()  # one device-to-host copy per step
-        loss = loss_sum / queries
-        if not math.isfinite(loss):
-            raise TrainingDiverged(
-                f"loss is {loss} at step {step} (lr {self.lr:.3g}); lower "
-                "optimizer.lr or use trainer.precision=bf16/fp32"
-            )
         grad_norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.scaler, self.cfg.optimizer)
         if self.hooks.after_step:
             self.hooks.after_step(step)
         seconds = time.perf_counter() - start
-        return StepFigures(loss, distill_sum / queries, queries, tokens, padded, grad_norm, seconds, wait, busy)
+        self.pending.add(step, stats, grad_norm, seconds, wait, busy)
 
-    def _after_step(self, progress: Progress, figures: StepFigures, position: tuple[int, int]) -> bool:
-        """Logging, evaluation and checkpoints due after this step; True when a stop request ended the run."""
+    def _read_steps(self) -> None:
+        """Reads the unread steps' figures from the device (raises TrainingDiverged on a non-finite loss)."""
+        for step, figures in self.pending.read(self.lr):
+            self.timer.count(step, figures.wait, figures.busy, figures.queries, figures.tokens, figures.padded)
+            self.logged.append(figures)
+            self.bar.set_postfix(loss=f"{figures.loss:.4f}", samples_s=f"{figures.queries / figures.seconds:.1f}")
+
+    def _after_step(self, progress: Progress, position: tuple[int, int]) -> bool:
+        """Logging, evaluation and checkpoints due after this step; True when a stop request ended the run.
+        Step figures are read before any of them, so that no diverged state is evaluated or saved."""
         cfg, step = self.cfg, progress.step
-        self.logged.append(figures)
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{figures.loss:.4f}", samples_s=f"{figures.queries / figures.seconds:.1f}")
-        if step % cfg.trainer.log_every == 0 or step == self.total_steps:
-            self._log_train_row(progress, figures)
-        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+        log_due = step % cfg.trainer.log_every == 0 or step == self.total_steps
+        eval_due = cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0
+        checkpoint_due = cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0
+        if log_due or eval_due or checkpoint_due:
+            self._read_steps()
+        if log_due:
+            self._log_train_row(progress)
+        if eval_due:
             self._evaluate_into(progress)
-        if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
+        if checkpoint_due:
             self._checkpoint(progress, position)
         if self.hooks.stop_requested():
+            self._read_steps()
             self._checkpoint(progress, position)
             return True
         return False
 
-    def _log_train_row(self, progress: Progress, figures: StepFigures) -> None:
+    def _log_train_row(self, progress: Progress) -> None:
         summary, logged = progress.summary, self.logged
+        figures = logged[-1]  # the logged step's own values; the loss is the mean since the last row
         summary["train_loss"] = sum(f.loss for f in logged) / len(logged)
         if self.cfg.loss.distill_weight > 0:
             summary["train_distill_loss"] = sum(f.distill_loss for f in logged) / len(logged)
@@ -262,7 +272,10 @@ class Trainer:
     def _finish(self, progress: Progress, timer: StepTimer, train_time: float) -> dict:
         """The run's metrics: its summary, setup facts, throughput over all ranks, times and speedup."""
         env, summary, speedup = self.env, progress.summary, self.cfg.speedup
+        self._read_steps()
         throughput = summarize(env.gather_objects(timer.rank_record(self.device)))
+        # kernels (and cuDNN's attention plans) are chosen per input shape: fewer shapes, fewer plans
+        summary["distinct_shapes"] = len(set().union(*env.gather_objects(self.step.shapes)))
         summary.update(self.facts, **throughput, steps=progress.step, epochs=progress.epoch, stopped_early=self.stopped)
         summary.update(train_time_s=train_time, eval_time_s=self.eval_time_s)
         summary.update(

@@ -39,14 +39,26 @@ class StepTimer:
     def add(
         self, step: int, end: float, wait: float, busy: float, queries: float, tokens: float, padded: float
     ) -> None:
-        """`end`: the step's end stamp on the training clock (wall clock less evaluation time so far);
-        `tokens`: real (non-pad) tokens; `padded`: batch slots, pad included."""
+        """A step's end stamp and its counts at once (see stamp and count)."""
+        self.stamp(step, end)
+        self.count(step, wait, busy, queries, tokens, padded)
+
+    def stamp(self, step: int, end: float) -> None:
+        """`end`: the step's end stamp on the training clock (wall clock less evaluation time so far). Stamping a
+        step again (after the device drained) moves the window's end."""
         if step == self.timed_from:
             self.start = end
         elif step > self.timed_from and self.start is not None:
-            for key, value in zip(self.sums, (0.0, wait, busy, queries, tokens, padded)):
-                self.sums[key] += value
             self.sums["time"] = end - self.start
+
+    def count(self, step: int, wait: float, busy: float, queries: float, tokens: float, padded: float) -> None:
+        """A timed step's work, whenever its figures are read from the device: `tokens` real (non-pad) tokens,
+        `padded` batch slots, pad included."""
+        if step > self.timed_from:
+            for key, value in zip(
+                ("wait", "busy", "queries", "tokens", "padded"), (wait, busy, queries, tokens, padded)
+            ):
+                self.sums[key] += value
 
     def rank_record(self, device: torch.device) -> dict:
         return {**self.sums, "peak_memory_mb": peak_memory_mb(device)}

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lychee_exp.core.data.queries import RankingQuery, check_negatives
+from lychee_exp.core.packing import pack
 from lychee_exp.core.prompt import PromptEncoder
 
 log = logging.getLogger(__name__)
@@ -62,15 +63,19 @@ class TrainGroups(Dataset):
 
 
 class GroupCollator:
-    """Tokenizes a list of groups into one padded batch of len(groups) * group_size prompts, plus the groups'
-    teacher scores (`teacher_scores`, one row per group) when every group has them."""
+    """Tokenizes a list of groups into one padded batch of len(groups) * group_size prompts (with `pack_multiple`:
+    one packed row, core.packing.pack), plus the groups' teacher scores (`teacher_scores`, one row per group) when
+    every group has them."""
 
-    def __init__(self, encoder: PromptEncoder):
-        self.encoder = encoder
+    def __init__(self, encoder: PromptEncoder, pack_multiple: int | None = None):
+        self.encoder, self.pack_multiple = encoder, pack_multiple
 
     def __call__(self, groups: list[tuple[str, str, list[str], list[float] | None]]) -> dict[str, torch.Tensor]:
         ids = [self.encoder.encode(instr, query, doc) for instr, query, docs, _ in groups for doc in docs]
-        batch = self.encoder.pad(ids)
+        if self.pack_multiple:
+            batch = pack(ids, self.encoder.pad_id, self.pack_multiple)
+        else:
+            batch = self.encoder.pad(ids)
         if all(scores is not None for *_, scores in groups):
             batch["teacher_scores"] = torch.tensor([scores for *_, scores in groups], dtype=torch.float32)
         return batch

@@ -35,7 +35,7 @@ def train_loader(
         train_set,
         batch_size=loader_batch,
         sampler=sampler,
-        collate_fn=GroupCollator(encoder),
+        collate_fn=GroupCollator(encoder, data.pack_multiple if data.packing else None),
         num_workers=data.num_workers,  # not persistent: workers must see set_epoch's resampled negatives
         pin_memory=device.type == "cuda",
     )
