@@ -253,16 +253,8 @@ class Trainer:
         if self.cfg.loss.distill_weight > 0:
             summary["train_distill_loss"] = sum(f.distill_loss for f in logged) / len(logged)
         lr = self.scheduler.get_last_lr()[0]
-        row = (
-            summary["train_loss"],
-            lr,
-            figures.grad_norm,
-            figures.queries,
-            figures.tokens,
-            figures.seconds,
-            figures.wait,
-        )
-        log_train_step(self.logger, self.env.is_main, progress.step, self.total_steps, progress.epoch, *row)
+        where = (self.logger, self.env.is_main, progress.step, self.total_steps, progress.epoch)
+        log_train_step(*where, summary["train_loss"], lr, figures)
         logged.clear()
 
     def _evaluate_into(self, progress: Progress) -> None:

@@ -55,20 +55,17 @@ def log_setup(
 
 
 def log_train_step(
-    logger: NullLogger,
-    is_main: bool,
-    step: int,
-    total_steps: int,
-    epoch: int,
-    loss: float,
-    lr: float,
-    grad_norm: float,
-    queries: float,
-    tokens: float,
-    elapsed: float,
-    wait: float,
+    logger: NullLogger, is_main: bool, step: int, total_steps: int, epoch: int, loss: float, lr: float, figures
 ) -> None:
-    """One training row; queries and (non-pad) tokens of the step over all ranks."""
+    """One training row: `loss` (the mean since the last row) and the logged step's own figures (a
+    recipe.progress.StepFigures: grad_norm, queries and non-pad tokens over all ranks, seconds, data wait)."""
+    grad_norm, queries, tokens, elapsed, wait = (
+        figures.grad_norm,
+        figures.queries,
+        figures.tokens,
+        figures.seconds,
+        figures.wait,
+    )
     samples_per_s, tokens_per_s = queries / elapsed, tokens / elapsed
     logger.log_metrics(
         {
