@@ -118,6 +118,10 @@ def test_single_device_speedup_is_one(tmp_path, no_wandb_key):
     assert m["scaling_efficiency"] == pytest.approx(m["speedup"])
 
 
+def by_threads_key(cached: dict, threads: str) -> str:
+    return next(key for key in cached if key.endswith(threads))
+
+
 def test_multi_device_run_calibrates_and_caches_its_baselines(tmp_path, no_wandb_key):
     """2 CPU ranks x 1 thread: `speedup` over ONE process with both threads (the best single process on those
     cores), speedup_vs_one_rank over one rank with one thread; both calibrated and cached by thread count."""
@@ -128,7 +132,9 @@ def test_multi_device_run_calibrates_and_caches_its_baselines(tmp_path, no_wandb
     cached = json.loads((tmp_path / "baselines.json").read_text())
     by_threads = {key.rsplit("|", 1)[1]: entry for key, entry in cached.items()}
     assert sorted(by_threads) == ["cpu x1 threads", "cpu x2 threads"]
-    assert all(e["source"] == "calibration" for e in cached.values()) and all("batch2" in k for k in cached)
+    assert all(e["source"] == "calibration" for e in cached.values())
+    # the single process trains both ranks' queries per step (batch 4), one rank its own (batch 2)
+    assert "batch4" in by_threads_key(cached, "cpu x2 threads") and "batch2" in by_threads_key(cached, "cpu x1 threads")
     m = _metrics(tmp_path / "run")
     process, rank = by_threads["cpu x2 threads"]["samples_per_s"], by_threads["cpu x1 threads"]["samples_per_s"]
     assert m["baseline_samples_per_s"] == pytest.approx(process)
@@ -228,3 +234,27 @@ def test_sweep_trials_are_one_wandb_run_each_in_one_group(tmp_path, no_wandb_key
         assert r["config"]["optimizer"]["lr"] == pytest.approx(float(trials[number]["lr"]))
         assert r["config"]["data"]["batch_size"] == int(trials[number]["per_device_batch_size"])
         assert "env:" in r["config"]["trial"]["storage"]  # the storage URL itself stays out of W&B
+
+
+def test_the_cpu_single_process_baseline_trains_the_whole_step_in_one_process(tmp_path, tiny_cfg):
+    """On CPU the best single process gets every rank's queries in one batch (the same batches as the run), the
+    one-rank baseline one rank's batch; each is calibrated once, then read from the cache."""
+    import dataclasses
+
+    from lychee_exp.core.config import to_run_config
+    from lychee_exp.core.devices import DevicePlan
+    from lychee_exp.tracking.speedup import resolve_baselines
+
+    cfg = to_run_config(tiny_cfg)
+    speedup = dataclasses.replace(cfg.speedup, calibrate=True, baseline_file=str(tmp_path / "baselines.json"))
+    cfg = dataclasses.replace(cfg, speedup=speedup)
+    calls = []
+
+    def train(calibration_cfg, plan):
+        calls.append((calibration_cfg.data.batch_size, plan.num_devices, plan.threads_per_rank))
+        return {"train_samples_per_s": 10.0 * plan.threads_per_rank}
+
+    plan = DevicePlan("ddp", "cpu", 2, 1)  # 2 ranks x 1 thread, per-device batch 2
+    assert resolve_baselines(cfg, plan, train) == (20.0, 10.0)
+    assert calls == [(2 * cfg.data.batch_size, 1, 2), (cfg.data.batch_size, 1, 1)]
+    assert resolve_baselines(cfg, plan, train) == (20.0, 10.0) and len(calls) == 2  # cached

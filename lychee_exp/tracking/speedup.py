@@ -108,7 +108,13 @@ def resolve_baselines(
     """(best single process, one rank) samples/s for this run's setting; 0 = none (a single-process run is its
     own). Without a given or cached figure a multi-device run calibrates: `train` (the launcher's in-process
     runner) trains that single process for a few steps."""
-    process = _baseline(cfg, plan, single_process_plan(plan), cfg.speedup.baseline_samples_per_s, train)
+    process_cfg = cfg
+    if plan.device_type != "cuda" and plan.num_devices > 1:
+        # on CPU the one process does the whole step's work: every rank's queries in one batch, so that both
+        # sides train the same batches and only the parallel setup differs
+        data = dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * plan.num_devices)
+        process_cfg = dataclasses.replace(cfg, data=data)
+    process = _baseline(process_cfg, plan, single_process_plan(plan), cfg.speedup.baseline_samples_per_s, train)
     rank_plan = single_device_plan(plan)
     if rank_plan == single_process_plan(plan):  # GPUs, or one CPU rank: the same single process
         return process, cfg.speedup.one_rank_samples_per_s or process
