@@ -40,12 +40,15 @@ class Meter:
     calls: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (mask sum, slots, rows)
     stamps: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, calls so far)
 
-    def install(self, model_path: str) -> None:
+    def install(self, model_path: str):
         """Wraps the forward of the class AutoModelForSequenceClassification picks for this checkpoint."""
         from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-        cls = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(AutoConfig.from_pretrained(model_path))]
+        return self.wrap(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(AutoConfig.from_pretrained(model_path))])
+
+    def wrap(self, cls):
+        """Records every call of cls.forward from now on (every instance, existing or not); returns the undo."""
         original = cls.forward
 
         @functools.wraps(original)  # keeps the signature Trainer reads to drop unused dataset columns
@@ -57,6 +60,7 @@ class Meter:
             return original(module, *args, **kwargs)
 
         cls.forward = forward
+        return lambda: setattr(cls, "forward", original)
 
     def stamp(self) -> None:
         self.stamps.append((time.perf_counter(), len(self.calls)))
