@@ -138,7 +138,9 @@ def measure(out: Path, steps: int, rounds: int) -> list[dict]:
     spec = build_spec(out, steps, threads, "cuda" if torch.cuda.is_available() else "cpu")
     results: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
     for round_ in range(rounds):
-        for name in SYSTEMS:  # interleaved: every round runs every system once, so load changes hit all of them
+        # interleaved: every round runs every system once, so load changes hit all of them; the order rotates so
+        # that no system always runs right after the same one
+        for name in SYSTEMS[round_ % len(SYSTEMS) :] + SYSTEMS[: round_ % len(SYSTEMS)]:
             run_dir = out / f"round{round_}" / name
             run_dir.mkdir(parents=True, exist_ok=True)
             cmd = [
