@@ -1,0 +1,248 @@
+"""Own-batching benchmark: every system reads the same JSONL file and batches it its own way, side by side.
+
+    python -m lychee_exp.bench.own_batching [--steps 20] [--rounds 2] [--out DIR]
+
+Systems (lychee_exp.bench.own_systems): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
+CrossEncoderTrainer, and lychee_exp `parallel=single gpus=1` with its defaults (only data.batch_size and
+data.train_group_size set so that it too takes 32 pairs a step, fp32 stated, and evaluation, saving and logging
+off). Same file (the built-in sample set), model (MiniLM cross-encoder, 1 logit, lychee's dropout), prompt text
+("Query: {query} Document: {document}", query cut to 24 tokens, document to 64), threads (all cores), steps, lr
+(lychee's, scaled to its batch), fp32. Each system runs in a fresh process, systems interleaved in every round;
+each is timed by the wall clock between step-end stamps after the same warm-up, and its non-pad tokens are the
+attention-mask sums of what its model read. Writes own_batching.csv and own_batching.md into the output directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+log = logging.getLogger("lychee_exp.bench.own_batching")
+
+PEERS = ("hf_trainer", "torch_loop", "st_cross_encoder")
+SYSTEMS = (*PEERS, "lychee_single")
+QUERIES, GROUP = 8, 4  # 32 pairs a step
+COLUMNS = [
+    "system",
+    "pairs_per_s",
+    "tokens_per_s",
+    "vs_fastest_peer",
+    "padding_share",
+    "pairs_per_step",
+    "timed_steps",
+    "rounds",
+    "own_metric_tokens_per_s",
+]
+# lychee_exp's defaults, with only the batch shape (32 pairs), the precision the peers use and the parts that are
+# no training (evaluation, saving, logging, speedup calibration) set
+LYCHEE = [
+    "parallel=single",
+    "gpus=1",
+    f"data.batch_size={QUERIES}",
+    f"data.train_group_size={GROUP}",
+    "trainer.precision=fp32",
+    "trainer.evaluate=false",
+    "trainer.save_model=false",
+    "trainer.checkpoint_every=0",
+    "trainer.progress_bar=false",
+    "logger=none",
+    "speedup.calibrate=false",
+]
+
+
+def build_spec(out: Path, steps: int, threads: int, device: str) -> dict:
+    """What every system shares, read from lychee_exp's composed config."""
+    from lychee_exp.core.config import to_run_config
+    from lychee_exp.core.model import model_dir
+    from lychee_exp.core.optim import scaled_lr
+    from lychee_exp.core.resources import resolve_path
+    from lychee_exp.testing.jobs import compose_job
+    from lychee_exp.tracking.throughput import WARMUP_STEPS
+
+    cfg = to_run_config(compose_job(LYCHEE, out))
+    path = model_dir(cfg.model)
+    dropout = {}
+    if cfg.model.dropout is not None:  # the same dropout as lychee's load_reranker sets
+        from transformers import AutoConfig
+
+        dropout = {
+            k: cfg.model.dropout
+            for k, v in AutoConfig.from_pretrained(str(path)).to_dict().items()
+            if "dropout" in k and isinstance(v, float)
+        }
+    max_steps = WARMUP_STEPS + steps
+    return {
+        "train_file": str(resolve_path(cfg.data.train_file, "data.train_file")),
+        "model_path": str(path),
+        "template": cfg.model.prompt.prefix + cfg.model.prompt.separator + cfg.model.prompt.template,
+        "query_max_len": cfg.model.prompt.query_max_len,
+        "doc_max_len": cfg.model.prompt.doc_max_len,
+        "dropout": dropout,
+        "lr": scaled_lr(cfg, 1),
+        "weight_decay": cfg.optimizer.weight_decay,
+        "warmup_ratio": cfg.optimizer.warmup_ratio,
+        "max_grad_norm": cfg.optimizer.max_grad_norm,
+        "seed": cfg.seed,
+        "pairs_per_step": QUERIES * GROUP,
+        "warmup": WARMUP_STEPS,
+        "max_steps": max_steps,
+        "threads": threads,
+        "device": device,
+        "lychee_overrides": [*LYCHEE, f"trainer.max_steps={max_steps}"],
+    }
+
+
+def child(name: str, spec: dict, out: Path) -> dict:
+    """One system's run, in this (fresh) process; returns its row's figures."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from lychee_exp.bench import own_systems as systems
+
+    torch.set_num_threads(spec["threads"])
+    systems.METER.install(spec["model_path"])
+    own = {}
+    if name == "lychee_single":
+        metrics = systems.lychee(spec, str(out))
+        own = {"own_metric_tokens_per_s": metrics["train_tokens_per_s"], "threads": metrics["cpu_threads_per_rank"]}
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+        pairs = systems.read_pairs(Path(spec["train_file"]), tokenizer, spec["query_max_len"], spec["doc_max_len"])
+        getattr(systems, name)(spec, pairs, str(out))
+    w = systems.METER.window(spec["warmup"])
+    return {
+        "pairs_per_s": w["pairs"] / w["seconds"],
+        "tokens_per_s": w["tokens"] / w["seconds"],
+        "padding_share": 1 - w["tokens"] / w["slots"],
+        "pairs_per_step": w["pairs_per_step"],
+        "timed_steps": w["steps"],
+        "own_metric_tokens_per_s": float("nan"),
+        **own,
+    }
+
+
+def measure(out: Path, steps: int, rounds: int) -> list[dict]:
+    import torch
+
+    from lychee_exp.core.devices import available_cores
+
+    threads = available_cores()
+    spec = build_spec(out, steps, threads, "cuda" if torch.cuda.is_available() else "cpu")
+    results: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
+    for round_ in range(rounds):
+        # interleaved: every round runs every system once, so load changes hit all of them; the order rotates so
+        # that no system always runs right after the same one
+        for name in SYSTEMS[round_ % len(SYSTEMS) :] + SYSTEMS[: round_ % len(SYSTEMS)]:
+            run_dir = out / f"round{round_}" / name
+            run_dir.mkdir(parents=True, exist_ok=True)
+            cmd = [
+                sys.executable,
+                "-m",
+                "lychee_exp.bench.own_batching",
+                "--child",
+                name,
+                json.dumps(spec),
+                str(run_dir),
+            ]
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            if proc.returncode != 0:
+                log.error("%s failed:\n%s", name, proc.stderr[-3000:])
+                continue
+            results[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            log.info("round %d %s: %s", round_, name, results[name][-1])
+    return summarize(results)
+
+
+def summarize(results: dict[str, list[dict]]) -> list[dict]:
+    """Medians over rounds; pairs_per_step as the distinct counts seen over every timed step of every round."""
+    rows = []
+    for name, runs in results.items():
+        if runs:
+            med = {k: statistics.median(r[k] for r in runs) for k in ("pairs_per_s", "tokens_per_s", "padding_share")}
+            own = [r["own_metric_tokens_per_s"] for r in runs]
+            rows.append(
+                {
+                    "system": name,
+                    **med,
+                    "pairs_per_step": "/".join(str(n) for n in sorted({n for r in runs for n in r["pairs_per_step"]})),
+                    "timed_steps": min(r["timed_steps"] for r in runs),
+                    "rounds": len(runs),
+                    "own_metric_tokens_per_s": statistics.median(own),
+                }
+            )
+    fastest = max((r["tokens_per_s"] for r in rows if r["system"] in PEERS), default=0.0)
+    for r in rows:
+        r["vs_fastest_peer"] = r["tokens_per_s"] / fastest if fastest else float("nan")
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| system | pairs/s | non-pad tokens/s | vs fastest peer | padding share | pairs per step |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['system']} | {r['pairs_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['vs_fastest_peer']:.2f} "
+        f"| {r['padding_share']:.0%} | {r['pairs_per_step']} |"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def write_outputs(rows: list[dict], out: Path, header: str) -> None:
+    with (out / "own_batching.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows({k: r[k] for k in COLUMNS} for r in rows)
+    (out / "own_batching.md").write_text(f"{header}\n\n{markdown_table(rows)}\n")
+
+
+def _load() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        print(json.dumps(child(argv[1], json.loads(argv[2]), Path(argv[3]))))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    parser = argparse.ArgumentParser(description="own-batching benchmark", usage=__doc__.strip().splitlines()[2])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per system (after warm-up)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds; each runs every system once")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be >= 1")
+    out = args.out or Path("outputs/bench_own_batching") / f"{datetime.now():%Y-%m-%d_%H-%M-%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    started, load_before = datetime.now(timezone.utc), _load()
+    rows = measure(out, args.steps, args.rounds)
+    if not rows:
+        log.error("error: every system failed (see the messages above)")
+        return 1
+    header = (
+        f"{started:%Y-%m-%d %H:%M} UTC, {args.steps} timed steps x {args.rounds} rounds, {QUERIES * GROUP} pairs "
+        f"per step; /proc/loadavg before: {load_before}, after: {_load()}"
+    )
+    write_outputs(rows, out, header)
+    print(header)
+    print(markdown_table(rows))
+    print(f"wrote {out / 'own_batching.csv'} and {out / 'own_batching.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
