@@ -126,9 +126,8 @@ def test_dry_run_writes_json_offline_and_save_needs_a_key(tmp_path):
 @pytest.fixture(scope="module")
 def recorded_run(tmp_path_factory) -> dict:
     """What a real run recorded: a tiny job logged offline to W&B, read back from its .wandb file."""
-    from conftest import TINY_OVERRIDES
+    from conftest import TINY_OVERRIDES, run_cli
 
-    from lychee_exp.testing.jobs import run_job
     from lychee_exp.tracking.wandb_records import find_run_files, read_run
 
     root = tmp_path_factory.mktemp("wandb_run")
@@ -138,7 +137,9 @@ def recorded_run(tmp_path_factory) -> dict:
     os.environ.update(HOME=str(root / "home"), WANDB_CONFIG_DIR=str(root / "wandb-config"))  # no key: offline
     try:
         overrides = [*TINY_OVERRIDES, "trainer.max_steps=2", "trainer.eval_every=1", "trainer.save_model=false"]
-        run_job([*overrides, "logger=wandb", f"speedup.baseline_file={root / 'baselines.json'}"], root / "run")
+        # its own process, as a user's run: wandb keeps per-process state (settings, mode) that earlier tests set
+        proc = run_cli([*overrides, "logger=wandb", f"speedup.baseline_file={root / 'baselines.json'}"], root / "run")
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     finally:
         for key, value in saved.items():
             if value is None:
