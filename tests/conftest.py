@@ -112,3 +112,15 @@ def run_cli(args: Sequence[str], run_dir: Path, timeout: float = 300) -> subproc
 
 def output_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+
+
+@pytest.fixture
+def postgres_url():
+    """A throwaway PostgreSQL server on localhost (as the postgres user when run as root); its SQLAlchemy URL."""
+    from lychee_exp.testing.local_postgres import local_postgres, server_bindir
+
+    if server_bindir() is None:
+        pytest.skip("PostgreSQL server binaries are not installed")
+    pytest.importorskip("psycopg2")
+    with local_postgres() as url:
+        yield url

@@ -30,7 +30,6 @@ from lychee_exp.sweep.storage import (
     open_storage,
     recover_interrupted,
 )
-from lychee_exp.testing.local_postgres import local_postgres, server_bindir
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = [*TINY_RANKS, "trainer.save_model=false", "data.batch_size=choice(1,2)"]
@@ -324,14 +323,6 @@ def test_a_live_workers_trial_is_left_alone_until_its_heartbeat_stops(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- many workers
-@pytest.fixture
-def postgres_url():
-    """A throwaway PostgreSQL server on localhost (as the postgres user when run as root)."""
-    if server_bindir() is None:
-        pytest.skip("PostgreSQL server binaries are not installed")
-    pytest.importorskip("psycopg2")
-    with local_postgres() as url:
-        yield url
 
 
 @pytest.mark.slow

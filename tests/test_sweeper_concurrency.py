@@ -133,17 +133,6 @@ def test_sigkill_with_trials_in_flight_then_the_same_command_finishes_the_study(
     assert {t.params["x"] for t in study.trials[2:]} == {t.params["x"] for t in study.trials[:2]}
 
 
-@pytest.fixture
-def postgres_url():
-    from lychee_exp.testing.local_postgres import local_postgres, server_bindir
-
-    if server_bindir() is None:
-        pytest.skip("PostgreSQL server binaries are not installed")
-    pytest.importorskip("psycopg2")
-    with local_postgres() as url:
-        yield url
-
-
 @pytest.mark.slow
 def test_two_workers_with_two_slots_each_share_one_postgres_study(tmp_path, postgres_url):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")

@@ -28,7 +28,7 @@ import wandb_workspaces.workspaces as ws
 
 from lychee_exp.core.errors import UserError
 from lychee_exp.tracking.backends import has_wandb_api_key
-from lychee_exp.tracking.keys import CONFIG, HISTORY, SUMMARY  # noqa: F401 - CONFIG/SUMMARY: the panels' keys
+from lychee_exp.tracking.keys import HISTORY
 
 DEFAULT_NAME = "lychee_exp: scaling, hyperparameters, training"
 

@@ -14,23 +14,8 @@ HISTORY = {
     "dev_mrr": "dev/mrr@10",
 }
 DEV_PREFIX = "dev/"  # every dev metric of an evaluation, e.g. dev/ndcg@10
-# Summary keys (one value per run; also in metrics.json). dev/ndcg@10's W&B summary is its best (define_metric).
 # `num_devices` counts the devices whose batches make a step (DDP ranks or DataParallel GPUs); runs written before
-# it existed call it `world_size`, which readers take as num_devices.
-SUMMARY = [
-    "ndcg@10",
-    "mrr@10",
-    "effective_batch_size",
-    "num_devices",
-    "speedup",  # over the best single process on the same hardware (CPU: all the run's threads; GPU: one GPU)
-    "speedup_vs_one_rank",  # over one rank (one device); scaling_efficiency = this / num_devices
-    "scaling_efficiency",
-    "baseline_samples_per_s",
-    "peak_memory_mb",
-]
-# Config keys: the resolved Hydra config (nested: "optimizer.lr" is config.optimizer.lr) plus the derived values;
-# `lr` is the learning rate after scaling to the effective batch.
-CONFIG = ["optimizer.lr", "data.batch_size", "effective_batch_size", "num_devices", "lr"]
+# it existed call it `world_size`, which readers take as num_devices (num_devices() below).
 
 # metrics.json facts kept on the trial (trials.csv columns; speedup and scaling_efficiency once runs have them)
 TRIAL_METRICS = (
