@@ -57,6 +57,10 @@ def never_forms(setup: RankSetup) -> None:
     raise RuntimeError("no network here")
 
 
+def stuck_forming(setup: RankSetup) -> None:
+    time.sleep(3600)  # a rendezvous that never completes, and never fails
+
+
 @pytest.fixture
 def pool():
     ranks = WarmRanks(SETUP, form_group, summed)
@@ -107,6 +111,20 @@ def test_ranks_that_cannot_form_their_group_fail_at_start():
     with pytest.raises(RanksFailed, match="no network here"):
         ranks.start()
     ranks.close(kill=True)
+
+
+def test_ranks_stuck_forming_their_group_fail_at_the_start_deadline(monkeypatch):
+    import lychee_exp.launch.warm_ranks as warm
+
+    monkeypatch.setattr(warm, "START_TIMEOUT_S", 3.0)
+    ranks = WarmRanks(SETUP, stuck_forming, summed)
+    started = time.monotonic()
+    with pytest.raises(RanksFailed) as failed:
+        ranks.start()
+    assert 3 <= time.monotonic() - started < 30  # not the 1 h sleep, nor the collective timeout
+    assert {why for _, why in failed.value.failures.values()} == {"not ready after 3 s"}
+    assert set(failed.value.failures) == {0, 1}
+    assert not ranks.alive
 
 
 def test_the_process_keeps_ranks_while_they_fit_and_renews_them_after_a_failure():

@@ -1,6 +1,6 @@
 """Own-batching benchmark: every system reads the same JSONL file and batches it its own way, side by side.
 
-    python -m lychee_exp.bench.own_batching [--steps 20] [--rounds 2] [--out DIR]
+    python -m lychee_exp.bench.own_batching [--steps 20] [--rounds 2] [--out DIR] [lychee_exp overrides]
 
 Systems (lychee_exp.bench.own_systems): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
 CrossEncoderTrainer, and lychee_exp `parallel=single gpus=1` with its defaults (only data.batch_size and
@@ -9,7 +9,9 @@ off). Same file (the built-in sample set), model (MiniLM cross-encoder, 1 logit,
 ("Query: {query} Document: {document}", query cut to 24 tokens, document to 64), threads (all cores), steps, lr
 (lychee's, scaled to its batch), fp32. Each system runs in a fresh process, systems interleaved in every round;
 each is timed by the wall clock between step-end stamps after the same warm-up, and its non-pad tokens are the
-attention-mask sums of what its model read. Writes own_batching.csv and own_batching.md into the output directory.
+attention-mask sums of what its model read. Overrides on the command line (e.g. trainer.forward_chunks=1) go to
+lychee_single only, to try a setting against the same peers. Writes own_batching.csv and own_batching.md into the
+output directory.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ LYCHEE = [
 ]
 
 
-def build_spec(out: Path, steps: int, threads: int, device: str) -> dict:
+def build_spec(out: Path, steps: int, threads: int, device: str, overrides: list[str]) -> dict:
     """What every system shares, read from lychee_exp's composed config."""
     from lychee_exp.core.config import to_run_config
     from lychee_exp.core.model import model_dir
@@ -67,7 +69,7 @@ def build_spec(out: Path, steps: int, threads: int, device: str) -> dict:
     from lychee_exp.testing.jobs import compose_job
     from lychee_exp.tracking.throughput import WARMUP_STEPS
 
-    cfg = to_run_config(compose_job(LYCHEE, out))
+    cfg = to_run_config(compose_job([*LYCHEE, *overrides], out))
     path = model_dir(cfg.model)
     dropout = {}
     if cfg.model.dropout is not None:  # the same dropout as lychee's load_reranker sets
@@ -96,7 +98,7 @@ def build_spec(out: Path, steps: int, threads: int, device: str) -> dict:
         "max_steps": max_steps,
         "threads": threads,
         "device": device,
-        "lychee_overrides": [*LYCHEE, f"trainer.max_steps={max_steps}"],
+        "lychee_overrides": [*LYCHEE, *overrides, f"trainer.max_steps={max_steps}"],
     }
 
 
@@ -129,13 +131,13 @@ def child(name: str, spec: dict, out: Path) -> dict:
     }
 
 
-def measure(out: Path, steps: int, rounds: int) -> list[dict]:
+def measure(out: Path, steps: int, rounds: int, overrides: list[str]) -> list[dict]:
     import torch
 
     from lychee_exp.core.devices import available_cores
 
     threads = available_cores()
-    spec = build_spec(out, steps, threads, "cuda" if torch.cuda.is_available() else "cpu")
+    spec = build_spec(out, steps, threads, "cuda" if torch.cuda.is_available() else "cpu", overrides)
     results: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
     for round_ in range(rounds):
         # interleaved: every round runs every system once, so load changes hit all of them; the order rotates so
@@ -223,19 +225,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per system (after warm-up)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds; each runs every system once")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("overrides", nargs="*", help="more lychee_exp overrides, for lychee_single only")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1:
         parser.error("--steps and --rounds must be >= 1")
     out = args.out or Path("outputs/bench_own_batching") / f"{datetime.now():%Y-%m-%d_%H-%M-%S}"
     out.mkdir(parents=True, exist_ok=True)
     started, load_before = datetime.now(timezone.utc), _load()
-    rows = measure(out, args.steps, args.rounds)
+    rows = measure(out, args.steps, args.rounds, args.overrides)
     if not rows:
         log.error("error: every system failed (see the messages above)")
         return 1
     header = (
         f"{started:%Y-%m-%d %H:%M} UTC, {args.steps} timed steps x {args.rounds} rounds, {QUERIES * GROUP} pairs "
         f"per step; /proc/loadavg before: {load_before}, after: {_load()}"
+        + (f"; lychee_single overrides: {' '.join(args.overrides)}" if args.overrides else "")
     )
     write_outputs(rows, out, header)
     print(header)

@@ -1,8 +1,9 @@
 """The training loops a user would pick instead of lychee_exp, each on the same pre-built batches.
 
 Every peer trains the model lychee_exp builds (`load_reranker`: same weights, same new head, dropout as configured)
-with AdamW, a linear schedule without warm-up, gradient clipping at 1.0 and the pointwise loss (binary
-cross-entropy on the relevance logit, the mean over the step's pairs), one step per batch, in batch order.
+with AdamW (its fused kernel, the default of transformers' Trainer and of lychee_exp), a linear schedule without
+warm-up, gradient clipping at 1.0 and the pointwise loss (binary cross-entropy on the relevance logit, the mean over
+the step's pairs), one step per batch, in batch order.
 Each returns the `perf_counter` time at the end of every step, so that warm-up can be cut off the same way.
 sentence-transformers tokenizes its own text pairs, so it counts its own tokens (`tokens`).
 """
@@ -49,7 +50,7 @@ class PairLoss(nn.Module):
 
 def torch_loop(model: nn.Module, steps: list[Step], s: Settings) -> dict:
     model.to(s.device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: max(0.0, 1 - i / len(steps)))
     ends = []
     for step in steps:
@@ -97,7 +98,7 @@ def _common_args(out_dir: str, steps: list[Step], s: Settings) -> dict:
         "max_grad_norm": s.max_grad_norm,
         "lr_scheduler_type": "linear",
         "warmup_steps": 0,
-        "optim": "adamw_torch",
+        "optim": "adamw_torch_fused",
         "logging_steps": 10**6,
         "save_strategy": "no",
         "report_to": "none",

@@ -150,7 +150,7 @@ class OptimizerConfig:
     scheduler: Schedule = Schedule.linear  # after warmup
     warmup_ratio: float = field(default=0.1, metadata={"min": 0, "below": 1})
     max_grad_norm: float = at_least(0, 1.0)  # 0 disables clipping
-    fused: Optional[bool] = None  # AdamW's fused kernel; null = on when every parameter is on a CUDA device
+    fused: Optional[bool] = None  # AdamW's fused kernel; null = on when every parameter is on CPU or CUDA
 
 
 @dataclass

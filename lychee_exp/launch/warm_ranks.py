@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 FAILURE_GRACE_S = 1.0  # after the first failure, how long the other ranks may still report why they failed
 CLOSE_TIMEOUT_S = 10.0
+# how long spawning the ranks (imports included) and forming their process group may take; a rendezvous that
+# never completes (e.g. a port taken by another job between free_port and the bind) would otherwise wait for the
+# whole collective timeout (parallel.timeout_s, 30 min by default) before anyone hears of it
+START_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ class WarmRanks:
             child_end.close()
             self.processes.append(process)
             self.conns.append(parent_end)
-        replies = self._collect()
+        replies = self._collect(start_deadline=time.monotonic() + START_TIMEOUT_S)
         failed = {rank: (reply[1], reply[2]) for rank, reply in replies.items() if reply[0] == "failed"}
         if failed:
             raise RanksFailed(failed)
@@ -139,18 +143,21 @@ class WarmRanks:
         self.jobs_run += 1
         return [replies[rank][1] for rank in range(len(self.conns))]
 
-    def _collect(self) -> dict[int, tuple]:
+    def _collect(self, start_deadline: float | None = None) -> dict[int, tuple]:
         """One reply per rank. A rank that fails or dies fails the whole job: the others get FAILURE_GRACE_S to
-        report their own reason (the first one may be a consequence of another rank's failure), then all end."""
+        report their own reason (the first one may be a consequence of another rank's failure), then all end.
+        With a start_deadline (monotonic), ranks silent by then fail as not started."""
         replies: dict[int, tuple] = {}
         failures: dict[int, tuple[float, str]] = {}
-        deadline = None
+        deadline = start_deadline
         pending = set(range(len(self.conns)))
         while pending:
             handles = {**{self.conns[r]: r for r in pending}, **{self.processes[r].sentinel: r for r in pending}}
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = wait(list(handles), timeout)
             if not ready:
+                if not failures:  # the start deadline passed with no rank failing: every silent rank is stuck
+                    failures = {r: (time.time(), f"not ready after {START_TIMEOUT_S:.0f} s") for r in pending}
                 break  # the grace period is over: the silent ranks are stuck in a collective with a dead peer
             for rank in sorted({handles[h] for h in ready}):
                 reply = self._receive(rank)
@@ -159,7 +166,7 @@ class WarmRanks:
                     failures[rank] = (reply[1], reply[2])
                 else:
                     replies[rank] = reply
-            if failures and deadline is None:
+            if failures and deadline == start_deadline:
                 deadline = time.monotonic() + FAILURE_GRACE_S
         if failures:
             self.close(kill=True)
