@@ -6,9 +6,9 @@ Systems (see lychee_exp.bench.systems): Hugging Face Trainer, a bare PyTorch loo
 CrossEncoderTrainer (cross-encoder models only), lychee_exp parallel=single (1 process x all threads), lychee_exp
 parallel=ddp (2 ranks x 1 thread), lychee_exp on 1 process x 1 thread (the CPU speedup baseline), and lychee_exp
 with trainer.forward_chunks (pairs of similar length forwarded together: less padding computed). All train
-the same model on the same batches (the sample set with the Lychee prompt, 8 queries x 4 documents = 32 pairs,
+the same model on the same batches (the sample set with the MiniLM preset's prompt, 8 queries x 4 documents = 32 pairs,
 same truncation), fp32, fused AdamW without weight decay (Trainer exempts biases and norms from it, the others do not),
-dropout 0; each runs in a fresh process, systems interleaved in every round, and
+dropout 0; each runs in a fresh process, systems interleaved in every round (the order rotates), and
 each step time is counted after the same warm-up. `--mix longtail` trains the tiny Qwen2 on documents of 32-2048
 tokens instead (a long-tailed length mix), with and without `data.bucket_by_length` and forward chunks.
 `pip install -e .[bench]`
@@ -213,7 +213,9 @@ def measure(mix: str, overrides: list[str], out: Path, steps: int, rounds: int, 
     plan = systems(mix, available_cores(), cuda)
     results: dict[str, list[dict]] = {s["system"]: [] for s in plan}
     for round_ in range(rounds):
-        for s in plan:  # interleaved: every round runs every system once, so load changes hit all of them
+        # interleaved: every round runs every system once, so load changes hit all of them; the order rotates so
+        # that no system always runs first or right after the same one
+        for s in plan[round_ % len(plan) :] + plan[: round_ % len(plan)]:
             run_dir = out / f"round{round_}" / s["system"]
             spec = {
                 "out": str(run_dir),
