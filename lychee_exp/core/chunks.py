@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from lychee_exp.core.errors import UserError
 
-# trainer.forward_chunks=auto. CPU: 4 chunks of a 32-pair micro-batch were 1.23x the tokens/s of one pass on the
-# sample mix and 2.42x with bucketing on a long-tailed mix (python -m lychee_exp.bench.peers, 2-core machine,
+# trainer.forward_chunks=auto. CPU: 4 chunks of a 32-pair micro-batch were 1.11x the tokens/s of one pass on the
+# sample mix and 1.55x with bucketing on a long-tailed mix (python -m lychee_exp.bench.peers, 2-core machine,
 # docs/benchmarks.md), with the same logits. CUDA: 1 until a GPU measurement says otherwise (small chunks can
 # leave a GPU underused, and data.packing removes the padding there instead).
 AUTO_FORWARD_CHUNKS = {"cpu": 4, "cuda": 1}

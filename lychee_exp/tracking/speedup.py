@@ -13,6 +13,7 @@ a short calibration before training. `throughput.speedup_facts` turns them into 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -28,9 +29,29 @@ from lychee_exp.core.devices import DevicePlan, resolve_precision, torch_device
 log = logging.getLogger(__name__)
 
 
+# data keys that do not change a training step's speed (the rest of data, and all of model and loss, may)
+_NOT_THROUGHPUT = ("name", "dev_file", "eval_batch_size", "max_dev_queries")
+
+
+def throughput_settings(cfg: RunConfig) -> dict:
+    """Every setting that changes the speed of a training step, less the parallelism: a baseline measured under
+    other settings (another loss, forward chunks, bucketing, accumulation...) must not be divided by."""
+    data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _NOT_THROUGHPUT}
+    t = cfg.trainer
+    return {
+        "model": dataclasses.asdict(cfg.model),
+        "data": data,
+        "loss": dataclasses.asdict(cfg.loss),
+        "optimizer": [cfg.optimizer.name, cfg.optimizer.fused],
+        "trainer": [t.grad_accum_steps, t.forward_chunks, t.precision, t.deterministic],
+    }
+
+
 def baseline_key(cfg: RunConfig, plan: DevicePlan) -> str:
-    """The settings a single-process figure was measured at; `plan`: that single process (its threads)."""
+    """The settings a single-process figure was measured at; `plan`: that single process (its threads). Readable
+    parts, a digest of all of throughput_settings, then the device."""
     m, p = cfg.model, cfg.model.prompt
+    settings = json.dumps(throughput_settings(cfg), sort_keys=True, default=str)
     device = torch.cuda.get_device_name(0) if plan.device_type == "cuda" else f"cpu x{plan.threads_per_rank} threads"
     parts = [
         m.name,
@@ -43,6 +64,7 @@ def baseline_key(cfg: RunConfig, plan: DevicePlan) -> str:
         f"group{cfg.data.train_group_size}",
         f"batch{cfg.data.batch_size}",
         resolve_precision(cfg.trainer.precision, torch_device(plan.device_type)),
+        hashlib.sha1(settings.encode()).hexdigest()[:10],
         device,
     ]
     return "|".join(str(part) for part in parts)
@@ -57,7 +79,18 @@ def _load(path: Path) -> dict:
 
 def cached_baseline(cfg: RunConfig, plan: DevicePlan) -> float | None:
     entry = _load(Path(cfg.speedup.baseline_file)).get(baseline_key(cfg, plan))
-    return float(entry["samples_per_s"]) if entry else None
+    if not entry:
+        return None
+    # said once per run, so that a figure measured on a busy machine can be found and deleted
+    log.info(
+        "speedup: %d thread(s) per rank: baseline %.3g samples/s from %s, %s (%s)",
+        plan.threads_per_rank,
+        entry["samples_per_s"],
+        entry.get("source", "?"),
+        entry.get("measured_at", "?"),
+        cfg.speedup.baseline_file,
+    )
+    return float(entry["samples_per_s"])
 
 
 def store_baseline(cfg: RunConfig, plan: DevicePlan, samples_per_s: float, source: str) -> None:
