@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from lychee_exp.bench.peers import MIXES, SETTINGS, longtail_file
+from lychee_exp.bench.inputs import longtail_file
+from lychee_exp.bench.peers import MIXES, SETTINGS
 from lychee_exp.core.config import to_run_config
 from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.distributed import DistEnv

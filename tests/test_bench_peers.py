@@ -103,3 +103,19 @@ def test_summary_compares_with_the_fastest_peer():
     rows = summarize(plan, runs)
     assert [r["vs_fastest_peer"] for r in rows] == [1.0, 1.2]  # the median over rounds, over the best peer
     assert "| lychee_single | 1 x 2 |" in markdown_table(rows)
+
+
+def test_the_longtail_file_is_long_tailed_and_reproducible(tmp_path):
+    import json
+    import statistics
+
+    from lychee_exp.bench.inputs import longtail_file
+
+    first = longtail_file(tmp_path, 200).read_text()
+    assert longtail_file(tmp_path, 200).read_text() == first  # the same seed writes the same file
+    rows = [json.loads(line) for line in first.splitlines()]
+    assert len(rows) == 200 and all(len(r["pos"]) == 1 and len(r["neg"]) == 3 for r in rows)
+    words = [len(d.split()) for r in rows for d in r["pos"] + r["neg"]]
+    # ~0.6 words per token: 16 words up to 2048 tokens' worth; a median near 100 tokens, a tail 10x longer
+    assert min(words) >= 16 and max(words) <= int(2048 * 0.6)
+    assert 30 <= statistics.median(words) <= 80 and max(words) > 10 * statistics.median(words)

@@ -1,4 +1,5 @@
-"""The batches every system of the peer benchmark trains on: exactly those lychee_exp's own loader yields.
+"""The batches every system of the peer benchmark trains on: exactly those lychee_exp's own loader yields; and
+the long-tailed data file of its `--mix longtail`.
 
 A run's config is composed from the benchmark's overrides; the first epoch's groups come from lychee_exp's
 sampler and collator (one process, no bucketing), and the model from `load_reranker`, so that every peer starts
@@ -7,6 +8,7 @@ from the same weights, prompts, truncation and batches as lychee_exp parallel=si
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -59,3 +61,23 @@ def _document(tokenizer, doc: str, cfg) -> str:
     """The document as lychee_exp truncates it (model.prompt.doc_max_len tokens), back as text."""
     ids = tokenizer(" " + doc, add_special_tokens=False)["input_ids"][: cfg.model.prompt.doc_max_len]
     return _text(tokenizer, ids)
+
+
+def longtail_file(out: Path, queries: int, seed: int = 0) -> Path:
+    """Sample-set queries whose candidates are long-tailed in length (32-2048 tokens, median ~100): a query's
+    documents share a length scale (candidates of one query tend to come from the same kind of source)."""
+    import random
+
+    from lychee_exp.core.data.queries import load_queries
+
+    path = out / "longtail.jsonl"
+    base = load_queries("pkg://lychee_exp.assets/sample/train.jsonl", "data.train_file", queries)
+    words = " ".join(d for q in base for d in q.pos + q.neg).split()
+    rng = random.Random(seed)
+    with path.open("w") as handle:
+        for q in base:
+            scale = min(2048, max(32, int(rng.lognormvariate(4.6, 1.0))))
+            # ~0.6 words per token of the tiny BPE; each document 50-100% of the query's scale
+            docs = [" ".join(rng.choices(words, k=max(16, int(scale * rng.uniform(0.5, 1.0) * 0.6)))) for _ in range(4)]
+            handle.write(json.dumps({"query": q.query, "pos": docs[:1], "neg": docs[1:]}) + "\n")
+    return path

@@ -28,6 +28,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from lychee_exp.bench.inputs import longtail_file
+
 log = logging.getLogger("lychee_exp.bench.peers")
 
 COLUMNS = [
@@ -100,26 +102,6 @@ def systems(mix: str, cores: int, cuda: int) -> list[dict]:
             )
         )
     return rows
-
-
-def longtail_file(out: Path, queries: int, seed: int = 0) -> Path:
-    """Sample-set queries whose candidates are long-tailed in length (32-2048 tokens, median ~100): a query's
-    documents share a length scale (candidates of one query tend to come from the same kind of source)."""
-    import random
-
-    from lychee_exp.core.data.queries import load_queries
-
-    path = out / "longtail.jsonl"
-    base = load_queries("pkg://lychee_exp.assets/sample/train.jsonl", "data.train_file", queries)
-    words = " ".join(d for q in base for d in q.pos + q.neg).split()
-    rng = random.Random(seed)
-    with path.open("w") as handle:
-        for q in base:
-            scale = min(2048, max(32, int(rng.lognormvariate(4.6, 1.0))))
-            # ~0.6 words per token of the tiny BPE; each document 50-100% of the query's scale
-            docs = [" ".join(rng.choices(words, k=max(16, int(scale * rng.uniform(0.5, 1.0) * 0.6)))) for _ in range(4)]
-            handle.write(json.dumps({"query": q.query, "pos": docs[:1], "neg": docs[1:]}) + "\n")
-    return path
 
 
 def child(name: str, spec: dict) -> dict:
