@@ -283,7 +283,11 @@ def test_a_baseline_is_reused_only_under_the_same_step_settings(tmp_path, tiny_c
         varied("trainer", max_steps=7, evaluate=False, eval_every=3),
         varied("data", dev_file="other.jsonl", eval_batch_size=3),
         dataclasses.replace(cfg, seed=7),
+        # the key holds what auto and null resolve to on this device: 4 chunks and fused AdamW on CPU
+        varied("trainer", forward_chunks=4),
+        varied("optimizer", fused=True),
     ]
+    assert cfg.trainer.forward_chunks == "auto" and cfg.optimizer.fused is None
     assert [cached_baseline(c, plan) for c in same] == [5.0] * len(same)
     other = [
         varied("loss", name="listwise"),

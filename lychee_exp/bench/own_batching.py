@@ -10,8 +10,8 @@ off). Same file (the built-in sample set), model (MiniLM cross-encoder, 1 logit,
 (lychee's, scaled to its batch), fp32. Each system runs in a fresh process, systems interleaved in every round;
 each is timed by the wall clock between step-end stamps after the same warm-up, and its non-pad tokens are the
 attention-mask sums of what its model read. Overrides on the command line (e.g. trainer.forward_chunks=1) go to
-lychee_single only, to try a setting against the same peers. Writes own_batching.csv and own_batching.md into the
-output directory.
+lychee_single only, to try a setting against the same peers (whose settings come from the defaults alone).
+Writes own_batching.csv and own_batching.md into the output directory.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def build_spec(out: Path, steps: int, threads: int, device: str, overrides: list
     from lychee_exp.testing.jobs import compose_job
     from lychee_exp.tracking.throughput import WARMUP_STEPS
 
-    cfg = to_run_config(compose_job([*LYCHEE, *overrides], out))
+    cfg = to_run_config(compose_job(LYCHEE, out))  # the shared settings: lychee's defaults, not the extra overrides
     path = model_dir(cfg.model)
     dropout = {}
     if cfg.model.dropout is not None:  # the same dropout as lychee's load_reranker sets
@@ -141,7 +141,7 @@ def measure(out: Path, steps: int, rounds: int, overrides: list[str]) -> list[di
     results: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
     for round_ in range(rounds):
         # interleaved: every round runs every system once, so load changes hit all of them; the order rotates so
-        # that no system always runs right after the same one
+        # that no system always runs first
         for name in SYSTEMS[round_ % len(SYSTEMS) :] + SYSTEMS[: round_ % len(SYSTEMS)]:
             run_dir = out / f"round{round_}" / name
             run_dir.mkdir(parents=True, exist_ok=True)

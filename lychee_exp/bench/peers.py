@@ -196,7 +196,7 @@ def measure(mix: str, overrides: list[str], out: Path, steps: int, rounds: int, 
     results: dict[str, list[dict]] = {s["system"]: [] for s in plan}
     for round_ in range(rounds):
         # interleaved: every round runs every system once, so load changes hit all of them; the order rotates so
-        # that no system always runs first or right after the same one
+        # that no system always runs first
         for s in plan[round_ % len(plan) :] + plan[: round_ % len(plan)]:
             run_dir = out / f"round{round_}" / s["system"]
             spec = {

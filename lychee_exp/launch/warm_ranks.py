@@ -125,7 +125,7 @@ class WarmRanks:
             child_end.close()
             self.processes.append(process)
             self.conns.append(parent_end)
-        replies = self._collect(start_deadline=time.monotonic() + START_TIMEOUT_S)
+        replies = self._collect(start_timeout=START_TIMEOUT_S)
         failed = {rank: (reply[1], reply[2]) for rank, reply in replies.items() if reply[0] == "failed"}
         if failed:
             raise RanksFailed(failed)
@@ -143,12 +143,13 @@ class WarmRanks:
         self.jobs_run += 1
         return [replies[rank][1] for rank in range(len(self.conns))]
 
-    def _collect(self, start_deadline: float | None = None) -> dict[int, tuple]:
+    def _collect(self, start_timeout: float | None = None) -> dict[int, tuple]:
         """One reply per rank. A rank that fails or dies fails the whole job: the others get FAILURE_GRACE_S to
         report their own reason (the first one may be a consequence of another rank's failure), then all end.
-        With a start_deadline (monotonic), ranks silent by then fail as not started."""
+        With a start_timeout (seconds), ranks silent by then fail as not started."""
         replies: dict[int, tuple] = {}
         failures: dict[int, tuple[float, str]] = {}
+        start_deadline = None if start_timeout is None else time.monotonic() + start_timeout
         deadline = start_deadline
         pending = set(range(len(self.conns)))
         while pending:
@@ -157,7 +158,7 @@ class WarmRanks:
             ready = wait(list(handles), timeout)
             if not ready:
                 if not failures:  # the start deadline passed with no rank failing: every silent rank is stuck
-                    failures = {r: (time.time(), f"not ready after {START_TIMEOUT_S:.0f} s") for r in pending}
+                    failures = {r: (time.time(), f"not ready after {start_timeout:.0f} s") for r in pending}
                 break  # the grace period is over: the silent ranks are stuck in a collective with a dead peer
             for rank in sorted({handles[h] for h in ready}):
                 reply = self._receive(rank)

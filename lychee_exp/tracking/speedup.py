@@ -23,8 +23,10 @@ from typing import Callable
 import torch
 
 from lychee_exp.core.atomic import write_json_atomic
+from lychee_exp.core.chunks import forward_chunk_count
 from lychee_exp.core.config import RunConfig
 from lychee_exp.core.devices import DevicePlan, resolve_precision, torch_device
+from lychee_exp.core.optim import uses_fused
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +35,24 @@ log = logging.getLogger(__name__)
 _NOT_THROUGHPUT = ("name", "dev_file", "eval_batch_size", "max_dev_queries")
 
 
-def throughput_settings(cfg: RunConfig) -> dict:
-    """Every setting that changes the speed of a training step, less the parallelism: a baseline measured under
-    other settings (another loss, forward chunks, bucketing, accumulation...) must not be divided by."""
+def throughput_settings(cfg: RunConfig, device_type: str) -> dict:
+    """Every setting that changes the speed of a training step, less the parallelism, with `auto`/null resolved
+    for the device type (so that a default whose meaning changes does not reuse old figures): a baseline measured
+    under other settings (another loss, forward chunks, bucketing, accumulation...) must not be divided by."""
     data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _NOT_THROUGHPUT}
     t = cfg.trainer
     return {
         "model": dataclasses.asdict(cfg.model),
         "data": data,
         "loss": dataclasses.asdict(cfg.loss),
-        "optimizer": [cfg.optimizer.name, cfg.optimizer.fused],
-        "trainer": [t.grad_accum_steps, t.forward_chunks, t.precision, t.deterministic],
+        "optimizer": [cfg.optimizer.name, uses_fused(cfg.optimizer, {device_type})],
+        "trainer": [
+            t.grad_accum_steps,
+            forward_chunk_count(t.forward_chunks, device_type),
+            resolve_precision(t.precision, torch_device(device_type)),
+            t.deterministic,
+        ],
+        "torch": torch.__version__,
     }
 
 
@@ -51,7 +60,7 @@ def baseline_key(cfg: RunConfig, plan: DevicePlan) -> str:
     """The settings a single-process figure was measured at; `plan`: that single process (its threads). Readable
     parts, a digest of all of throughput_settings, then the device."""
     m, p = cfg.model, cfg.model.prompt
-    settings = json.dumps(throughput_settings(cfg), sort_keys=True, default=str)
+    settings = json.dumps(throughput_settings(cfg, plan.device_type), sort_keys=True, default=str)
     device = torch.cuda.get_device_name(0) if plan.device_type == "cuda" else f"cpu x{plan.threads_per_rank} threads"
     parts = [
         m.name,
