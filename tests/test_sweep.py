@@ -27,8 +27,8 @@ from lychee_exp.sweep.storage import (
     SURPLUS,
     WORKER,
     Heartbeat,
+    Recovery,
     open_storage,
-    recover_interrupted,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -310,16 +310,40 @@ def test_a_live_workers_trial_is_left_alone_until_its_heartbeat_stops(tmp_path):
     trial = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
     trial.set_user_attr(WORKER, ["another-machine:1", 4242, 1.0])
     trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name("s"), trial.number)
-    me = ["this-machine:1", os.getpid(), 0.0]
+    recover = Recovery(study, storage, me=["this-machine:1", os.getpid(), 0.0])
     with Heartbeat(storage, trial_id, interval=1):
         time.sleep(3.5)  # longer than the grace period, but the worker beats
-        assert recover_interrupted(study, storage, me) == []
+        assert recover() == []
     time.sleep(4)  # now it has stopped beating: its worker is gone
-    assert recover_interrupted(study, storage, me) == [0]
-    assert recover_interrupted(study, storage, me) == []  # once
+    assert recover() == [0]
+    assert recover() == []  # once
     states = [(t.state, t.user_attrs.get(RETRY_OF)) for t in study.trials]
     assert states == [(TrialState.FAIL, None), (TrialState.WAITING, 0)]
     assert study.trials[1].system_attrs["fixed_params"] == trial.params  # what the next ask() gets
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_a_trial_its_worker_never_claimed_is_recovered_after_the_grace_period(tmp_path):
+    """A worker killed between study.ask() and its first heartbeat leaves a RUNNING trial with neither heartbeat
+    nor worker, which optuna never finds stale: once it has stayed so for grace_period, it is recovered; a trial
+    claimed in time is left alone."""
+    storage = open_storage(f"sqlite:///{tmp_path / 'optuna.db'}", heartbeat_interval=1, grace_period=2)
+    study = optuna.create_study(storage=storage, study_name="s", direction="maximize")
+    orphan, claimed = (study.ask({"x": optuna.distributions.FloatDistribution(0, 1)}) for _ in range(2))
+    recover = Recovery(study, storage, me=["this-machine:1", os.getpid(), 0.0])
+    assert recover() == []  # first seen unclaimed now, however old the trial
+    time.sleep(1)
+    claimed.set_user_attr(WORKER, ["another-machine:1", 4242, 1.0])
+    with Heartbeat(storage, claimed._trial_id, interval=1):
+        assert recover() == []
+        time.sleep(1.5)  # 2.5 s since the first look: past the grace period
+        assert recover() == [orphan.number]
+    assert study.trials[orphan.number].user_attrs["fail_reason"].startswith("interrupted: no worker claimed it")
+    assert [(t.state, t.user_attrs.get(RETRY_OF)) for t in study.trials] == [
+        (TrialState.FAIL, None),
+        (TrialState.RUNNING, None),
+        (TrialState.WAITING, orphan.number),
+    ]
 
 
 # ------------------------------------------------------------------------------------- many workers

@@ -110,8 +110,8 @@ def test_sigkill_with_trials_in_flight_then_the_same_command_finishes_the_study(
             trials = optuna.load_study(study_name="sleepy", storage=storage).trials
         except Exception:  # no study yet
             trials = []
-        if [t.state for t in trials] == [TrialState.RUNNING] * 2:
-            break
+        if [(t.state, "worker" in t.user_attrs) for t in trials] == [(TrialState.RUNNING, True)] * 2:
+            break  # both claimed by the sweeper (an unclaimed trial is the next test's case)
         time.sleep(0.2)
     proc.kill()
     proc.wait(timeout=30)
@@ -131,6 +131,22 @@ def test_sigkill_with_trials_in_flight_then_the_same_command_finishes_the_study(
     ]
     assert all("worker process is gone" in t.user_attrs["fail_reason"] for t in study.trials[:2])
     assert {t.params["x"] for t in study.trials[2:]} == {t.params["x"] for t in study.trials[:2]}
+
+
+def test_a_sweep_killed_before_it_claimed_its_trial_is_finished_by_the_same_command(tmp_path):
+    # the killed worker's study.ask() left trial 0 RUNNING, with neither heartbeat nor worker (optuna never finds
+    # it stale): the re-run recovers it after the grace period instead of waiting for it forever
+    storage = f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}"
+    (tmp_path / "sweep").mkdir()
+    optuna.create_study(storage=storage, study_name="sleepy").ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    overrides = ["hydra.sweeper.n_trials=1", "sleep_s=0", "hydra.sweeper.heartbeat_interval=1"]
+    _sleepy(tmp_path, *overrides, "hydra.sweeper.grace_period=2", timeout=120)  # a hang is this timeout
+    study = optuna.load_study(study_name="sleepy", storage=storage)
+    assert [(t.state, t.user_attrs.get("retry_of")) for t in study.trials] == [
+        (TrialState.FAIL, None),
+        (TrialState.COMPLETE, 0),
+    ]
+    assert "no worker claimed it within 2 s" in study.trials[0].user_attrs["fail_reason"]
 
 
 @pytest.mark.slow

@@ -130,32 +130,58 @@ class Heartbeat:
                 log.warning("heartbeat of trial id %d failed: %s", self.trial_id, str(err).splitlines()[0])
 
 
-def recover_interrupted(study: Any, storage: Any, me: list) -> list[int]:
-    """Fails the RUNNING trials of dead workers and queues their params again; returns their numbers.
+class Recovery:
+    """Fails the RUNNING trials of dead workers and queues their params again; call it to recover, it returns
+    the numbers of the trials it recovered.
 
-    Heartbeat-stale trials come from optuna's RDBStorage (grace_period); a trial whose worker process is gone
-    from this machine is recovered at once, so that re-running a killed sweep does not wait for the grace.
+    A worker is dead when optuna's RDBStorage finds its heartbeat older than grace_period; when its process is
+    gone from this machine (told at once, so that re-running a killed sweep does not wait for the grace); or when
+    it never claimed the trial it asked for: killed between `study.ask()` and its first heartbeat, it left a
+    trial with neither heartbeat nor worker, which optuna never finds stale. Such a trial is recovered once it
+    has stayed unclaimed for grace_period as this process saw it (its own clock: machines' clocks may differ).
     """
-    # optuna's public fail_stale_trials fails the trial before any hook could record why; this private
-    # query (stable since optuna 2) lets the reason be set while the trial is still RUNNING.
-    study_id = storage.get_study_id_from_name(study.study_name)
-    stale = set(storage._get_stale_trial_ids(study_id)) if storage.get_heartbeat_interval() else set()
-    recovered = []
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        dead_here = _dead_here(trial.user_attrs.get(WORKER), me)
-        if trial._trial_id not in stale and not dead_here:
-            continue
-        why = "its worker process is gone" if dead_here else "no heartbeat from its worker"
-        try:
-            storage.set_trial_user_attr(trial._trial_id, REASON, f"interrupted: {why}; params queued again")
-            storage.set_trial_user_attr(trial._trial_id, INTERRUPTED, True)
-            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)  # raises for all but one worker
-        except UpdateFinishedTrialError:
-            continue
-        study.enqueue_trial(trial.params, user_attrs={RETRY_OF: trial.number}, skip_if_exists=False)
-        log.warning("trial %d was interrupted (%s): failed, its params queued again", trial.number, why)
-        recovered.append(trial.number)
-    return recovered
+
+    def __init__(self, study: Any, storage: Any, me: list) -> None:
+        self.study, self.storage, self.me = study, storage, me
+        interval = storage.get_heartbeat_interval()
+        self.grace = (storage.grace_period or 2 * interval) if interval else None
+        self.unclaimed_since: dict[int, float] = {}  # trial number -> when this process first saw it unclaimed
+
+    def __call__(self) -> list[int]:
+        study, storage = self.study, self.storage
+        # optuna's public fail_stale_trials fails the trial before any hook could record why; this private
+        # query (stable since optuna 2) lets the reason be set while the trial is still RUNNING.
+        study_id = storage.get_study_id_from_name(study.study_name)
+        stale = set(storage._get_stale_trial_ids(study_id)) if self.grace else set()
+        recovered = []
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            why = self._dead_worker(trial, stale)
+            if why is None:
+                continue
+            try:
+                storage.set_trial_user_attr(trial._trial_id, REASON, f"interrupted: {why}; params queued again")
+                storage.set_trial_user_attr(trial._trial_id, INTERRUPTED, True)
+                storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)  # raises for all but one worker
+            except UpdateFinishedTrialError:
+                continue
+            study.enqueue_trial(trial.params, user_attrs={RETRY_OF: trial.number}, skip_if_exists=False)
+            log.warning("trial %d was interrupted (%s): failed, its params queued again", trial.number, why)
+            recovered.append(trial.number)
+        return recovered
+
+    def _dead_worker(self, trial: Any, stale: set[int]) -> str | None:
+        """Why the trial's worker is known to be dead, or None while it may be alive."""
+        worker = trial.user_attrs.get(WORKER)
+        if _dead_here(worker, self.me):
+            return "its worker process is gone"
+        if trial._trial_id in stale:
+            return "no heartbeat from its worker"
+        if worker is not None or self.grace is None:
+            return None
+        first_seen = self.unclaimed_since.setdefault(trial.number, time.monotonic())
+        if time.monotonic() - first_seen > self.grace:
+            return f"no worker claimed it within {self.grace} s"
+        return None
 
 
 # ------------------------------------------------------------------------------------------------- budget

@@ -100,7 +100,7 @@ class LycheeOptunaSweeperImpl(Sweeper):
         while True:
             while not done.empty():  # slot threads whose trial ended
                 ran += self._told(runner, in_flight.pop(done.get()))
-            st.recover_interrupted(self.study, self.storage, self.me)
+            self.recover()
             counts = st.tally(self.study)
             if stop is None and (self.exhausted or counts.finished >= self.n_trials):
                 stop = "done"
@@ -232,6 +232,7 @@ class LycheeOptunaSweeperImpl(Sweeper):
         self.storage = st.open_storage(self.url, self.heartbeat_interval, self.grace_period)
         self.study = st.open_study(self.storage, name, self.directions, sampler, pruner)
         self.me, self.exhausted = st.worker_identity(), False
+        self.recover = st.Recovery(self.study, self.storage, self.me)
         # A resumed study, or a second worker, must not replay the first worker's random draws with the same
         # seed (same params again); a fresh single worker keeps the configured seed, for reproducibility.
         shift = len(self.study.get_trials(deepcopy=False)) + 7919 * int(os.environ.get("LYCHEE_SWEEP_WORKER", 0))

@@ -83,6 +83,8 @@ class TrialRunner:
     def start(self, trial: Any) -> Pending:
         sw = self.sw
         pending = Pending(trial, st.trial_id(sw.storage, sw.study.study_name, trial.number))
+        # heartbeat first, then the claim: a worker killed in between leaves a heartbeat that goes stale; one
+        # killed before both leaves an unclaimed trial, which st.Recovery fails after the grace period
         pending.heartbeat = st.Heartbeat(sw.storage, pending.trial_id, sw.heartbeat_interval).__enter__()
         trial.set_user_attr(st.WORKER, sw.me)
         try:
