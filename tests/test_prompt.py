@@ -166,3 +166,23 @@ def test_document_budget_is_independent_of_query_budget(tiny_tok):
     both_long = enc.encode("i", _long_text(50, "q"), _long_text(50, "d"))
     only_doc_long = enc.encode("i", "x", _long_text(50, "d"))
     assert len(both_long) - len(only_doc_long) == 5 - len(_bare(tiny_tok, " x"))
+
+
+def test_a_batch_encodes_each_prompt_as_it_would_alone(tok_and_side, monkeypatch):
+    """encode_many batches the tokenizer over prompts and tokenizes each distinct field text once: every prompt
+    must still get exactly its own ids (cut to its own budget), across batch boundaries too."""
+    import lychee_exp.core.prompt as prompt_module
+
+    _, tok, side = tok_and_side
+    enc = PromptEncoder(tok, PromptConfig(max_len=40, query_max_len=6, instruction_max_len=4), side)
+    queries = ["short q", _long_text(9, "q"), ""]
+    docs = ["tiny doc", _long_text(30, "d"), "", "the same doc"]
+    prompts = [(instr, q, d) for instr in ("Find it", _long_text(5, "i"), "") for q in queries for d in docs]
+    prompts += prompts[:5]  # repeats in one batch
+    alone = [enc.encode_many([p])[0] for p in prompts]
+    assert len({tuple(ids) for ids in alone}) > len(prompts) // 3  # the prompts differ, so a mix-up would show
+    monkeypatch.setattr(prompt_module, "_BATCH", 7)  # batches of 7: prompts across boundaries
+    assert enc.encode_many(prompts) == alone
+    monkeypatch.setattr(prompt_module, "_BATCH", 4096)
+    assert enc.encode_many(prompts) == alone
+    assert enc.encode_many([]) == []

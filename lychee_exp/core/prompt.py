@@ -27,12 +27,19 @@ from lychee_exp.core.errors import UserError
 # Fields get their budgets in this order: the document takes what the others leave.
 _PRIORITY = {"instruction": 0, "query": 1, "document": 2}
 _MARK = "\x00{}\x00"  # stands in for a field while a chat template renders the prompt
+_FEW = 4  # texts tokenized one call each rather than as a batch (see PromptEncoder._tokenize)
+_BATCH = 4096  # prompts per tokenizer call in encode_many: bounds the memory of one call's intermediate output
 
 
 @dataclass(frozen=True)
 class _Field:
     name: str
     leading_space: bool  # the space before a field is tokenized with it, as BPE tokenizers expect
+
+
+def _field_text(field: _Field, value: str) -> str:
+    """What the tokenizer reads for a field: its value, with the space before it when the template has one."""
+    return (" " if field.leading_space else "") + value
 
 
 def render_format(tokenizer, prompt: PromptConfig) -> str:
@@ -112,20 +119,52 @@ class PromptEncoder:
         return wrapped[:start], wrapped[start + len(bare) :]
 
     def encode(self, instruction: str, query: str, document: str) -> list[int]:
-        values = {"instruction": instruction, "query": query, "document": document}
+        return self.encode_many([(instruction, query, document)])[0]
+
+    def encode_many(self, prompts: Sequence[tuple[str, str, str]]) -> list[list[int]]:
+        """encode() of many (instruction, query, document) prompts: the tokenizer runs on batches (a fast
+        tokenizer encodes a batch on all cores), each distinct field text once per batch (a query recurs with
+        each of its documents)."""
+        ids: list[list[int]] = []
+        for start in range(0, len(prompts), _BATCH):
+            ids += self._encode_batch(prompts[start : start + _BATCH])
+        return ids
+
+    def _encode_batch(self, prompts: Sequence[tuple[str, str, str]]) -> list[list[int]]:
         fields = [(i, piece) for i, piece in enumerate(self._pieces) if isinstance(piece, _Field)]
+        names = ("instruction", "query", "document")
+        values = [dict(zip(names, prompt, strict=True)) for prompt in prompts]
+        texts = sorted({_field_text(field, v[field.name]) for _, field in fields for v in values} - {""})
+        encoded = self._tokenize(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else {}
+        by_text = dict(zip(texts, zip(encoded.get("input_ids", []), encoded.get("offset_mapping", []))))
+        planned = [self._fit(v, fields, by_text) for v in values]
+        wholes = self._tokenize(
+            [self._format.format(**cut) for cut, _ in planned], add_special_tokens=not self.prompt.chat_template
+        )["input_ids"]
+        return [whole if len(whole) <= len(by_piece) else by_piece for whole, (_, by_piece) in zip(wholes, planned)]
+
+    def _tokenize(self, texts: list[str], **options) -> dict[str, list]:
+        """The tokenizer's output for each text: a batch in one call, a few texts (one prompt's) one at a time,
+        where the batch call's thread hand-off costs more than it saves."""
+        if len(texts) > _FEW:
+            return self.tokenizer(texts, **options)
+        outputs = [self.tokenizer(text, **options) for text in texts]
+        return {key: [output[key] for output in outputs] for key in outputs[0]} if outputs else {}
+
+    def _fit(self, values: dict[str, str], fields: list, by_text: dict) -> tuple[dict[str, str], list[int]]:
+        """The fields cut to their budgets: (each field's text, cut where its kept tokens end; the prompt's ids
+        assembled piece by piece from the fields' own tokens)."""
         left = self.prompt.max_len - self.template_len if self.prompt.max_len else None
         tokens: dict[int, list[int]] = {}
-        cut = dict(values)  # each field's text, cut where its kept tokens end
+        cut = dict(values)
         for i, field in sorted(fields, key=lambda item: _PRIORITY[item[1].name]):
-            text = (" " if field.leading_space else "") + values[field.name]
-            encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True) if text else None
-            ids = encoded["input_ids"] if encoded else []
+            text = _field_text(field, values[field.name])
+            ids, offsets = by_text.get(text, ([], []))
             keep = min(len(ids), self.caps[field.name] or len(ids), len(ids) if left is None else max(left, 0))
             if left is not None:
                 left -= keep
             if keep < len(ids):
-                end = encoded["offset_mapping"][keep - 1][1] if keep else 0
+                end = offsets[keep - 1][1] if keep else 0
                 text_kept = text[:end][1:] if field.leading_space else text[:end]
                 cut[field.name] = min(cut[field.name], text_kept, key=len)
             tokens[i] = ids[:keep]
@@ -133,8 +172,7 @@ class PromptEncoder:
         for i, piece in enumerate(self._pieces):
             by_piece.extend(tokens[i] if isinstance(piece, _Field) else piece)
         by_piece.extend(self._special_after)
-        whole = self.tokenizer(self._format.format(**cut), add_special_tokens=not self.prompt.chat_template)
-        return whole["input_ids"] if len(whole["input_ids"]) <= len(by_piece) else by_piece
+        return cut, by_piece
 
     def pad(self, sequences: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
         width = max(len(s) for s in sequences)

@@ -9,6 +9,8 @@ Stored as int32 arrays (a Python list of ids costs ~9x the memory); `encode` ret
 
 from __future__ import annotations
 
+from typing import Iterable, Sequence
+
 import numpy as np
 
 from lychee_exp.core.data.groups import TrainGroups
@@ -16,17 +18,24 @@ from lychee_exp.core.prompt import PromptEncoder
 
 
 class CachedEncoder:
-    """A PromptEncoder whose `encode` reads a per-process cache; every other attribute is the encoder's."""
+    """A PromptEncoder whose `encode`/`encode_many` read a per-process cache; every other attribute is the
+    encoder's."""
 
     def __init__(self, encoder: PromptEncoder, cache: dict):
         self.encoder, self.cache = encoder, cache
 
     def encode(self, instruction: str, query: str, document: str) -> list[int]:
-        key = (instruction, query, document)
-        ids = self.cache.get(key)
-        if ids is None:
-            ids = self.cache[key] = np.asarray(self.encoder.encode(instruction, query, document), dtype=np.int32)
-        return ids.tolist()
+        return self.encode_many([(instruction, query, document)])[0]
+
+    def encode_many(self, prompts: Sequence[tuple[str, str, str]]) -> list[list[int]]:
+        self.fill(prompts)
+        return [self.cache[prompt].tolist() for prompt in prompts]
+
+    def fill(self, prompts: Iterable[tuple[str, str, str]]) -> None:
+        """Encodes the prompts not in the cache yet (in batches: PromptEncoder.encode_many) and keeps them."""
+        missing = list(dict.fromkeys(prompt for prompt in prompts if prompt not in self.cache))
+        for prompt, ids in zip(missing, self.encoder.encode_many(missing), strict=True):
+            self.cache[prompt] = np.asarray(ids, dtype=np.int32)
 
     def __getattr__(self, name: str):
         if name in ("encoder", "cache"):  # not set yet (unpickling in a DataLoader worker)
@@ -37,9 +46,5 @@ class CachedEncoder:
 def pretokenized(encoder: PromptEncoder, groups: TrainGroups, cache: dict) -> CachedEncoder:
     """An encoder over `cache`, filled with every pair a training group can draw from its own query's documents."""
     cached = CachedEncoder(encoder, cache)
-    for q in groups.queries:
-        instruction = q.instruction or groups.instruction
-        for doc in (*q.pos, *q.neg):
-            if (instruction, q.query, doc) not in cache:
-                cached.encode(instruction, q.query, doc)
+    cached.fill((q.instruction or groups.instruction, q.query, doc) for q in groups.queries for doc in (*q.pos, *q.neg))
     return cached

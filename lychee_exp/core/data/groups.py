@@ -71,7 +71,7 @@ class GroupCollator:
         self.encoder, self.pack_multiple = encoder, pack_multiple
 
     def __call__(self, groups: list[tuple[str, str, list[str], list[float] | None]]) -> dict[str, torch.Tensor]:
-        ids = [self.encoder.encode(instr, query, doc) for instr, query, docs, _ in groups for doc in docs]
+        ids = self.encoder.encode_many([(instr, query, doc) for instr, query, docs, _ in groups for doc in docs])
         if self.pack_multiple:
             batch = pack(ids, self.encoder.pad_id, self.pack_multiple)
         else:
@@ -96,6 +96,7 @@ class DevPairs:
 def build_dev_pairs(queries: list[RankingQuery], encoder: PromptEncoder, instruction: str, seed: int) -> DevPairs:
     pairs = DevPairs([], [], [], [])
     teacher: list[float] = []
+    prompts: list[tuple[str, str, str]] = []
     scored = all(q.has_teacher_scores for q in queries)
     for qi, q in enumerate(queries):
         gains = q.pos_labels or [1] * len(q.pos)
@@ -105,8 +106,9 @@ def build_dev_pairs(queries: list[RankingQuery], encoder: PromptEncoder, instruc
         for doc, label, score in candidates:
             pairs.query_index.append(qi)
             pairs.labels.append(label)
-            pairs.token_ids.append(encoder.encode(q.instruction or instruction, q.query, doc))
+            prompts.append((q.instruction or instruction, q.query, doc))
             pairs.texts.append((q.query, doc))
             teacher.append(score)
+    pairs.token_ids = encoder.encode_many(prompts)
     pairs.teacher_scores = teacher if scored else None
     return pairs

@@ -39,7 +39,8 @@ class PromptLengths:
     def __init__(self, groups: TrainGroups, encoder: PromptEncoder):
         self.groups, self.encoder = groups, encoder
         self._docs: dict[str, int] = {}
-        self._query = [len(encoder.encode(q.instruction or groups.instruction, q.query, "")) for q in groups.queries]
+        prompts = [(q.instruction or groups.instruction, q.query, "") for q in groups.queries]
+        self._query = [len(ids) for ids in encoder.encode_many(prompts)]
         # what a document may take: its own cap, and what the total budget (model.prompt.max_len) leaves
         cap, total = encoder.caps["document"] or float("inf"), encoder.prompt.max_len
         self._doc_limit = [min(cap, total - base if total else cap) for base in self._query]

@@ -1,0 +1,55 @@
+"""What a rank spends tokenizing before step 1: every train prompt (data.pretokenize) and every dev pair, encoded
+one prompt at a time (four tokenizer calls each: the three fields, then the whole text) vs in batches
+(PromptEncoder.encode_many: one tokenizer call per field per batch of 4096, each distinct text once).
+
+    python benchmarks/tokenize_startup.py [--rounds 3] [overrides, e.g. model=tiny_lychee]
+
+Same prompts, same ids (checked); the two ways alternate their order between rounds; medians printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from lychee_exp.core.config import to_run_config
+from lychee_exp.core.inputs import load_inputs
+from lychee_exp.testing.jobs import compose_job
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    args, overrides = parser.parse_known_args()
+    cfg = to_run_config(compose_job(overrides, "/tmp/lychee_tokenize_startup"))
+    inputs = load_inputs(cfg)
+    default = cfg.data.instruction or cfg.model.prompt.default_instruction
+    prompts = [
+        (q.instruction or default, q.query, doc)
+        for q in inputs.train_queries + inputs.dev_queries
+        for doc in (*q.pos, *q.neg)
+    ]
+    encoder = inputs.encoder
+    ways = {
+        "one at a time": lambda: [encoder.encode(*prompt) for prompt in prompts],
+        "batched": lambda: encoder.encode_many(prompts),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    results = {}
+    for round_ in range(args.rounds):
+        for name in list(ways)[:: 1 if round_ % 2 == 0 else -1]:
+            began = time.perf_counter()
+            results[name] = ways[name]()
+            seconds[name].append(time.perf_counter() - began)
+    assert results["one at a time"] == results["batched"], "the two ways gave different ids"
+    print(f"{len(prompts)} prompts ({cfg.model.name}), {args.rounds} rounds, medians:")
+    for name, times in seconds.items():
+        median = statistics.median(times)
+        print(f"  {name:14s} {median:6.2f} s  {len(prompts) / median:8.0f} prompts/s")
+    ratio = statistics.median(seconds["one at a time"]) / statistics.median(seconds["batched"])
+    print(f"  batched is {ratio:.2f}x faster")
+
+
+if __name__ == "__main__":
+    main()
