@@ -183,6 +183,6 @@ def test_a_batch_encodes_each_prompt_as_it_would_alone(tok_and_side, monkeypatch
     assert len({tuple(ids) for ids in alone}) > len(prompts) // 3  # the prompts differ, so a mix-up would show
     monkeypatch.setattr(prompt_module, "_BATCH", 7)  # batches of 7: prompts across boundaries
     assert enc.encode_many(prompts) == alone
-    monkeypatch.setattr(prompt_module, "_BATCH", 4096)
+    monkeypatch.setattr(prompt_module, "_BATCH", 512)
     assert enc.encode_many(prompts) == alone
     assert enc.encode_many([]) == []

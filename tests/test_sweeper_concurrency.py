@@ -149,6 +149,14 @@ def test_a_sweep_killed_before_it_claimed_its_trial_is_finished_by_the_same_comm
     assert "no worker claimed it within 2 s" in study.trials[0].user_attrs["fail_reason"]
 
 
+def test_the_sampler_draws_after_the_worker_has_claimed_the_trial(tmp_path):
+    # other workers fail a trial left unclaimed for grace_period: a slow sampler must not leave it so
+    sampler = "hydra.sweeper.sampler._target_=claim_checking_sampler.ClaimCheckingSampler"
+    _sleepy(tmp_path, "hydra.sweeper.n_trials=2", "sleep_s=0", sampler, timeout=120)
+    study = optuna.load_study(study_name="sleepy", storage=f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2 and all("x" in t.params for t in study.trials)
+
+
 @pytest.mark.slow
 def test_two_workers_with_two_slots_each_share_one_postgres_study(tmp_path, postgres_url):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -28,7 +28,9 @@ from lychee_exp.core.errors import UserError
 _PRIORITY = {"instruction": 0, "query": 1, "document": 2}
 _MARK = "\x00{}\x00"  # stands in for a field while a chat template renders the prompt
 _FEW = 4  # texts tokenized one call each rather than as a batch (see PromptEncoder._tokenize)
-_BATCH = 4096  # prompts per tokenizer call in encode_many: bounds the memory of one call's intermediate output
+# prompts per tokenizer call in encode_many: bounds one call's untruncated fields, offsets included, in memory
+# (512 documents of 2,000 tokens: ~1M tokens), while calls stay few
+_BATCH = 512
 
 
 @dataclass(frozen=True)
@@ -125,10 +127,12 @@ class PromptEncoder:
         """encode() of many (instruction, query, document) prompts: the tokenizer runs on batches (a fast
         tokenizer encodes a batch on all cores), each distinct field text once per batch (a query recurs with
         each of its documents)."""
-        ids: list[list[int]] = []
+        return list(self.iter_encode(prompts))
+
+    def iter_encode(self, prompts: Sequence[tuple[str, str, str]]) -> Iterator[list[int]]:
+        """encode_many's ids one prompt at a time, a batch held at once: for callers that store them compactly."""
         for start in range(0, len(prompts), _BATCH):
-            ids += self._encode_batch(prompts[start : start + _BATCH])
-        return ids
+            yield from self._encode_batch(prompts[start : start + _BATCH])
 
     def _encode_batch(self, prompts: Sequence[tuple[str, str, str]]) -> list[list[int]]:
         fields = [(i, piece) for i, piece in enumerate(self._pieces) if isinstance(piece, _Field)]

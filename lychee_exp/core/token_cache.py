@@ -34,7 +34,7 @@ class CachedEncoder:
     def fill(self, prompts: Iterable[tuple[str, str, str]]) -> None:
         """Encodes the prompts not in the cache yet (in batches: PromptEncoder.encode_many) and keeps them."""
         missing = list(dict.fromkeys(prompt for prompt in prompts if prompt not in self.cache))
-        for prompt, ids in zip(missing, self.encoder.encode_many(missing), strict=True):
+        for prompt, ids in zip(missing, self.encoder.iter_encode(missing), strict=True):  # a batch at a time
             self.cache[prompt] = np.asarray(ids, dtype=np.int32)
 
     def __getattr__(self, name: str):

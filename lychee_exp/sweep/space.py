@@ -32,8 +32,19 @@ class SearchSpace:
     custom: Callable[[DictConfig, Any], None] | None = None  # custom_search_space
     custom_path: str = ""
 
+    def suggest(self, trial: Any) -> None:
+        """Draws the trial's value of every distribution (the sampler runs here), as study.ask(distributions)
+        would."""
+        for key, dist in self.distributions.items():
+            if isinstance(dist, CategoricalDistribution):
+                trial.suggest_categorical(key, dist.choices)
+            elif isinstance(dist, IntDistribution):
+                trial.suggest_int(key, dist.low, dist.high, step=dist.step, log=dist.log)
+            else:
+                trial.suggest_float(key, dist.low, dist.high, step=dist.step, log=dist.log)
+
     def params(self, trial: Any, config: DictConfig) -> dict[str, Any]:
-        """The trial's parameters: the distributions' (asked with the trial), then custom_search_space's."""
+        """The trial's parameters: the distributions' (suggest() drew them), then custom_search_space's."""
         if self.custom is not None:
             self.custom(config, trial)
             overlap = sorted(_bare(key) for key in trial.params if _bare(key) in map(_bare, self.fixed))

@@ -179,7 +179,7 @@ class LycheeOptunaSweeperImpl(Sweeper):
         """A new trial set up to run, or None when it took a place other workers had already filled."""
         with warnings.catch_warnings():  # "heartbeat is supposed to be used with Study.optimize": ours beats
             warnings.simplefilter("ignore", UserWarning)
-            trial = self.study.ask(self.space.distributions)
+            trial = self.study.ask()  # its params are drawn once this worker has claimed it (runner.start)
         if not st.within_budget(self.study, trial.number, self.n_trials):
             trial.set_user_attr(st.SURPLUS, True)
             trial.set_user_attr(st.REASON, "surplus: other workers took the last places of n_trials")

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from optuna.exceptions import UpdateFinishedTrialError
+
 from lychee_exp.sweep import lychee_job
 from lychee_exp.sweep import storage as st
 from lychee_exp.sweep.outcome import Outcome, job_outcome
@@ -80,13 +82,22 @@ class TrialRunner:
         self._compose = threading.Lock()  # Hydra's config loader is shared by the main and slot threads
 
     # ------------------------------------------------------------------------------ main thread: set up
-    def start(self, trial: Any) -> Pending:
+    def start(self, trial: Any) -> Pending | None:
+        """The trial claimed by this worker, its params drawn and its job's overrides made; None when another
+        worker had already failed it as unclaimed (this one stalled for longer than the grace period)."""
         sw = self.sw
         pending = Pending(trial, st.trial_id(sw.storage, sw.study.study_name, trial.number))
-        # heartbeat first, then the claim: a worker killed in between leaves a heartbeat that goes stale; one
-        # killed before both leaves an unclaimed trial, which st.Recovery fails after the grace period
+        # Heartbeat first, then the claim: a worker killed in between leaves a heartbeat that goes stale; one
+        # killed before both leaves an unclaimed trial, which st.Recovery fails after the grace period. The
+        # sampler draws only after the claim, since a model-based sampler can take longer than that grace.
         pending.heartbeat = st.Heartbeat(sw.storage, pending.trial_id, sw.heartbeat_interval).__enter__()
-        trial.set_user_attr(st.WORKER, sw.me)
+        try:
+            trial.set_user_attr(st.WORKER, sw.me)
+        except UpdateFinishedTrialError:
+            pending.heartbeat.__exit__(None, None, None)
+            log.warning("trial %d was failed as unclaimed by another worker before this one claimed it", trial.number)
+            return None
+        sw.space.suggest(trial)
         try:
             params = sw.space.params(trial, sw.config)
         except Exception as err:  # custom_search_space failed for this trial only (its first run passed)
