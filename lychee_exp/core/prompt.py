@@ -83,6 +83,11 @@ class PromptEncoder:
         }  # 0 = no cap of its own
         self._format = render_format(tokenizer, prompt)
         self._pieces = self._parse(self._format)
+        # (index in _pieces, field), in the order the fields get their budgets
+        self._fields = sorted(
+            ((i, piece) for i, piece in enumerate(self._pieces) if isinstance(piece, _Field)),
+            key=lambda item: _PRIORITY[item[1].name],
+        )
         # A chat template writes its own special tokens (BOS included); otherwise the tokenizer's are added.
         self._special_before, self._special_after = ([], []) if prompt.chat_template else self._special_tokens()
         self.template_len = (
@@ -135,13 +140,12 @@ class PromptEncoder:
             yield from self._encode_batch(prompts[start : start + _BATCH])
 
     def _encode_batch(self, prompts: Sequence[tuple[str, str, str]]) -> list[list[int]]:
-        fields = [(i, piece) for i, piece in enumerate(self._pieces) if isinstance(piece, _Field)]
         names = ("instruction", "query", "document")
         values = [dict(zip(names, prompt, strict=True)) for prompt in prompts]
-        texts = sorted({_field_text(field, v[field.name]) for _, field in fields for v in values} - {""})
+        texts = sorted({_field_text(field, v[field.name]) for _, field in self._fields for v in values} - {""})
         encoded = self._tokenize(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else {}
         by_text = dict(zip(texts, zip(encoded.get("input_ids", []), encoded.get("offset_mapping", []))))
-        planned = [self._fit(v, fields, by_text) for v in values]
+        planned = [self._fit(v, by_text) for v in values]
         wholes = self._tokenize(
             [self._format.format(**cut) for cut, _ in planned], add_special_tokens=not self.prompt.chat_template
         )["input_ids"]
@@ -155,13 +159,13 @@ class PromptEncoder:
         outputs = [self.tokenizer(text, **options) for text in texts]
         return {key: [output[key] for output in outputs] for key in outputs[0]} if outputs else {}
 
-    def _fit(self, values: dict[str, str], fields: list, by_text: dict) -> tuple[dict[str, str], list[int]]:
+    def _fit(self, values: dict[str, str], by_text: dict) -> tuple[dict[str, str], list[int]]:
         """The fields cut to their budgets: (each field's text, cut where its kept tokens end; the prompt's ids
         assembled piece by piece from the fields' own tokens)."""
         left = self.prompt.max_len - self.template_len if self.prompt.max_len else None
         tokens: dict[int, list[int]] = {}
         cut = dict(values)
-        for i, field in sorted(fields, key=lambda item: _PRIORITY[item[1].name]):
+        for i, field in self._fields:
             text = _field_text(field, values[field.name])
             ids, offsets = by_text.get(text, ([], []))
             keep = min(len(ids), self.caps[field.name] or len(ids), len(ids) if left is None else max(left, 0))

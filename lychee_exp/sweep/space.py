@@ -34,7 +34,7 @@ class SearchSpace:
 
     def suggest(self, trial: Any) -> None:
         """Draws the trial's value of every distribution (the sampler runs here), as study.ask(distributions)
-        would."""
+        would; the sweeper calls it once the trial is claimed."""
         for key, dist in self.distributions.items():
             if isinstance(dist, CategoricalDistribution):
                 trial.suggest_categorical(key, dist.choices)
@@ -64,7 +64,9 @@ class SearchSpace:
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "new study created in memory" line
         try:
             study = optuna.create_study(directions=directions, sampler=optuna.samplers.RandomSampler())
-            self.params(study.ask(self.distributions), config)
+            trial = study.ask()
+            self.suggest(trial)
+            self.params(trial, config)
         except UserError:
             raise
         except Exception as err:

@@ -176,7 +176,8 @@ class LycheeOptunaSweeperImpl(Sweeper):
             done.put(pending.trial.number)
 
     def _ask(self, runner: TrialRunner) -> Pending | None:
-        """A new trial set up to run, or None when it took a place other workers had already filled."""
+        """A new trial set up to run, or None when it took a place other workers had already filled (or one
+        of them failed it as unclaimed before this worker claimed it)."""
         with warnings.catch_warnings():  # "heartbeat is supposed to be used with Study.optimize": ours beats
             warnings.simplefilter("ignore", UserWarning)
             trial = self.study.ask()  # its params are drawn once this worker has claimed it (runner.start)
