@@ -119,7 +119,7 @@ def test_window_with_accumulation_packed_equals_one_padded_batch(tmp_path, loss_
 
     def window(model, batches):
         step = WindowStep(model, loss_fn, scaler, "fp32", DistEnv(), forward_chunks=1)
-        stats, _, _ = step.accumulate(iter(batches), len(batches), window_queries=4)
+        stats, _, _ = step.accumulate(iter(batches), len(batches), divisor=4)
         return stats, _grads(model), step.shapes
 
     s_pad, g_pad, _ = window(padded, [GroupCollator(encoder)(groups)])
