@@ -5,6 +5,7 @@ gradients against one process on the union of the ranks' micro-batches), the LR 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -210,3 +211,6 @@ def test_ddp_budget_run_matches_one_process(tmp_path):
     run_job([*common, "parallel=single", "gpus=1", "trainer.grad_accum_steps=2"], tmp_path / "single")
     run_job([*common, "parallel=ddp", "gpus=2"], tmp_path / "ddp")
     assert_same_training(tmp_path / "ddp", tmp_path / "single", rtol=1e-5)
+    # epoch 0's last step (step 3) had rank 1 on a dummy batch, and the run went on into epoch 1 without a hang
+    m = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
+    assert m["steps"] == 5 and m["num_devices"] == 2 and m["distinct_shapes"] == 1

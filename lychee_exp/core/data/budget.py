@@ -22,6 +22,9 @@ from lychee_exp.core.data.groups import TrainGroups
 from lychee_exp.core.errors import UserError
 
 KEY = "data.max_tokens_per_batch"
+# groups that do not fit a micro-batch skipped before it closes: later ones may fill its gap (first fit), which a
+# packed row otherwise computes as padding
+LOOKAHEAD = 32
 
 
 def group_sizes(groups: TrainGroups, encoder, epoch: int) -> list[tuple[int, int]]:
@@ -41,7 +44,8 @@ def group_sizes(groups: TrainGroups, encoder, epoch: int) -> list[tuple[int, int
 def plan_epoch(
     sizes: list[tuple[int, int]], budget: int, packing: bool, group_size: int, seed: int, epoch: int, pool: int
 ) -> list[list[int]]:
-    """The epoch's micro-batches (query indices), in order. `pool` > 0: length bucketing, pools of `pool`
+    """The epoch's micro-batches (query indices), in order: each takes the order's next groups that fit, until
+    LOOKAHEAD + 1 have not (they start the next one). `pool` > 0: length bucketing, pools of `pool`
     micro-batches' worth of queries sorted by length before they are cut (less padding), the micro-batches then
     shuffled. A group that cannot fit alone is a UserError naming the key and the budget it needs."""
 
@@ -64,15 +68,20 @@ def plan_epoch(
         span = max(1, round(pool * budget / mean))
         order = [i for k in range(0, len(order), span) for i in sorted(order[k : k + span], key=sizes.__getitem__)]
     batches: list[list[int]] = []
-    current, tokens, width = [], 0, 0
-    for index in order:
-        t, w = sizes[index]
-        if current and cost(tokens + t, max(width, w), len(current) + 1) > budget:
-            batches.append(current)
-            current, tokens, width = [], 0, 0
-        current.append(index)
-        tokens, width = tokens + t, max(width, w)
-    if current:
+    waiting = list(reversed(order))  # the order's next group last
+    while waiting:
+        current, tokens, width, misses, k = [], 0, 0, 0, len(waiting) - 1
+        while k >= 0 and misses <= LOOKAHEAD:
+            t, w = sizes[waiting[k]]
+            if cost(tokens + t, max(width, w), len(current) + 1) <= budget:
+                current.append(waiting[k])
+                tokens, width, waiting[k] = tokens + t, max(width, w), -1
+            else:
+                misses += 1
+            k -= 1
+        kept = [i for i in waiting[k + 1 :] if i >= 0]  # only the scanned tail changed
+        del waiting[k + 1 :]
+        waiting.extend(kept)
         batches.append(current)
     if pool:
         random.Random(f"{seed}:{epoch}:budget").shuffle(batches)
@@ -132,18 +141,23 @@ class TokenBudgetSampler:
         return self.num_batches(self.epoch) - self.start
 
 
-def check_token_budget(cfg, inputs) -> None:
-    """Preflight (the Hydra process, before any rank starts): the first epoch's plan, so that a group that cannot
-    fit data.max_tokens_per_batch is one line. Its token ids stay in inputs.token_ids for the ranks that train
-    in this process; a later epoch's resampled group that no longer fits stops that epoch's plan the same way."""
+def first_epoch_sizes(cfg, inputs) -> tuple[list[tuple[int, int]], TrainGroups]:
+    """group_sizes of the first epoch from a run's config and inputs (core.inputs.RunInputs); the token ids it
+    reads stay in inputs.token_ids for the ranks that train in this process."""
     from lychee_exp.core.token_cache import pretokenized  # token_cache builds on core.data
 
     data = cfg.data
-    if not data.max_tokens_per_batch:
-        return
     instruction = data.instruction or cfg.model.prompt.default_instruction
     groups = TrainGroups(inputs.train_queries, data.train_group_size, instruction, cfg.seed, data.random_negatives)
     encoder = pretokenized(inputs.encoder, groups, inputs.token_ids) if data.pretokenize else inputs.encoder
-    plan_epoch(
-        group_sizes(groups, encoder, 0), data.max_tokens_per_batch, data.packing, groups.group_size, cfg.seed, 0, 0
-    )
+    return group_sizes(groups, encoder, 0), groups
+
+
+def check_token_budget(cfg, inputs) -> None:
+    """Preflight (the Hydra process, before any rank starts): the first epoch's plan, so that a group that cannot
+    fit data.max_tokens_per_batch is one line. A later epoch's resampled group that no longer fits stops that
+    epoch's plan the same way."""
+    data = cfg.data
+    if data.max_tokens_per_batch:
+        sizes, groups = first_epoch_sizes(cfg, inputs)
+        plan_epoch(sizes, data.max_tokens_per_batch, data.packing, groups.group_size, cfg.seed, 0, 0)
