@@ -29,13 +29,7 @@ LOOKAHEAD = 32
 
 def group_sizes(groups: TrainGroups, encoder, epoch: int) -> list[tuple[int, int]]:
     """(tokens, longest prompt) of every query's group in `epoch` (its negatives are resampled each epoch)."""
-    saved = groups.epoch
-    groups.set_epoch(epoch)
-    try:
-        items = [groups[i] for i in range(len(groups))]
-    finally:
-        groups.set_epoch(saved)
-    prompts = [(instr, query, doc) for instr, query, docs, _ in items for doc in docs]
+    prompts = [(instr, query, doc) for instr, query, docs, _ in groups.items_of_epoch(epoch) for doc in docs]
     lengths = encoder.lengths(prompts)  # a look-up with data.pretokenize
     size = groups.group_size
     return [(sum(lengths[k : k + size]), max(lengths[k : k + size])) for k in range(0, len(lengths), size)]

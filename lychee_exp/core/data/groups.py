@@ -41,6 +41,15 @@ class TrainGroups(Dataset):
     def __len__(self) -> int:
         return len(self.queries)
 
+    def items_of_epoch(self, epoch: int) -> list[tuple[str, str, list[str], list[float] | None]]:
+        """Every item as `epoch` samples it (its negatives decide its length), the current epoch left as it is."""
+        saved = self.epoch
+        self.epoch = epoch
+        try:
+            return [self[i] for i in range(len(self))]
+        finally:
+            self.epoch = saved
+
     def __getitem__(self, index: int) -> tuple[str, str, list[str], list[float] | None]:
         q = self.queries[index]
         rng = random.Random(f"{self.seed}:{self.epoch}:{index}")

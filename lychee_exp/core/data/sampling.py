@@ -53,12 +53,7 @@ class PromptLengths:
         return [self._docs[d] for d in docs]
 
     def __call__(self, epoch: int) -> list[int]:
-        saved = self.groups.epoch
-        self.groups.set_epoch(epoch)  # the negatives this epoch samples decide each group's length
-        try:
-            docs = [self.groups[i][2] for i in range(len(self.groups))]
-        finally:
-            self.groups.set_epoch(saved)
+        docs = [docs for _, _, docs, _ in self.groups.items_of_epoch(epoch)]
         return [
             base + min(limit, max(self._doc_lengths(group)))
             for base, limit, group in zip(self._query, self._doc_limit, docs)
