@@ -156,6 +156,9 @@ def resolve_baselines(
         # sides train the same batches and only the parallel setup differs
         data = dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * plan.num_devices)
         process_cfg = dataclasses.replace(cfg, data=data)
+        if cfg.data.max_tokens_per_batch:  # a token budget is per device: the ranks' micro-batches, accumulated
+            accum = cfg.trainer.grad_accum_steps * plan.num_devices
+            process_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, grad_accum_steps=accum))
     process = _baseline(process_cfg, plan, single_process_plan(plan), cfg.speedup.baseline_samples_per_s, train)
     rank_plan = single_device_plan(plan)
     if rank_plan == single_process_plan(plan):  # GPUs, or one CPU rank: the same single process
