@@ -216,3 +216,32 @@ def test_ddp_budget_run_matches_one_process(tmp_path):
     # epoch 0's last step (step 3) had rank 1 on a dummy batch, and the run went on into epoch 1 without a hang
     m = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
     assert m["steps"] == 5 and m["num_devices"] == 2 and m["distinct_shapes"] == 1
+
+
+def test_checkpointing_auto_decides_from_the_budget(tmp_path, monkeypatch):
+    """On CUDA, auto estimates the budget's slots, not rows x the widest prompt: with free memory between the two
+    estimates the budget runs without checkpointing and the fixed batch with it."""
+    import re
+
+    from lychee_exp.core.inputs import load_inputs
+    from lychee_exp.core.levers import resolve_checkpointing
+
+    common = ["model.gradient_checkpointing=auto", "model.dtype=bfloat16", "model.prompt.max_len=2048"]
+    fixed = to_run_config(compose_config([*TINY_RANKS, *common, "data.batch_size=8"], tmp_path / "fixed"))
+    budget = to_run_config(compose_config([*TINY_RANKS, *common, "data.max_tokens_per_batch=1024"], tmp_path / "b"))
+    encoder = load_inputs(fixed).encoder
+    cuda = torch.device("cuda", 0)
+
+    def decide(cfg, free: float):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free + 1))
+        return resolve_checkpointing(cfg, encoder, cuda)
+
+    need = {}
+    for name, cfg in (("fixed", fixed), ("budget", budget)):
+        _, why = decide(cfg, 2**50)
+        need[name] = float(re.search(r"([\d.]+) GiB estimated", why).group(1)) * 2**30
+        slots = int(re.search(r"\((\d+) token slots\)", why).group(1))
+        assert slots == (1024 if name == "budget" else 8 * 4 * 2048), why
+    middle = (need["fixed"] + need["budget"]) / 2
+    assert need["budget"] < middle < need["fixed"]
+    assert decide(budget, middle)[0] is False and decide(fixed, middle)[0] is True
