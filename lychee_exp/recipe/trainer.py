@@ -132,11 +132,12 @@ class Trainer:
         self.sampler, self.loader, self.schedule = train_loader(
             self.train_set, encoder, data, loader_batch, window, *where
         )
-        # a token budget's epochs can differ in length (their negatives, so their groups' tokens, are resampled)
-        steps = [math.ceil(self.schedule.num_batches(e) / trainer.grad_accum_steps) for e in range(trainer.max_epochs)]
         self.num_batches = self.schedule.num_batches(0)
         self.steps_per_epoch = math.ceil(self.num_batches / trainer.grad_accum_steps)
-        self.total_steps = trainer.max_steps if trainer.max_steps > 0 else sum(steps)
+        self.total_steps = trainer.max_steps
+        if trainer.max_steps <= 0:  # a token budget's epochs can differ in length (resampled negatives)
+            epochs = range(trainer.max_epochs)
+            self.total_steps = sum(math.ceil(self.schedule.num_batches(e) / trainer.grad_accum_steps) for e in epochs)
 
     def _setup_optimizer(self) -> None:
         self.lr = scaled_lr(self.cfg, self.num_devices, self.schedule.mean_step_queries())
