@@ -1,22 +1,29 @@
 """The same LoRA training as Hugging Face's docs would have a user set it up: transformers.Trainer + peft on the
-same model shape and seeded random init (bf16, sdpa), the same LoRA config (peft's defaults otherwise: float32
-adapters), the same pre-tokenized pairs in the same batches (the rows lychee_exp's sampler draws, in its order;
-on the long-tailed mix HF's group_by_length sampler reorders them), the same yes/no loss read at the last position
-with logits_to_keep=1, the same AdamW settings (fused, as `optim="adamw_torch_fused"`), schedule and clipping, and
-the same gradient checkpointing decision. `compile: true` adds TrainingArguments(torch_compile=True)."""
+same model (the check's weights, loaded with from_pretrained: bf16, sdpa), the same LoRA config (peft's defaults
+otherwise: float32 adapters), the same pre-tokenized pairs (the rows lychee_exp's sampler draws, in its order), the
+same yes/no loss read at the last position with logits_to_keep=1, the same AdamW settings (fused, as
+`optim="adamw_torch_fused"`), schedule and clipping. Gradient checkpointing is HF's own decision: the rule behind
+lychee_exp's `auto` applied to what HF holds (its widest padded batch, peft's float32 adapter path).
+
+On the long-tailed mix HF's group_by_length sampler reorders rows, within two slices: the warm-up steps' rows and
+the timed window's rows, so that both systems time the same rows (a sampler over the whole list would spend its
+warm-up on the longest rows of its first mega-batch). `compile: true` adds TrainingArguments(torch_compile=True)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import Sampler, Subset
 
 from lychee_exp.bench.gpu.flops import bf16_peak_tflops
 from lychee_exp.bench.gpu.ours import FIRST_LOSSES, compose, shape_of
 from lychee_exp.bench.gpu.timing import BatchLog, WindowClock, peak_memory, window_figures
+from lychee_exp.bench.gpu.weights import fingerprints
 
 
 def pairs(cfg, steps: int) -> tuple[list[dict], object, tuple[int, int]]:
@@ -41,6 +48,38 @@ def pairs(cfg, steps: int) -> tuple[list[dict], object, tuple[int, int]]:
             for k, doc in enumerate(docs)
         ]
     return rows, inputs.encoder, answer_token_ids(cfg.model, inputs.encoder)
+
+
+def own_checkpointing(cfg, encoder, rows: list[dict], device: torch.device) -> tuple[bool, str]:
+    """HF's checkpointing from its own need: core.levers' rule for `auto` with HF's rows per step at the widest
+    row of the run (the widest batch it pads to) and peft's float32 adapter path."""
+    from lychee_exp.core.levers import resolve_checkpointing
+
+    widest = max(len(r["input_ids"]) for r in rows)
+    model = dataclasses.replace(
+        cfg.model,
+        gradient_checkpointing="auto",
+        prompt=dataclasses.replace(cfg.model.prompt, max_len=widest),
+        lora=dataclasses.replace(cfg.model.lora, dtype="float32"),
+    )
+    hf_cfg = dataclasses.replace(cfg, model=model)
+    return resolve_checkpointing(hf_cfg, SimpleNamespace(prompt=model.prompt), device)
+
+
+class SlicedSampler(Sampler):
+    """One sampler per consecutive slice of the dataset, in turn, each slice's indices offset to its start."""
+
+    def __init__(self, samplers: list):
+        self.samplers = samplers
+
+    def __iter__(self):
+        start = 0
+        for sampler in self.samplers:
+            yield from (start + i for i in sampler)
+            start += len(sampler)
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.samplers)
 
 
 def training_args(cfg, spec: dict, out: Path, rows: int, steps: int, checkpointing: bool, cuda: bool):
@@ -87,7 +126,6 @@ def run(spec: dict, out: Path) -> dict:
     from torch.utils.data import SequentialSampler
     from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback
 
-    from lychee_exp.core.levers import resolve_checkpointing
     from lychee_exp.core.model import model_dir
 
     cfg = compose(spec, out)
@@ -95,11 +133,14 @@ def run(spec: dict, out: Path) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     rows, encoder, (yes_id, no_id) = pairs(cfg, steps)
-    checkpointing, _ = resolve_checkpointing(cfg, encoder, device)  # the decision lychee_exp takes for this run
+    per_step = cfg.data.batch_size * cfg.data.train_group_size
+    checkpointing, why = own_checkpointing(cfg, encoder, rows, device)
 
-    torch.manual_seed(cfg.seed)  # as load_reranker: the same draws give the same weights and adapters
+    torch.manual_seed(cfg.seed)  # as load_reranker: the same draws give the same adapters
     config = AutoConfig.from_pretrained(str(model_dir(cfg.model)))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir(cfg.model)), config=config, dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
     lora = cfg.model.lora
     peft_config = LoraConfig(
         r=lora.r,
@@ -108,8 +149,8 @@ def run(spec: dict, out: Path) -> dict:
         target_modules=list(lora.target_modules),
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(model, peft_config)
-    per_step = cfg.data.batch_size * cfg.data.train_group_size
+    model = get_peft_model(model, peft_config).to(device)
+    started_from = fingerprints(model)
     log, losses = BatchLog(), []
     clock = WindowClock(spec["warmup"], spec["timed"], device)
 
@@ -130,9 +171,12 @@ def run(spec: dict, out: Path) -> dict:
             return (loss, out) if return_outputs else loss
 
         def _get_train_sampler(self, *args, **kwargs):
-            if spec.get("group_by_length"):
-                return super()._get_train_sampler(*args, **kwargs)
+            if spec.get("group_by_length"):  # HF's own sampler, on the warm-up slice, then on the window's rows
+                return SlicedSampler([super(YesNoTrainer, self)._get_train_sampler(part) for part in slices])
             return SequentialSampler(self.train_dataset)  # lychee_exp's batches, in its order
+
+    warm = spec["warmup"] * per_step
+    slices = [Subset(rows, range(warm)), Subset(rows, range(warm, len(rows)))]
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -147,8 +191,11 @@ def run(spec: dict, out: Path) -> dict:
     row.update(
         {
             "system": "hf_trainer_compiled" if spec.get("compile") else "hf_trainer",
+            "fingerprints": started_from,
+            "attention": "sdpa_padded",
             "first_losses": [round(float(x), 5) for x in losses],
             "gradient_checkpointing": checkpointing,
+            "checkpointing_why": why,
             "group_by_length": bool(spec.get("group_by_length")),
             "rows_per_step": per_step,
         }
