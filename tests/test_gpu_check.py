@@ -4,6 +4,7 @@ whole check end to end on the CPU with the tiny model (--tiny), read back from i
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -12,9 +13,12 @@ import torch
 from conftest import REPO_ROOT, TINY_QWEN2
 from torch.utils.flop_counter import FlopCounterMode
 
-from lychee_exp.bench.gpu.check import Budget, Runner
+from lychee_exp.bench.gpu.check import ABLATION, Budget, Runner, ablation_skip
 from lychee_exp.bench.gpu.flops import QWEN25_1P5B, Shape, step_flops
+from lychee_exp.bench.gpu.ours import has_key
+from lychee_exp.bench.gpu.profile import summarise
 from lychee_exp.bench.gpu.timing import BatchLog, WindowClock, forward_rows, window_figures
+from lychee_exp.bench.gpu.weights import fingerprints
 
 SHAPE = Shape.of(QWEN25_1P5B)
 
@@ -101,33 +105,138 @@ def test_a_window_that_never_closed_is_an_error():
         _ = clock.seconds
 
 
-def test_a_run_that_does_not_fit_the_budget_is_skipped_without_starting(tmp_path):
-    runner = Runner(tmp_path, tiny=True, warmup=1, timed=2, budget=Budget(10))
-    row = runner.run("ours", "lora_1p5b_2048", min_s=60)
-    assert "time budget" in row["skipped"] and runner.count == 0
+def test_a_run_that_does_not_fit_the_measured_pace_is_skipped_without_starting(tmp_path):
+    runner = Runner(tmp_path, tiny=True, warmup=1, timed=2, budget=Budget(50))
+    runner.pace["ours"] = 60.0  # one lychee_exp run took a minute
+    row = runner.run("hf", "lora_1p5b_2048")  # HF has no pace yet: a training run is paced by the longest one
+    assert "measured pace" in row["skipped"] and "~69 s" in row["skipped"] and runner.count == 0
+    runner.guess["gpu_tests"] = 30.0
+    assert runner.fits("gpu_tests") is None  # not a training run: its own first guess
+    runner.pace["gpu_tests"] = 80.0
+    assert "skipped" in runner.fits("gpu_tests")
+
+
+def tiny_model(seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(TINY_QWEN2)))
+
+
+def test_fingerprints_tell_whether_two_runs_start_from_the_same_weights():
+    from peft import LoraConfig, get_peft_model
+
+    a, b = tiny_model(0), tiny_model(0)
+    assert fingerprints(a) == fingerprints(b)
+    assert fingerprints(tiny_model(1))["weights"] != fingerprints(a)["weights"]
+    weight = b.model.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        weight[0, :2] = weight[0, :2].flip(0).clone()  # two values swapped: the same sum, another tensor
+    assert fingerprints(b)["weights"] != fingerprints(a)["weights"]
+    torch.manual_seed(3)
+    wrapped = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert fingerprints(wrapped)["weights"] == fingerprints(a)["weights"]  # peft's wrapping is not a change
+    torch.manual_seed(3)
+    again = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert fingerprints(again)["adapters"] == fingerprints(wrapped)["adapters"] != fingerprints(a)["adapters"]
+
+
+def test_hf_groups_by_length_within_the_warmup_and_the_window():
+    """Both systems time the same rows: HF's sampler reorders the warm-up slice and the window slice apart."""
+    from torch.utils.data import Subset
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    from lychee_exp.bench.gpu.hf import SlicedSampler
+
+    rows = [{"input_ids": [1] * n} for n in torch.randint(4, 400, (48,)).tolist()]
+    warm = 16
+    sampler = SlicedSampler(
+        [LengthGroupedSampler(8, dataset=Subset(rows, range(a, b))) for a, b in ((0, warm), (warm, len(rows)))]
+    )
+    order = list(sampler)
+    assert len(sampler) == len(order) == len(rows)
+    assert sorted(order[:warm]) == list(range(warm)) and sorted(order[warm:]) == list(range(warm, len(rows)))
+    assert order[warm:] != list(range(warm, len(rows)))  # reordered by length within the window
+
+
+def test_profile_summary_shares_add_up():
+    kernels = [
+        ("flash_fwd_kernel", 0.2, 28),
+        ("sm90_xmma_gemm_bf16bf16", 0.4, 300),
+        ("void at::native::vectorized_elementwise_kernel", 0.1, 900),
+        ("multi_tensor_apply_kernel<FusedAdam>", 0.05, 1),
+        ("ncclKernel", 0.05, 2),
+    ]
+    summary = summarise(kernels, wall_s=1.0, steps=3, clock="device")
+    share = summary["share"]
+    assert share == {"attention": 0.2, "optimizer": 0.05, "gemm": 0.4, "elementwise": 0.1, "other": 0.05, "idle": 0.2}
+    assert [k["name"] for k in summary["top_kernels"]][:2] == ["sm90_xmma_gemm_bf16bf16", "flash_fwd_kernel"]
+
+
+def test_ablation_rows_whose_key_is_missing_are_skipped_naming_it():
+    if not has_key("max_tokens_per_batch"):  # (a tree without token-budget batches)
+        assert "no data.max_tokens_per_batch" in ablation_skip("x", ["data.max_tokens_per_batch=1"], False, True)
+    assert (
+        ablation_skip("x", ["data.nonexistent_key=1"], False, True) == "this config schema has no data.nonexistent_key"
+    )
+    assert ablation_skip("x", ["data.packing=false"], False, True) is None
+    assert "liger" in ablation_skip("liger_kernel", ["model.liger_kernel=true"], False, False)
+    names = [name for name, _, _ in ABLATION]
+    assert names[:2] == ["defaults", "before"] and len(names) == len(set(names))
 
 
 @pytest.mark.slow
-def test_tiny_dry_run_writes_every_key(tmp_path):
+def test_tiny_dry_run_runs_every_phase_and_writes_every_key(tmp_path):
     out = tmp_path / "gpu_check.json"
-    cmd = [sys.executable, "launch/gpu_check.py", "--tiny", "--out", str(out), "--budget-s", "400"]
+    cmd = [sys.executable, "launch/gpu_check.py", "--tiny", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["passed"] is True and report["commit"] and report["mode"] == "tiny checks"
     checks = report["checks"]
+    phases = ["weights", "lora_1p5b_512", "lora_1p5b_2048", "hf_side_by_side", "gpu_tests", "matmul_ceiling"]
+    assert list(checks) == phases  # required first; hf_compiled only when asked
+    for name in phases:  # each phase printed its seconds as it ended
+        assert re.search(rf"gpu_check: {name}: (PASS|SKIPPED) \(\d+\.\d s, \d+ s left\)", proc.stdout), name
+    weights = checks["weights"]["weights_fingerprint"]
     for name in ("lora_1p5b_512", "lora_1p5b_2048"):
-        assert checks[name]["passed"] is True
-        assert checks[name]["timed_steps"] == 2 and checks[name]["tokens_per_s"] > 0
-        assert "mfu" in checks[name] and checks[name]["distinct_shapes"] == 1
+        row = checks[name]
+        assert row["passed"] is True and row["same_weights"] is True and row["fingerprints"]["weights"] == weights
+        assert row["timed_steps"] == 2 and row["tokens_per_s"] > 0 and row["distinct_shapes"] == 1
+        assert row["attention"] == "sdpa_per_prompt" and row["attention_paths_seen"] == ["sdpa_per_prompt"]
+        assert row["varlen_probe"]["ok"] is False and len(row["widths_seen"]) == 1
+        assert row["checkpointing_why"] == "auto: CPU" and "peak_reserved_mb" in row
     for mix in ("equal_lengths", "long_tailed"):
         entry = checks["hf_side_by_side"][mix]
-        assert entry["ours_tokens_per_s"] > 0 and entry["hf_tokens_per_s"] > 0
+        assert entry["ours_tokens_per_s"] > 0 and entry["hf_tokens_per_s"] > 0 and entry["same_adapters"] is True
         assert entry["ratio"] == pytest.approx(entry["ours_tokens_per_s"] / entry["hf_tokens_per_s"], rel=1e-2)
+        assert entry["rows"]["hf"]["same_weights"] is True and entry["rows"]["hf"]["attention"] == "sdpa_padded"
+        assert set(entry["padding_share"]) == set(entry["real_tokens_per_step"]) == {"ours", "hf"}
     # the same weights and batches: the first step's loss is the same number in both systems
     assert checks["hf_side_by_side"]["equal_lengths"]["first_loss_gap"] < 1e-4
-    assert checks["hf_side_by_side"]["long_tailed"]["rows"]["ours"]["padding_share"] >= 0
+    assert checks["hf_side_by_side"]["long_tailed"]["padding_share"]["hf"] > 0  # HF pads, lychee_exp packs
     assert checks["gpu_tests"]["passed"] is True  # every GPU test skipped cleanly without CUDA
+    assert "tests/test_gpu_packing.py" in checks["gpu_tests"]["files"]
+
+
+@pytest.mark.slow
+def test_tiny_ablation_dry_run(tmp_path):
+    out = tmp_path / "ablation.json"
+    cmd = [sys.executable, "launch/gpu_check.py", "--tiny", "--ablation", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    ablation = report["checks"]["ablation"]
+    rows = ablation["rows"]
+    assert list(rows) == [name for name, _, _ in ABLATION] and report["mode"] == "tiny ablation"
+    assert rows["defaults"]["vs_defaults"] == 1.0 and rows["defaults_long_tailed"]["vs_defaults"] == 1.0
+    for name, row in rows.items():
+        assert "skipped" in row or (row["vs_defaults"] > 0 and row["same_weights"] is True), name
+    assert rows["before"]["gradient_checkpointing"] is True and rows["before"]["attention"] == "sdpa_padded"
+    assert rows["no_packing"]["padding_share"] >= 0 and "skipped" in rows["compile_layers"]
+    share = ablation["profile"]["share"]
+    assert set(share) == {"attention", "gemm", "elementwise", "optimizer", "other", "idle"}
+    assert sum(share.values()) == pytest.approx(1.0, abs=1e-3) and ablation["profile"]["top_kernels"]
 
 
 @pytest.mark.slow
@@ -135,9 +244,10 @@ def test_lychee_exp_and_hf_trainer_do_the_same_math(tmp_path):
     """Without LoRA dropout (whose masks come from different random streams) the two systems' losses agree step
     after step: same weights, batches, loss, AdamW settings, schedule and clipping."""
     runner = Runner(tmp_path, tiny=True, warmup=1, timed=4, budget=Budget(600))
+    assert runner.build_weights()["passed"] is True
     # one forward per batch, as HF does: forward chunks are other bf16 GEMM shapes (losses apart by ~3e-4)
     rows = [
-        runner.run(system, "lora_1p5b_2048", min_s=1, overrides=["model.lora.dropout=0.0", "trainer.forward_chunks=1"])
+        runner.run(system, "lora_1p5b_2048", overrides=["model.lora.dropout=0.0", "trainer.forward_chunks=1"])
         for system in ("ours", "hf")
     ]
     ours, hf = (row["first_losses"] for row in rows)

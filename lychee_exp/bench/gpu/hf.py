@@ -23,7 +23,7 @@ from torch.utils.data import Sampler, Subset
 from lychee_exp.bench.gpu.flops import bf16_peak_tflops
 from lychee_exp.bench.gpu.ours import FIRST_LOSSES, compose, shape_of
 from lychee_exp.bench.gpu.timing import BatchLog, WindowClock, peak_memory, window_figures
-from lychee_exp.bench.gpu.weights import fingerprints
+from lychee_exp.bench.gpu.weights import starting_point
 
 
 def pairs(cfg, steps: int) -> tuple[list[dict], object, tuple[int, int]]:
@@ -150,7 +150,7 @@ def run(spec: dict, out: Path) -> dict:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, peft_config).to(device)
-    started_from = fingerprints(model)
+    started_from = starting_point(model)
     log, losses = BatchLog(), []
     clock = WindowClock(spec["warmup"], spec["timed"], device)
 

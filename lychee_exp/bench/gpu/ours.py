@@ -13,7 +13,7 @@ import torch
 from lychee_exp.bench.gpu.flops import Shape, bf16_peak_tflops
 from lychee_exp.bench.gpu.profile import StepProfiler
 from lychee_exp.bench.gpu.timing import BatchLog, WindowClock, peak_memory, window_figures
-from lychee_exp.bench.gpu.weights import fingerprints
+from lychee_exp.bench.gpu.weights import starting_point
 from lychee_exp.core.config import DataConfig, RunConfig, to_run_config
 from lychee_exp.core.levers import resolve_checkpointing
 
@@ -143,7 +143,7 @@ def run(spec: dict, out: Path) -> dict:
     # the checkpointing decision as setup takes it (free memory before the model is built), and why
     _, why = resolve_checkpointing(cfg, build_encoder(cfg.model, load_tokenizer(cfg.model)), device)
     trainer.setup()
-    started_from = fingerprints(trainer.model)
+    started_from = starting_point(trainer.model)
     chunks = getattr(trainer, "forward_chunks", cfg.trainer.forward_chunks)  # resolved (auto) by setup
     log = BatchLog(chunks if isinstance(chunks, int) else 1)
     trainer.loader = RecordingLoader(trainer.loader, log)

@@ -39,6 +39,18 @@ def fingerprints(model: torch.nn.Module) -> dict:
     return {k: hashlib.sha256("\n".join(v).encode()).hexdigest()[:16] for k, v in parts.items()}
 
 
+def starting_point(model: torch.nn.Module) -> dict:
+    """A run's fingerprints, taken before its first step; on CUDA the digest's temporary buffers (int64 copies of
+    the largest tensor) are then released and the peak-memory counters reset, so that the run's peak memory is
+    the training's."""
+    digest = fingerprints(model)
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return digest
+
+
 def build(model_dir: Path, seed: int = 42) -> dict:
     """Draws the backbone (bf16, transformers' init) from `seed` on the GPU where there is one and writes
     model.safetensors into `model_dir` (which holds config.json and the tokenizer)."""
