@@ -119,7 +119,7 @@ def test_window_with_accumulation_packed_equals_one_padded_batch(tmp_path, loss_
 
     def window(model, batches):
         step = WindowStep(model, loss_fn, scaler, "fp32", DistEnv(), forward_chunks=1)
-        stats, _, _ = step.accumulate(iter(batches), len(batches), window_queries=4)
+        stats, _, _ = step.accumulate(iter(batches), len(batches), divisor=4)
         return stats, _grads(model), step.shapes
 
     s_pad, g_pad, _ = window(padded, [GroupCollator(encoder)(groups)])
@@ -264,9 +264,11 @@ def test_non_finite_loss_stops_the_run_at_the_next_read(tmp_path):
     assert 1 < diverged_at <= 4 and done == [1, 2, 3, 4]  # read at step 4, not at the diverged step
 
 
-def test_packed_run_resumes_where_it_stopped(tmp_path):
+@pytest.mark.parametrize("budget", [(), ("data.max_tokens_per_batch=1024",)], ids=["queries", "token-budget"])
+def test_packed_run_resumes_where_it_stopped(tmp_path, budget):
     """Stopped mid-epoch at step 3 (checkpoint), resumed: the same rows and final metrics as one whole run."""
     args = [*TINY_OVERRIDES, "data.packing=true", "trainer.max_steps=6", "trainer.save_model=false", "logger=csv"]
+    args += budget
     plan = plan_devices("single", 1, cuda_count=0, cpu_threads_per_rank=1)
 
     def run(name: str, *extra: str, hooks: StepHooks = NO_HOOKS) -> dict:

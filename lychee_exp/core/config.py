@@ -130,6 +130,9 @@ class DataConfig:
     pack_multiple: int = at_least(1, 64)  # a packed row's width is rounded up to a multiple: few distinct shapes
     # on CUDA, packed rows need torch's varlen kernel (probed at setup); sdpa = accept the per-prompt fallback
     packing_fallback: PackingFallback = PackingFallback.none
+    # tokens per device per micro-batch: whole query groups until the budget is full (batch_size is then unused);
+    # packed: one row of exactly this width (one shape); padded: rows x longest prompt within it. null = off
+    max_tokens_per_batch: Optional[int] = None
 
 
 @dataclass
@@ -266,6 +269,7 @@ def check_config(cfg: DictConfig | RunConfig) -> None:
     if run_cfg.model.lora.dtype not in ("auto", "float32", "model"):
         raise UserError(f"model.lora.dtype must be auto, float32 or model, got {run_cfg.model.lora.dtype!r}")
     _check_packing(run_cfg)
+    _check_token_budget(run_cfg)
     parse_gpus(run_cfg.gpus)
     forward_chunk_count(run_cfg.trainer.forward_chunks, "cpu")
 
@@ -280,6 +284,18 @@ def _check_packing(cfg: RunConfig) -> None:
         raise UserError(f"data.packing=true needs model.attn_implementation sdpa or eager, got {got}")
     if cfg.parallel.strategy == "dp":
         raise UserError("data.packing=true cannot split a packed row over DataParallel GPUs; use parallel=ddp")
+
+
+def _check_token_budget(cfg: RunConfig) -> None:
+    budget = cfg.data.max_tokens_per_batch
+    if budget is None:
+        return
+    if isinstance(budget, bool) or budget < 1:
+        raise UserError(f"data.max_tokens_per_batch must be null or an integer >= 1, got {budget!r}")
+    if cfg.parallel.strategy == "dp":
+        raise UserError(
+            "data.max_tokens_per_batch is a per-device budget; DataParallel splits one batch: use parallel=ddp"
+        )
 
 
 def _check_bounds(node: Any, prefix: str) -> None:

@@ -61,8 +61,9 @@ def model_shape(model: ModelConfig) -> dict | None:
 
 def resolve_checkpointing(cfg: RunConfig, encoder: PromptEncoder, device: torch.device) -> tuple[bool, str]:
     """model.gradient_checkpointing as a bool, and why. auto: off on the CPU (memory is not what limits it there);
-    on CUDA, off when weights + optimizer state + the micro-step's activations without checkpointing (the widest
-    rows x the rows per micro-step) fit in the device's free memory with a margin, else on."""
+    on CUDA, off when weights + optimizer state + the micro-step's activations without checkpointing (the token
+    budget, data.max_tokens_per_batch, when set; else the widest rows x the rows per micro-step) fit in the
+    device's free memory with a margin, else on."""
     value = cfg.model.gradient_checkpointing
     if value != "auto":
         return bool(value), "set"
@@ -72,8 +73,8 @@ def resolve_checkpointing(cfg: RunConfig, encoder: PromptEncoder, device: torch.
     if shape is None:
         return True, "auto: unknown model shape"
     free, _ = torch.cuda.mem_get_info(device)
-    rows = cfg.data.batch_size * cfg.data.train_group_size
-    tokens = rows * prompt_width(encoder)
+    # a token budget bounds a micro-batch's slots by itself (packed: exactly); else the widest rows x rows
+    tokens = cfg.data.max_tokens_per_batch or cfg.data.batch_size * cfg.data.train_group_size * prompt_width(encoder)
     d, ffn, layers, vocab = (shape[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
     params = layers * (4 * d * d + 3 * d * ffn) + vocab * d
     weights = params * _BYTES[cfg.model.dtype]

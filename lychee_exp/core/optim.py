@@ -42,10 +42,12 @@ def effective_batch_size(cfg: RunConfig, num_devices: int) -> int:
     return cfg.data.batch_size * num_devices * cfg.trainer.grad_accum_steps
 
 
-def scaled_lr(cfg: RunConfig, num_devices: int) -> float:
+def scaled_lr(cfg: RunConfig, num_devices: int, mean_batch: float | None = None) -> float:
     """The multi-GPU guide's rule: keep lr per sample constant as the effective batch grows (linear) or
-    grow it with the square root (sqrt, gentler for Adam)."""
-    ratio = effective_batch_size(cfg, num_devices) / cfg.optimizer.base_batch_size
+    grow it with the square root (sqrt, gentler for Adam). `mean_batch`: the mean queries per step of a token
+    budget's plan (data.max_tokens_per_batch), whose steps vary in size, instead of the configured batch."""
+    batch = effective_batch_size(cfg, num_devices) if mean_batch is None else mean_batch
+    ratio = batch / cfg.optimizer.base_batch_size
     factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.optimizer.lr_scaling]
     return cfg.optimizer.lr * factor
 

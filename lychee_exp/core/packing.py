@@ -39,14 +39,17 @@ def round_up(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple if multiple > 1 else length
 
 
-def pack(sequences: Sequence[Sequence[int]], pad_id: int, multiple: int) -> dict:
-    """One row of the sequences end to end, padded to a multiple of `multiple`: input_ids and position_ids
-    (1, width), cu_seqlens (segment boundaries, the pad a segment of its own, int32), last_index (each sequence's
-    last token), lengths, and as host values max_length (the varlen kernel wants it without a device read) and
-    bounds (cu_seqlens as a tuple)."""
+def pack(sequences: Sequence[Sequence[int]], pad_id: int, multiple: int, width: int | None = None) -> dict:
+    """One row of the sequences end to end, padded to a multiple of `multiple` (or to exactly `width`: a token
+    budget's row): input_ids and position_ids (1, width), cu_seqlens (segment boundaries, the pad a segment of its
+    own, int32), last_index (each sequence's last token), lengths, and as host values max_length (the varlen
+    kernel wants it without a device read) and bounds (cu_seqlens as a tuple)."""
     lengths = [len(seq) for seq in sequences]
     total = sum(lengths)
-    width = round_up(total, multiple)
+    if width is None:
+        width = round_up(total, multiple)
+    elif total > width:
+        raise ValueError(f"{total} tokens do not fit a packed row of {width}")
     ids = torch.full((1, width), pad_id, dtype=torch.long)
     positions = torch.zeros((1, width), dtype=torch.long)
     bounds, start = [0], 0

@@ -134,6 +134,10 @@ class PromptEncoder:
         each of its documents)."""
         return list(self.iter_encode(prompts))
 
+    def lengths(self, prompts: Sequence[tuple[str, str, str]]) -> list[int]:
+        """Each prompt's token count (the token cache's counterpart is a look-up)."""
+        return [len(ids) for ids in self.iter_encode(prompts)]
+
     def iter_encode(self, prompts: Sequence[tuple[str, str, str]]) -> Iterator[list[int]]:
         """encode_many's ids one prompt at a time, a batch held at once: for callers that store them compactly."""
         for start in range(0, len(prompts), _BATCH):

@@ -31,6 +31,11 @@ class CachedEncoder:
         self.fill(prompts)
         return [self.cache[prompt].tolist() for prompt in prompts]
 
+    def lengths(self, prompts: Sequence[tuple[str, str, str]]) -> list[int]:
+        """Each prompt's token count, without copying its ids."""
+        self.fill(prompts)
+        return [len(self.cache[prompt]) for prompt in prompts]
+
     def fill(self, prompts: Iterable[tuple[str, str, str]]) -> None:
         """Encodes the prompts not in the cache yet (in batches: PromptEncoder.encode_many) and keeps them."""
         missing = list(dict.fromkeys(prompt for prompt in prompts if prompt not in self.cache))

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lychee_exp.core.config import RunConfig, to_run_config
+from lychee_exp.core.data.budget import check_token_budget
 from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.inputs import RunInputs, load_inputs
@@ -50,7 +51,9 @@ def preflight(cfg: RunConfig) -> RunInputs:
     which the ranks that train in this process reuse."""
     LOSSES.lookup(cfg.loss.name)
     OPTIMIZERS.lookup(cfg.optimizer.name)
-    return load_inputs(cfg)
+    inputs = load_inputs(cfg)
+    check_token_budget(cfg, inputs)
+    return inputs
 
 
 def _job_log_file() -> str | None:

@@ -46,11 +46,13 @@ class WindowStep:
         self.shapes.update((len(rows), width) for rows, width in chunks)
         return {"attention_mask": self._to_device(mask), "chunks": chunks}, int(mask.sum()), padded_slots(chunks)
 
-    def accumulate(self, batches, micro_steps: int, window_queries: int) -> tuple[torch.Tensor, float, float]:
-        """Forward and backward over `micro_steps` batches whose losses are divided by `window_queries` (this
-        rank's queries in the window); returns the all-reduced statistics in STATS order (loss sum, tokens,
-        queries, distillation term sum, token slots computed, padding included) as a float64 device tensor,
-        not read here, and this rank's data-wait and busy seconds."""
+    def accumulate(self, batches, micro_steps: int, divisor: float) -> tuple[torch.Tensor, float, float]:
+        """Forward and backward over `micro_steps` batches whose summed losses are divided by `divisor` (the
+        schedule's: the step's queries over all ranks / world size, since DDP averages over ranks; a dummy batch,
+        a token-budget rank's empty share, weighs 0 but still runs its backward, as DDP needs); returns the
+        all-reduced statistics in STATS order (loss sum, tokens, queries, distillation term sum, token slots
+        computed, padding included) as a float64 device tensor, not read here, and this rank's data-wait and
+        busy seconds."""
         env = self.env
         wait = busy = 0.0
         # NCCL reduces CUDA tensors only; device-side sums are added on the device, host counts on the host
@@ -70,7 +72,11 @@ class WindowStep:
                 logits = self.train_model(self._to_device(inputs["input_ids"]), **kwargs)
                 per_query, distill = self.loss_fn(logits, None if teacher is None else self._to_device(teacher))
             busy += time.perf_counter() - computed
-            self.scaler.scale(per_query.sum() / window_queries).backward()
+            dummy = inputs.get("dummy", False)
+            self.scaler.scale(per_query.sum() * (0.0 if dummy else 1.0 / divisor)).backward()
+            if dummy:
+                slots += batch_slots  # computed, and nothing real in it
+                continue
             loss_sum += per_query.detach().sum()
             if distill is not None:
                 distill_sum += distill.detach().sum()

@@ -70,7 +70,7 @@ class Trainer:
         self.num_devices = plan.num_devices  # devices whose batches make one step (DDP ranks or DP GPUs)
         # built by setup()
         self.tokenizer = self.encoder = self.model = self.train_model = self.precision = None
-        self.train_set = self.dev_pairs = self.sampler = self.loader = None
+        self.train_set = self.dev_pairs = self.sampler = self.loader = self.schedule = None
         self.num_batches = self.steps_per_epoch = self.total_steps = 0
         self.lr, self.optimizer, self.scheduler, self.warmup_steps, self.scaler = 0.0, None, None, 0, None
         self.forward_chunks = 1
@@ -97,6 +97,11 @@ class Trainer:
         self.resume_from = self._resume_path()
         self.facts = setup_facts(cfg, self.env, self.plan, self.lr, self.precision, count_parameters(self.model))
         self.facts["forward_chunks"] = self.forward_chunks
+        if cfg.data.max_tokens_per_batch:  # steps vary in size: the plan's mean (what the lr was scaled to)
+            self.facts.update(
+                effective_batch_size=self.schedule.mean_step_queries(),
+                max_tokens_per_batch=cfg.data.max_tokens_per_batch,
+            )
         self.logger = run_logger(cfg, self.output_dir, self.env.is_main, self.facts)
         if self.env.is_main:
             schedule = (self.total_steps, self.steps_per_epoch, self.warmup_steps)
@@ -124,16 +129,19 @@ class Trainer:
         window = loader_batch * env.world_size * cfg.trainer.grad_accum_steps
         # data.pretokenize: the train prompts' token ids are read once per process, off the step
         encoder = pretokenized(self.encoder, self.train_set, inputs.token_ids) if data.pretokenize else self.encoder
-        self.sampler, self.loader = train_loader(
-            self.train_set, encoder, data, loader_batch, window, env.world_size, env.rank, cfg.seed, self.device
-        )
-        self.num_batches = math.ceil(self.sampler.num_samples / loader_batch)
-        self.steps_per_epoch = math.ceil(self.num_batches / cfg.trainer.grad_accum_steps)
         trainer = cfg.trainer
-        self.total_steps = trainer.max_steps if trainer.max_steps > 0 else trainer.max_epochs * self.steps_per_epoch
+        where = (env.world_size, env.rank, cfg.seed, self.device, trainer.grad_accum_steps)
+        self.sampler, self.loader, self.schedule = train_loader(
+            self.train_set, encoder, data, loader_batch, window, *where
+        )
+        # a token budget's epochs can differ in length (their negatives, so their groups' tokens, are resampled)
+        steps = [math.ceil(self.schedule.num_batches(e) / trainer.grad_accum_steps) for e in range(trainer.max_epochs)]
+        self.num_batches = self.schedule.num_batches(0)
+        self.steps_per_epoch = math.ceil(self.num_batches / trainer.grad_accum_steps)
+        self.total_steps = trainer.max_steps if trainer.max_steps > 0 else sum(steps)
 
     def _setup_optimizer(self) -> None:
-        self.lr = scaled_lr(self.cfg, self.num_devices)
+        self.lr = scaled_lr(self.cfg, self.num_devices, self.schedule.mean_step_queries())
         self.optimizer, self.scheduler, self.warmup_steps = build_optimizer(
             self.cfg.optimizer, self.model, self.lr, self.total_steps
         )
@@ -175,18 +183,18 @@ class Trainer:
         )
         self.train_model.train()
         train_start, eval_time_before = time.perf_counter(), self.eval_time_s
-        accum, batch = cfg.trainer.grad_accum_steps, self.loader.batch_size
+        accum = cfg.trainer.grad_accum_steps
         while progress.step < self.total_steps and not self.stopped:
-            self.sampler.set_epoch(progress.epoch)
-            self.sampler.start = progress.batch * batch
+            self.schedule.seek(progress.epoch, progress.batch)
             self.train_set.set_epoch(progress.epoch)
             batches = iter(self.loader)
-            for first in range(progress.batch, self.num_batches, accum):
-                micro_steps = min(accum, self.num_batches - first)
+            num_batches = self.schedule.num_batches(progress.epoch)
+            for first in range(progress.batch, num_batches, accum):
+                micro_steps = min(accum, num_batches - first)
                 self._train_window(batches, first, micro_steps, progress.step + 1)
                 progress.step += 1
                 done = first + micro_steps
-                position = (progress.epoch, done) if done < self.num_batches else (progress.epoch + 1, 0)
+                position = (progress.epoch, done) if done < num_batches else (progress.epoch + 1, 0)
                 stop = self._after_step(progress, position)
                 # the step's end stamp, after its stop-request collective; evaluations are not training time
                 timer.stamp(progress.step, time.perf_counter() - self.eval_time_s)
@@ -208,11 +216,10 @@ class Trainer:
         """One optimizer step: forward and backward over the accumulation window, then the update. Its figures
         stay on the device (self.pending) until _read_steps: no host sync here."""
         start = time.perf_counter()
-        # Queries in this window on each rank (the epoch's last batch may be short): the loss is a mean over
-        # the whole window, so accumulation and sharding give the gradient of one big batch.
-        batch = self.loader.batch_size
-        window_queries = min(self.sampler.num_samples, (first + micro_steps) * batch) - first * batch
-        stats, wait, busy = self.step.accumulate(batches, micro_steps, window_queries)
+        # the loss is a mean over every query of the global step, so accumulation and sharding give the
+        # gradient of one big batch
+        divisor = self.schedule.loss_divisor(first, micro_steps)
+        stats, wait, busy = self.step.accumulate(batches, micro_steps, divisor)
         grad_norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.scaler, self.cfg.optimizer)
         if self.hooks.after_step:
             self.hooks.after_step(step)

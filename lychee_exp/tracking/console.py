@@ -37,11 +37,13 @@ def log_setup(
         facts["num_devices"],
         facts["precision"],
     )
+    budget = cfg.data.max_tokens_per_batch
+    per_device = f"{budget} tokens" if budget else f"{cfg.data.batch_size} queries"
     log.info(
-        "effective batch %d queries (%d per device x %d devices x %d accumulation); lr %.3g (base %.3g at "
+        "effective batch %s queries (%s per device x %d devices x %d accumulation); lr %.3g (base %.3g at "
         "batch %d, scaling %s); %d steps (%d per epoch), warmup %d",
-        facts["effective_batch_size"],
-        cfg.data.batch_size,
+        f"{facts['effective_batch_size']:.1f} (mean)" if budget else facts["effective_batch_size"],
+        per_device,
         facts["num_devices"],
         cfg.trainer.grad_accum_steps,
         facts["lr"],
@@ -75,19 +77,24 @@ def log_train_step(
             HISTORY["samples_per_s"]: samples_per_s,
             HISTORY["tokens_per_s"]: tokens_per_s,
             HISTORY["data_wait"]: wait / elapsed,
+            HISTORY["queries_per_step"]: queries,
+            HISTORY["tokens_per_step"]: tokens,
             HISTORY["epoch"]: epoch,
         },
         step,
     )
     if is_main:
         log.info(
-            "step %d/%d | loss %.4f | lr %.3g | %.1f samples/s | %.0f tokens/s | data wait %.0f%%",
+            "step %d/%d | loss %.4f | lr %.3g | %.1f samples/s | %.0f tokens/s | %d queries %d tokens | "
+            "data wait %.0f%%",
             step,
             total_steps,
             loss,
             lr,
             samples_per_s,
             tokens_per_s,
+            queries,
+            tokens,
             100 * wait / elapsed,
         )
 

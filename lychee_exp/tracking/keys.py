@@ -9,6 +9,9 @@ HISTORY = {
     "samples_per_s": "train/samples_per_s",
     "tokens_per_s": "train/tokens_per_s",
     "data_wait": "train/data_wait_share",
+    # the logged step's queries and real tokens over all ranks (a token budget's steps vary in both)
+    "queries_per_step": "train/queries_per_step",
+    "tokens_per_step": "train/tokens_per_step",
     "epoch": "epoch",
     "dev_ndcg": "dev/ndcg@10",
     "dev_mrr": "dev/mrr@10",

@@ -64,20 +64,34 @@ class TrainGroups(Dataset):
 
 class GroupCollator:
     """Tokenizes a list of groups into one padded batch of len(groups) * group_size prompts (with `pack_multiple`:
-    one packed row, core.packing.pack), plus the groups' teacher scores (`teacher_scores`, one row per group) when
-    every group has them."""
+    one packed row, core.packing.pack, of exactly `width` tokens when given: a token budget's row), plus the
+    groups' teacher scores (`teacher_scores`, one row per group) when every group has them.
 
-    def __init__(self, encoder: PromptEncoder, pack_multiple: int | None = None):
-        self.encoder, self.pack_multiple = encoder, pack_multiple
+    No groups (a token-budget rank whose share of the epoch ran out): one dummy group of one-token prompts,
+    marked `dummy`, that the step forwards with weight 0, so that the rank still joins DDP's backward."""
+
+    def __init__(
+        self, encoder: PromptEncoder, pack_multiple: int | None = None, width: int | None = None, group_size=1
+    ):
+        self.encoder, self.pack_multiple, self.width, self.group_size = encoder, pack_multiple, width, group_size
 
     def __call__(self, groups: list[tuple[str, str, list[str], list[float] | None]]) -> dict[str, torch.Tensor]:
+        if not groups:
+            return self._dummy()
         ids = self.encoder.encode_many([(instr, query, doc) for instr, query, docs, _ in groups for doc in docs])
-        if self.pack_multiple:
-            batch = pack(ids, self.encoder.pad_id, self.pack_multiple)
-        else:
-            batch = self.encoder.pad(ids)
+        batch = self._layout(ids)
         if all(scores is not None for *_, scores in groups):
             batch["teacher_scores"] = torch.tensor([scores for *_, scores in groups], dtype=torch.float32)
+        return batch
+
+    def _layout(self, ids: list[list[int]]) -> dict:
+        if self.pack_multiple:
+            return pack(ids, self.encoder.pad_id, self.pack_multiple, self.width)
+        return self.encoder.pad(ids)
+
+    def _dummy(self) -> dict:
+        batch = self._layout([[self.encoder.pad_id]] * self.group_size)
+        batch.update(teacher_scores=torch.zeros(1, self.group_size), dummy=True)
         return batch
 
 

@@ -1,0 +1,216 @@
+"""data.max_tokens_per_batch: micro-batches of whole query groups within a token budget. The plan (whole groups,
+within the budget, the same on every rank, padded with empty micro-batches), one packed shape per run, the loss
+as the mean over every query of the global step on ranks holding different numbers of queries (per-parameter
+gradients against one process on the union of the ranks' micro-batches), the LR scaling figure, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_OVERRIDES, TINY_RANKS, compose_config, run_tiny
+from test_training import read_csv
+
+from lychee_exp.core.config import to_run_config
+from lychee_exp.core.data.budget import plan_epoch
+from lychee_exp.core.devices import plan_devices
+from lychee_exp.core.distributed import DistEnv
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.optim import scaled_lr
+from lychee_exp.recipe.trainer import Trainer
+from lychee_exp.testing.equivalence import assert_same_training
+from lychee_exp.testing.jobs import run_job
+
+BUDGET = ("data.max_tokens_per_batch=2048", "data.packing=true")
+
+
+def _sizes(count: int, seed: int = 0) -> list[tuple[int, int]]:
+    gen = torch.Generator().manual_seed(seed)
+    widths = torch.randint(10, 200, (count,), generator=gen).tolist()
+    return [(4 * w - int(torch.randint(0, w, (1,), generator=gen)), w) for w in widths]  # (tokens, longest)
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("pool", [0, 3], ids=["shuffled", "bucketed"])
+def test_plan_takes_whole_groups_within_the_budget(packing, pool):
+    sizes, budget, group = _sizes(200), 2000, 4
+    plan = plan_epoch(sizes, budget, packing, group, seed=3, epoch=1, pool=pool)
+    assert sorted(i for b in plan for i in b) == list(range(200))  # every group once, whole
+    for batch in plan:
+        cost = sum(sizes[i][0] for i in batch) if packing else len(batch) * group * max(sizes[i][1] for i in batch)
+        assert 0 < cost <= budget
+    # greedy: a batch ends only when its next group would not fit (shuffled order: the next batch's first)
+    if not pool and packing:
+        for batch, after in zip(plan, plan[1:]):
+            assert sum(sizes[i][0] for i in batch) + sizes[after[0]][0] > budget
+    assert len({len(b) for b in plan}) > 1  # the number of queries per micro-batch varies
+    assert plan == plan_epoch(sizes, budget, packing, group, seed=3, epoch=1, pool=pool)  # a function of the seed
+    assert plan != plan_epoch(sizes, budget, packing, group, seed=3, epoch=2, pool=pool)
+
+
+def test_group_over_the_budget_is_one_line_naming_the_key():
+    with pytest.raises(UserError, match=r"data\.max_tokens_per_batch=500 .* needs 780 tokens") as err:
+        plan_epoch([(100, 30), (780, 200)], 500, True, 4, 0, 0, 0)
+    assert "\n" not in str(err.value) and ">= 780" in str(err.value)
+    with pytest.raises(UserError, match=r"4 rows x 200"):  # padded: rows x the group's longest prompt
+        plan_epoch([(100, 30), (780, 200)], 500, False, 4, 0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("data.max_tokens_per_batch=0", "data.max_tokens_per_batch"), ("parallel=dp", "parallel=ddp")],
+)
+def test_config_errors_are_one_line(tmp_path, override, key):
+    overrides = ["model=tiny_lychee", "data.max_tokens_per_batch=4096", override]
+    with pytest.raises(UserError, match=key.replace(".", r"\.")) as err:
+        to_run_config(compose_config(overrides, tmp_path))
+    assert "\n" not in str(err.value)
+
+
+def test_preflight_refuses_a_budget_smaller_than_a_group(tmp_path):
+    """Before any process starts: the CLI ends with the one line, no traceback."""
+    from conftest import output_lines, run_cli
+
+    proc = run_cli([*TINY_OVERRIDES, *BUDGET[1:], "data.max_tokens_per_batch=64"], tmp_path / "run")
+    lines = output_lines(proc)
+    assert proc.returncode != 0 and not any("Traceback" in line for line in lines)
+    assert any("data.max_tokens_per_batch=64 cannot hold one query group" in line for line in lines), lines
+
+
+def _trainer(tmp_path: Path, *overrides: str, env: DistEnv | None = None) -> Trainer:
+    cfg = to_run_config(compose_config([*TINY_RANKS, "logger=none", *overrides], tmp_path))
+    trainer = Trainer(cfg, env or DistEnv(), plan_devices("single", 1, cuda_count=0, cpu_threads_per_rank=1), tmp_path)
+    trainer.setup()
+    return trainer
+
+
+def test_every_packed_row_is_the_budget_wide_and_padded_rows_stay_within_it(tmp_path):
+    packed = _trainer(tmp_path / "packed", *BUDGET)
+    padded = _trainer(tmp_path / "padded", "data.max_tokens_per_batch=3072", "trainer.forward_chunks=1")
+    for trainer in (packed, padded):
+        trainer.schedule.seek(0, 0)
+        batches = list(trainer.loader)
+        assert len(batches) == trainer.schedule.num_batches(0) > 2
+        if trainer is packed:
+            assert {tuple(b["input_ids"].shape) for b in batches} == {(1, 2048)}
+            assert all(int(b["lengths"].sum()) <= 2048 for b in batches)
+        else:
+            assert all(b["input_ids"].numel() <= 3072 for b in batches)
+        queries = [b["input_ids"].shape[0] if trainer is padded else len(b["lengths"]) for b in batches]
+        assert sum(queries) // 4 == len(trainer.train_set)  # every query once per epoch
+
+
+def test_lr_scales_with_the_plans_mean_batch(tmp_path):
+    trainer = _trainer(tmp_path, *BUDGET, "optimizer.lr_scaling=linear", "optimizer.base_batch_size=2")
+    plan = trainer.schedule.plan(0)
+    mean = sum(len(b) for b in plan) / math.ceil(len(plan) / trainer.cfg.trainer.grad_accum_steps)
+    assert trainer.facts["effective_batch_size"] == pytest.approx(mean)
+    assert mean != trainer.cfg.data.batch_size  # not the configured per-device batch
+    assert trainer.lr == pytest.approx(trainer.cfg.optimizer.lr * mean / 2)
+    assert scaled_lr(trainer.cfg, 1, mean) == pytest.approx(trainer.lr)
+
+
+def test_packed_budget_run_has_one_shape_and_logs_queries_and_tokens(tmp_path):
+    _, metrics = run_tiny(tmp_path, *BUDGET, "logger=csv", "trainer.max_steps=6", "data.max_train_queries=16")
+    assert metrics["distinct_shapes"] == 1
+    rows = [r for r in read_csv(tmp_path / "metrics.csv") if r.get("train/loss")]
+    queries = [float(r["train/queries_per_step"]) for r in rows]
+    tokens = [float(r["train/tokens_per_step"]) for r in rows]
+    assert len(rows) == 6 and len(set(queries)) > 1 and all(0 < t <= 2048 for t in tokens)
+
+
+# ------------------------------------------------------------------------------------------ two gloo ranks
+def _rank_gradients(rank: int, world: int, port: int, out: str, overrides: list[str]) -> None:
+    """One rank: its share of the first and the last window of epoch 0, gradients saved per window."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        trainer = _trainer(Path(out) / f"rank{rank}", *overrides, env=DistEnv(rank, rank, world))
+        torch.save(_window_gradients(trainer), Path(out) / f"grads{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _window_gradients(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
+    accum, n = trainer.cfg.trainer.grad_accum_steps, trainer.schedule.num_batches(0)
+    result = []
+    for first in (0, (n - 1) // accum * accum):
+        trainer.schedule.seek(0, first)
+        micro = min(accum, n - first)
+        trainer.step.accumulate(iter(trainer.loader), micro, trainer.schedule.loss_divisor(first, micro))
+        result.append({k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.requires_grad})
+        trainer.model.zero_grad(set_to_none=True)
+    return result
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawned_gradients(tmp_path: Path, overrides: list[str]) -> list[dict[str, torch.Tensor]]:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _rank_gradients, args=(2, _free_port(), str(tmp_path), overrides), nprocs=2, start_method="spawn"
+    )
+    return [torch.load(tmp_path / f"grads{r}.pt") for r in range(2)]
+
+
+UNEVEN = [*BUDGET, "data.max_train_queries=15", "data.bucket_by_length=true", "data.bucket_pool_batches=2"]
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_gradient_of_one_process_on_their_union(tmp_path):
+    """Rank 0 and rank 1 hold different query counts, and in the last window rank 1 has no share left (its
+    dummy batch weighs 0); DDP's averaged gradient must equal one process's over both ranks' micro-batches
+    (accumulation 2), per parameter. Dividing by each rank's own count (the mean of rank means) must not."""
+    single = _trainer(tmp_path / "single", *UNEVEN, "trainer.grad_accum_steps=2")
+    plan = single.schedule.plan(0)
+    assert len(plan) % 2 == 1  # the last window has one micro-batch: rank 1's share ends first
+    assert any(len(a) != len(b) for a, b in zip(plan[::2], plan[1::2]))  # ranks hold different query counts
+    want = _window_gradients(single)
+    got = _spawned_gradients(tmp_path, UNEVEN)
+    for window in range(2):
+        ddp = got[0][window]
+        assert all(torch.equal(ddp[k], got[1][window][k]) for k in ddp)  # DDP: every rank has the average
+        for name, grad in want[window].items():
+            scale = float(grad.abs().max())
+            assert scale > 0, name
+            torch.testing.assert_close(ddp[name], grad, atol=1e-5 * scale, rtol=1e-4, msg=name)
+    # the mean of the ranks' own means (each rank dividing by its own query count) differs: the check has teeth
+    sums = []
+    for first in (0, 1):  # the first window's two micro-batches, one at a time, summed losses
+        single.schedule.seek(0, first)
+        single.step.accumulate(iter(single.loader), 1, 1.0)
+        sums.append({k: p.grad.clone() for k, p in single.model.named_parameters() if p.requires_grad})
+        single.model.zero_grad(set_to_none=True)
+    counts = len(plan[0]), len(plan[1])
+    name = next(iter(want[0]))
+    union = (sums[0][name] + sums[1][name]) / sum(counts)
+    torch.testing.assert_close(union, want[0][name], atol=1e-6, rtol=1e-4)
+    mean_of_means = (sums[0][name] / counts[0] + sums[1][name] / counts[1]) / 2
+    assert counts[0] != counts[1] and not torch.allclose(mean_of_means, got[0][0][name], rtol=1e-3, atol=0)
+
+
+@pytest.mark.slow
+def test_ddp_budget_run_matches_one_process(tmp_path):
+    """Whole runs: 2 ranks (accumulation 1) against one process with accumulation 2 on the same plan: every
+    step's loss (1e-5 relative), pre-clip gradient norm and the saved weights."""
+    common = [*TINY_RANKS, *UNEVEN, "speedup.calibrate=false", "trainer.max_steps=5", "optimizer.lr=1e-3"]
+    run_job([*common, "parallel=single", "gpus=1", "trainer.grad_accum_steps=2"], tmp_path / "single")
+    run_job([*common, "parallel=ddp", "gpus=2"], tmp_path / "ddp")
+    assert_same_training(tmp_path / "ddp", tmp_path / "single", rtol=1e-5)
+    # epoch 0's last step (step 3) had rank 1 on a dummy batch, and the run went on into epoch 1 without a hang
+    m = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
+    assert m["steps"] == 5 and m["num_devices"] == 2 and m["distinct_shapes"] == 1
