@@ -229,7 +229,7 @@ def test_tiny_ablation_dry_run(tmp_path):
     ablation = report["checks"]["ablation"]
     rows = ablation["rows"]
     assert list(rows) == [name for name, _, _ in ABLATION] and report["mode"] == "tiny ablation"
-    assert rows["defaults"]["vs_defaults"] == 1.0 and rows["defaults_long_tailed"]["vs_defaults"] == 1.0
+    assert rows["defaults"]["vs_defaults"] == 1.0 and rows["defaults_512"]["vs_defaults"] == 1.0
     for name, row in rows.items():
         assert "skipped" in row or (row["vs_defaults"] > 0 and row["same_weights"] is True), name
     assert rows["before"]["gradient_checkpointing"] is True and rows["before"]["attention"] == "sdpa_padded"

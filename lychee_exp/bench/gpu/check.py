@@ -33,7 +33,7 @@ PROFILE_STEPS = 3  # torch.profiler over this many steps after the defaults row'
 # unfused AdamW, tokenizing in the step, padded rows); then one lever changed per row. Each row is compared with
 # the defaults row of its mix (`vs_defaults`). Rows whose key the config schema lacks are recorded as skipped.
 BEFORE = ["model.gradient_checkpointing=true", "model.lora.dtype=float32", "optimizer.fused=false",
-          "data.pretokenize=false", "data.packing=false"]  # fmt: skip
+          "data.pretokenize=false", "data.packing=false", "data.max_tokens_per_batch=null"]  # fmt: skip
 ABLATION = (
     ("defaults", "lora_1p5b_2048", []),
     ("before", "lora_1p5b_2048", BEFORE),
@@ -43,10 +43,9 @@ ABLATION = (
     ("liger_kernel", "lora_1p5b_2048", ["model.liger_kernel=true"]),
     ("not_deterministic", "lora_1p5b_2048", ["trainer.deterministic=false"]),
     ("lora_dropout_0", "lora_1p5b_2048", ["model.lora.dropout=0.0"]),
-    ("defaults_long_tailed", "long_tailed", []),
-    ("token_budget_16k", "long_tailed", ["data.max_tokens_per_batch=16384"]),
-    ("token_budget_32k", "long_tailed", ["data.max_tokens_per_batch=32768"]),
-    ("token_budget_64k", "long_tailed", ["data.max_tokens_per_batch=65536"]),
+    ("defaults_512", "lora_1p5b_512", []),  # the mix's token budget (16384: 4 groups of 8 x 512 per step)
+    ("token_budget_half", "lora_1p5b_512", ["data.max_tokens_per_batch=x0.5"]),  # xF: F x the mix's budget
+    ("token_budget_double", "lora_1p5b_512", ["data.max_tokens_per_batch=x2"]),
     ("unfused_adamw", "lora_1p5b_2048", ["optimizer.fused=false"]),
     ("lora_bf16_weights", "lora_1p5b_2048", ["model.lora.dtype=model"]),
     ("tokenize_in_step", "lora_1p5b_2048", ["data.pretokenize=false"]),
@@ -97,7 +96,7 @@ class Runner:
     def data(self, mix: Mix, warmup: int) -> Path:
         path = self.work / f"{mix.name}_{warmup}.jsonl"
         if not path.exists():
-            write_mix(mix, warmup + self.timed, path)
+            write_mix(mix, 2 * warmup + self.timed, path)  # HF's warm-up slice may come after the window
         return path
 
     def build_weights(self) -> dict:
@@ -237,6 +236,12 @@ def ablation(runner: Runner, liger: bool) -> dict:
     the same mix; a torch.profiler summary of the defaults row's steps after its window."""
     rows: dict = {}
     for name, mix, overrides in ABLATION:
+        # a reset to null of a key this tree's schema lacks is no change
+        overrides = [o for o in overrides if not (o.endswith("=null") and not has_key(o.split("=")[0][5:]))]
+        budget = runner.mixes[mix].token_budget
+        overrides = [
+            f"{o.split('=x')[0]}={int(budget * float(o.split('=x')[1]))}" if "=x" in o else o for o in overrides
+        ]
         why = ablation_skip(name, overrides, runner.tiny, liger)
         if why:
             rows[name] = {"skipped": why}
@@ -245,7 +250,7 @@ def ablation(runner: Runner, liger: bool) -> dict:
         rows[name] = runner.run("ours", mix, overrides=overrides, packing="auto", profile_steps=profile)
         rows[name].update(mix=mix, ablation_overrides=overrides)
     for name, mix, _ in ABLATION:
-        base = rows["defaults" if mix == "lora_1p5b_2048" else "defaults_long_tailed"].get("tokens_per_s")
+        base = rows["defaults" if mix == "lora_1p5b_2048" else "defaults_512"].get("tokens_per_s")
         row = rows[name]
         if ok(row) and base:
             row["vs_defaults"] = round(row["tokens_per_s"] / base, 3)

@@ -26,11 +26,35 @@ from lychee_exp.bench.gpu.timing import BatchLog, WindowClock, peak_memory, wind
 from lychee_exp.bench.gpu.weights import starting_point
 
 
-def pairs(cfg, steps: int) -> tuple[list[dict], object, tuple[int, int]]:
-    """The rows of lychee_exp's first `steps` batches (its sampler, its groups, its prompt encoder), unpadded, with
-    labels (1 for each group's positive), pre-tokenized as a HF user pre-tokenizes a dataset."""
-    from lychee_exp.core.data.groups import TrainGroups
+def lychee_batches(cfg, groups, encoder, count: int) -> list[list[tuple[int, int]]]:
+    """(epoch, query) of each of lychee_exp's first `count` micro-batches in one process: its fixed batches, or
+    its token-budget plan (core.data.budget, a function of the seed) epoch after epoch."""
     from lychee_exp.core.data.sampling import train_sampler
+
+    data = cfg.data
+    if getattr(data, "max_tokens_per_batch", None):
+        from lychee_exp.core.data.budget import TokenBudgetSampler
+
+        plan = TokenBudgetSampler(groups, encoder, data, 1, 1, 0, cfg.seed).plan
+        batches, epoch = [], 0
+        while len(batches) < count:
+            batches += [[(epoch, q) for q in b] for b in plan(epoch) if b]
+            epoch += 1
+        return batches[:count]
+    order = list(train_sampler(groups, encoder, data.bucket_by_length, data.bucket_pool_batches,
+                               data.batch_size, 1, 0, cfg.seed))  # fmt: skip
+    fixed = [[(0, q) for q in order[k * data.batch_size : (k + 1) * data.batch_size]] for k in range(count)]
+    return [b for b in fixed if b]
+
+
+def pairs(cfg, warmup: int, timed: int) -> tuple[list[dict], object, tuple[int, int], int, int]:
+    """HF's rows, unpadded, with labels (1 for each group's positive), pre-tokenized as a HF user pre-tokenizes a
+    dataset (lychee_exp's groups and prompt encoder), and HF's warm-up and timed step counts. HF takes
+    data.batch_size queries a step. Its window: the queries of lychee_exp's timed micro-batches (its sampler or
+    token-budget plan), cut to a multiple of that (where a token budget made the count uneven, fewer than one HF
+    step's worth are left out). Its warm-up: a separate slice of `warmup` steps, lychee_exp's warm-up queries then
+    those after its window."""
+    from lychee_exp.core.data.groups import TrainGroups
     from lychee_exp.core.inputs import load_inputs
     from lychee_exp.core.model import answer_token_ids
 
@@ -38,16 +62,23 @@ def pairs(cfg, steps: int) -> tuple[list[dict], object, tuple[int, int]]:
     data = cfg.data
     instruction = data.instruction or cfg.model.prompt.default_instruction
     groups = TrainGroups(inputs.train_queries, data.train_group_size, instruction, cfg.seed, data.random_negatives)
-    order = list(train_sampler(groups, inputs.encoder, data.bucket_by_length, data.bucket_pool_batches,
-                               data.batch_size, 1, 0, cfg.seed))  # fmt: skip
+    batches = lychee_batches(cfg, groups, inputs.encoder, 2 * warmup + timed)
+    per = data.batch_size
+    flat = lambda part: [q for b in part for q in b]  # noqa: E731
+    window = flat(batches[warmup : warmup + timed])
+    window = window[: len(window) // per * per]
+    warm = (flat(batches[:warmup]) + flat(batches[warmup + timed :]))[: warmup * per]
+    if len(warm) < warmup * per or not window:
+        raise RuntimeError(f"too few queries for HF's {warmup} warm-up steps or its window ({per} queries a step)")
     rows = []
-    for index in order[: steps * data.batch_size]:
+    for epoch, index in warm + window:
+        groups.set_epoch(epoch)
         instr, query, docs, _ = groups[index]
         rows += [
             {"input_ids": inputs.encoder.encode(instr, query, doc), "labels": float(k == 0)}
             for k, doc in enumerate(docs)
         ]
-    return rows, inputs.encoder, answer_token_ids(cfg.model, inputs.encoder)
+    return rows, inputs.encoder, answer_token_ids(cfg.model, inputs.encoder), warmup, len(window) // per
 
 
 def own_checkpointing(cfg, encoder, rows: list[dict], device: torch.device) -> tuple[bool, str]:
@@ -129,10 +160,10 @@ def run(spec: dict, out: Path) -> dict:
     from lychee_exp.core.model import model_dir
 
     cfg = compose(spec, out)
-    steps = spec["warmup"] + spec["timed"]
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    rows, encoder, (yes_id, no_id) = pairs(cfg, steps)
+    rows, encoder, (yes_id, no_id), warmup, timed = pairs(cfg, spec["warmup"], spec["timed"])
+    steps = warmup + timed
     per_step = cfg.data.batch_size * cfg.data.train_group_size
     checkpointing, why = own_checkpointing(cfg, encoder, rows, device)
 
@@ -152,7 +183,7 @@ def run(spec: dict, out: Path) -> dict:
     model = get_peft_model(model, peft_config).to(device)
     started_from = starting_point(model)
     log, losses = BatchLog(), []
-    clock = WindowClock(spec["warmup"], spec["timed"], device)
+    clock = WindowClock(warmup, timed, device)
 
     def collate(batch_rows: list[dict]) -> dict:
         batch = encoder.pad([r["input_ids"] for r in batch_rows])  # left padding, as lychee_exp pads
@@ -175,7 +206,7 @@ def run(spec: dict, out: Path) -> dict:
                 return SlicedSampler([super(YesNoTrainer, self)._get_train_sampler(part) for part in slices])
             return SequentialSampler(self.train_dataset)  # lychee_exp's batches, in its order
 
-    warm = spec["warmup"] * per_step
+    warm = warmup * per_step
     slices = [Subset(rows, range(warm)), Subset(rows, range(warm, len(rows)))]
 
     class Clock(TrainerCallback):

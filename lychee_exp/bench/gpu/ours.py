@@ -31,8 +31,11 @@ def has_key(name: str) -> bool:
 
 def extra_overrides(spec: dict) -> list[str]:
     """The run's own overrides on top of the recipe, with data.packing=true where the schema has it (`packing:
-    auto`); packed rows have no padding to cut, so the padded path's bucketing and forward chunks are left out."""
+    auto`); packed rows have no padding to cut, so the padded path's bucketing and forward chunks are left out.
+    Where the schema has data.max_tokens_per_batch, the mix's token budget unless the run sets its own."""
     extra = list(spec.get("overrides", []))
+    if has_key("max_tokens_per_batch") and not any(o.startswith("data.max_tokens_per_batch=") for o in extra):
+        extra.append(f"data.max_tokens_per_batch={spec['mix']['token_budget']}")
     if spec.get("packing") == "auto" and has_key("packing") and "data.packing=false" not in extra:
         extra = [o for o in extra if not o.startswith(("trainer.forward_chunks=", "data.bucket_by_length="))]
         extra.append("data.packing=true")
