@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -254,3 +255,39 @@ def test_lychee_exp_and_hf_trainer_do_the_same_math(tmp_path):
     assert len(ours) == len(hf) == 5
     assert ours == pytest.approx(hf, rel=1e-4)
     assert len(set(ours)) == 5  # the losses move: the comparison is not of a model that does not train
+
+
+@pytest.mark.slow
+def test_hf_times_the_rows_of_lychee_exps_window(tmp_path):
+    """On the long-tailed mix under its token budget, HF's timed rows are the prompts of lychee_exp's timed
+    micro-batches (compared as the multiset of prompt lengths its loader yields), its warm-up a separate slice."""
+    import dataclasses
+
+    from lychee_exp.bench.gpu import hf, ours
+    from lychee_exp.core.devices import plan_devices
+    from lychee_exp.core.distributed import DistEnv
+    from lychee_exp.recipe.trainer import Trainer
+
+    runner = Runner(tmp_path, tiny=True, warmup=2, timed=3, budget=Budget(600))
+    assert runner.build_weights()["passed"] is True
+    mix = runner.mixes["long_tailed"]
+    spec = {"system": "ours", "seed": 42, "model_dir": str(runner.model_dir), "packing": "auto", "warmup": 2,
+            "timed": 3, "data": str(runner.data(mix, 2)), "mix": dataclasses.asdict(mix)}  # fmt: skip
+    cfg = ours.compose(spec, tmp_path / "ours")
+    trainer = Trainer(cfg, DistEnv(), plan_devices("single", 1, cpu_threads_per_rank=1), tmp_path / "ours")
+    trainer.setup()
+    try:
+        loader = iter(trainer.loader)
+        batches = [next(loader) for _ in range(5)]
+    finally:
+        trainer.cleanup()
+    window = sorted(n for b in batches[2:] for n in b["lengths"].tolist())
+    rows, _, _, warm_steps, timed_steps = hf.pairs(ours.compose({**spec, "system": "hf"}, tmp_path / "hf"), 2, 3)
+    per = cfg.data.batch_size * cfg.data.train_group_size
+    hf_window = sorted(len(r["input_ids"]) for r in rows[warm_steps * per :])
+    assert warm_steps == 2 and timed_steps == len(hf_window) // per >= 1
+    if has_key("max_tokens_per_batch"):
+        assert len(window) - per < len(hf_window) <= len(window)  # cut to whole HF steps
+        assert not Counter(hf_window) - Counter(window)  # every HF row is one of lychee_exp's window
+    else:
+        assert hf_window == window

@@ -19,8 +19,9 @@ from lychee_exp.core.levers import resolve_checkpointing
 
 FIRST_LOSSES = 5
 # The one place that lists the recipe options every lychee_exp run of the check trains with: the `lychee_lora`
-# experiment as shipped, plus what the check must add to it (e.g. data.max_tokens_per_batch=<n> once the config
-# has that key). The rest of recipe_overrides is the check's plumbing (model, data files, step counts, logging).
+# experiment as shipped, plus what the check must add to it. Each mix's data.max_tokens_per_batch (where the schema
+# has the key) is its Mix.token_budget, added by extra_overrides. The rest of recipe_overrides is the check's
+# plumbing (model, data files, step counts, logging).
 RECIPE = ["experiment=lychee_lora"]
 
 
