@@ -1,19 +1,23 @@
 """GPU acceptance check: every GPU-only path of lychee_exp, run for real, and the LoRA recipe timed against HF
 Trainer + peft, in one command within a time budget (launch/gpu_check.sh; docs/gpu_check.md).
 
-  bash launch/gpu_check.sh [--out gpu_check.json] [--budget-s 450] [--ablation] [--tiny]
+  bash launch/gpu_check.sh [--out gpu_check.json] [--budget-s 330] [--hf-compile] [--ablation] [--tiny]
 
-Checks, each in its own process so that one failure does not hide the others (in this order; a check that no
-longer fits in the budget is recorded as skipped):
-  matmul_ceiling       bf16 8192^3 GEMM rate on random data (CUDA events): the measured ceiling beside MFU
-  lora_1p5b_<len>      lychee_exp's LoRA r=64 recipe on a Qwen2.5-1.5B-shaped model (random weights, built from a
-                       config: no download), rows of exactly <len> tokens; >= 30 timed steps after warm-up
+Checks, each in its own process so that one failure does not hide the others, in this order: the required ones
+first, then the optional ones while the pace measured so far says they fit (a check that does not fit is
+recorded as skipped; a required one skipped fails the check). Each prints its seconds as it ends.
+  weights              the model drawn once from a seed (on the GPU) and written as safetensors: every later run
+                       of both systems loads it, and records a fingerprint of what it loaded
+  lora_1p5b_<len>      lychee_exp's LoRA r=64 recipe on a Qwen2.5-1.5B-shaped model (random weights, no
+                       download), rows of exactly <len> tokens; >= 30 timed steps after warm-up
   hf_side_by_side      the same training in HF Trainer + peft, equal lengths (2048) and long-tailed (32-4096)
   gpu_tests            pytest -m gpu
-  ddp_cli / dp_cli     `python -m lychee_exp.run parallel=ddp|dp gpus=auto` end to end on every visible GPU
-  warm_sweep           a 2-trial sweep with parallel=ddp gpus=auto: the second trial on the first one's warm ranks
---ablation runs instead one lychee_exp row per speed lever (lychee_exp.bench.gpu.check.ABLATION), its own budget.
---tiny (alias --dry-run) runs the same on the CPU with the tiny Qwen2 and tiny mixes, a few steps each.
+  matmul_ceiling       (optional) bf16 8192^3 GEMM rate on random data (CUDA events), beside MFU
+  ddp_cli / dp_cli     (optional) `python -m lychee_exp.run parallel=ddp|dp gpus=auto` end to end
+  warm_sweep           (optional) a 2-trial sweep with parallel=ddp gpus=auto on warm ranks
+  hf_compiled          (only with --hf-compile) HF with torch_compile=True on both mixes
+--ablation runs instead one lychee_exp row per speed lever (lychee_exp.bench.gpu.check.ABLATION), budget 450 s.
+--tiny (alias --dry-run) runs every phase on the CPU with the tiny Qwen2 and tiny mixes, a few steps each.
 Writes one JSON (commit, device, per-check figures and pass/fail) and exits 1 if a check failed.
 """
 
@@ -45,7 +49,10 @@ TINY_RUN = [
     "trainer.progress_bar=false",
     "logger=csv",
 ]
-REQUIRED = ("lora_1p5b_512", "lora_1p5b_2048", "hf_side_by_side", "gpu_tests")  # skipped = failed; others optional
+REQUIRED = ("weights", "lora_1p5b_512", "lora_1p5b_2048", "hf_side_by_side", "gpu_tests")  # skipped = failed
+DEFAULT_BUDGET_S = {False: 330.0, True: 450.0}  # checks (ends within 6 minutes with start-up), --ablation (8)
+NOT_RUN = {"skipped": "not run"}
+GPU_TESTS_GUESS_S = {False: 80.0, True: 20.0}  # before it ran here: 74 s on the H200 on 2026-11-30 (GPU, --tiny)
 
 
 def commit() -> str:
@@ -109,34 +116,44 @@ def check_warm_sweep(work: Path, timeout_s: float) -> dict:
     return {"passed": ok, **facts, **({} if ok else {"tail": tail})}
 
 
-def plan(args, runner: timed.Runner, work: Path, cuda_count: int) -> list[tuple[str, float, object]]:
-    """(name, seconds it needs at least, check) in the order they run."""
+def plan(args, runner: timed.Runner, work: Path, cuda_count: int) -> list[tuple[str, str, object]]:
+    """(name, pace kind, check) in the order they run; a check starts when a run of its kind fits."""
     budget = runner.budget
+    weights = ("weights", "weights", runner.build_weights)
+    matmul = ("matmul_ceiling", "matmul", lambda: runner.run("matmul"))
     if args.ablation:
         liger = importlib.util.find_spec("liger_kernel") is not None
-        return [("matmul_ceiling", 20, lambda: runner.run("matmul", min_s=20)),
-                ("ablation", 45, lambda: timed.ablation(runner, liger))]  # fmt: skip
+        return [weights, ("ablation", "ours", lambda: timed.ablation(runner, liger)), matmul]
     lora = {}
 
     def lora_check(key: str):
         lora[key] = timed.lora_check(runner, key)
         return lora[key]
 
+    def gpu_tests() -> dict:
+        started = time.perf_counter()
+        result = check_gpu_tests(budget.left - 5)
+        runner.pace["gpu_tests"] = time.perf_counter() - started
+        return result
+
+    runner.guess["gpu_tests"] = GPU_TESTS_GUESS_S[args.tiny]
     steps = [
-        ("matmul_ceiling", 20, lambda: runner.run("matmul", min_s=20)),
-        ("lora_1p5b_512", 45, lambda: lora_check("lora_1p5b_512")),
-        ("lora_1p5b_2048", 45, lambda: lora_check("lora_1p5b_2048")),
-        ("hf_side_by_side", 90, lambda: timed.side_by_side(runner, lora.get("lora_1p5b_2048", {"skipped": "not run"}))),
-        ("gpu_tests", 60, lambda: check_gpu_tests(budget.left - 5)),
+        weights,
+        ("lora_1p5b_512", "ours", lambda: lora_check("lora_1p5b_512")),
+        ("lora_1p5b_2048", "ours", lambda: lora_check("lora_1p5b_2048")),
+        ("hf_side_by_side", "hf", lambda: timed.side_by_side(runner, lora.get("lora_1p5b_2048", NOT_RUN))),
+        ("gpu_tests", "gpu_tests", gpu_tests),
+        matmul,
     ]
-    if not args.no_hf_compile:
-        steps.append(("hf_compiled", 90, lambda: timed.hf_compiled(runner, runner.results.get("hf_side_by_side"))))
     if not args.tiny:
         steps += [
-            ("ddp_cli", 40, lambda: check_cli("ddp", work, budget.left - 5, cuda_count)),
-            ("dp_cli", 30, lambda: check_cli("dp", work, budget.left - 5, cuda_count)),
-            ("warm_sweep", 60, lambda: check_warm_sweep(work, budget.left - 5)),
+            ("ddp_cli", "ours", lambda: check_cli("ddp", work, budget.left - 5, cuda_count)),
+            ("dp_cli", "ours", lambda: check_cli("dp", work, budget.left - 5, cuda_count)),
+            ("warm_sweep", "ours", lambda: check_warm_sweep(work, budget.left - 5)),
         ]
+    if args.hf_compile:
+        sbs = runner.results.get
+        steps.append(("hf_compiled", "hf_compiled", lambda: timed.hf_compiled(runner, sbs("hf_side_by_side"))))
     return steps
 
 
@@ -151,8 +168,12 @@ def print_table(checks: dict) -> None:
                   f"HF {entry['first_losses']['hf']}")  # fmt: skip
     rows += [(f"hf_compiled/{m}", r) for m, r in (checks.get("hf_compiled") or {}).get("rows", {}).items()]
     rows += [(f"ablation/{n}", r) for n, r in (checks.get("ablation") or {}).get("rows", {}).items()]
+    for name, row in rows:
+        if "attention" in row:
+            print(f"gpu_check: {name}: attention {row['attention']} (seen: {row.get('attention_paths_seen')}), "
+                  f"widths {row.get('widths_seen')}, checkpointing {row.get('checkpointing_why')}")  # fmt: skip
     head = f"{'run':34} {'tokens/s':>10} {'MFU':>7} {'HFU':>7} {'steps':>5} {'shapes':>6} {'pad':>5} {'peak MB':>9}"
-    print(head + " ckpt")
+    print(head + " ckpt  vs_defaults")
     for name, row in rows:
         if "tokens_per_s" not in row:
             print(f"{name:34} {(row.get('skipped') or row.get('error') or '')[:80]}")
@@ -160,21 +181,25 @@ def print_table(checks: dict) -> None:
         pct = lambda x: f"{100 * x:.1f}%" if x is not None else "-"  # noqa: E731
         print(f"{name:34} {row['tokens_per_s']:>10.0f} {pct(row['mfu']):>7} {pct(row['hardware_utilisation']):>7} "
               f"{row['timed_steps']:>5} {row['distinct_shapes']:>6} {row['padding_share']:>5.2f} "
-              f"{row.get('peak_memory_mb') or 0:>9.0f} {row.get('gradient_checkpointing')}")  # fmt: skip
+              f"{row.get('peak_memory_mb') or 0:>9.0f} {row.get('gradient_checkpointing')!s:5} "
+              f"{row.get('vs_defaults', '')}")  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.json", help="where the JSON report goes")
-    parser.add_argument("--budget-s", type=float, default=450, help="the whole check ends within this (seconds)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="the whole check ends within this (seconds; default 330, --ablation 450)")  # fmt: skip
     parser.add_argument("--timed", type=int, default=None, help="timed steps per run (default 30; --tiny: 2)")
     parser.add_argument(
         "--warmup", type=int, default=None, help="warm-up steps before the clock (default 3; --tiny: 1)"
     )
     parser.add_argument("--ablation", action="store_true", help="one row per speed lever instead of the checks")
-    parser.add_argument("--no-hf-compile", action="store_true", help="leave out HF's torch_compile=True rows")
+    parser.add_argument("--hf-compile", action="store_true", help="add HF's torch_compile=True rows (optional, last)")
     parser.add_argument("--tiny", "--dry-run", action="store_true", help="CPU, tiny model and mixes, a few steps")
     args = parser.parse_args()
+    if args.budget_s is None:
+        args.budget_s = DEFAULT_BUDGET_S[args.ablation]
     import torch
 
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -204,27 +229,34 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="lychee_gpu_check_") as tmp:
         work = Path(tmp)
         runner = timed.Runner(work, args.tiny, warmup, timed_steps, budget)
-        for check_name, min_s, check in plan(args, runner, work, cuda_count):
+        for check_name, kind, check in plan(args, runner, work, cuda_count):
             t0 = time.perf_counter()
-            if budget.left < min_s:
-                result = {"skipped": f"time budget: {budget.left:.0f} s left, needs ~{min_s} s"}
+            if runner.fingerprint is None and check_name != "weights" and kind in ("ours", "hf", "hf_compiled"):
+                result = {"skipped": "no weights: the weights phase did not finish"}
             else:
+                result = runner.fits(kind)
+            if result is None:
                 try:
                     result = check()
                 except Exception as err:  # noqa: BLE001 - a broken check is a failed check, and the others still run
                     result = {"passed": False, "error": f"{type(err).__name__}: {err}"}
             if "skipped" in result:  # a required check that did not run fails the check; an optional one does not
-                result["passed"] = False if check_name in REQUIRED and not args.ablation else None
+                result["passed"] = False if check_name in REQUIRED else None
             result.setdefault("passed", "error" not in result)
             runner.results[check_name] = result
             result["seconds"] = round(time.perf_counter() - t0, 1)
             report["checks"][check_name] = result
-            brief = {k: v for k, v in result.items() if k not in ("tail", "rows")}
+            brief = {k: v for k, v in result.items() if k not in ("tail", "rows", "profile")}
             verdict = {True: "PASS", False: "FAIL", None: "SKIPPED"}[result["passed"]]
-            print(f"gpu_check: {check_name}: {verdict} ({result['seconds']} s) "
+            print(f"gpu_check: {check_name}: {verdict} ({result['seconds']} s, {budget.left:.0f} s left) "
                   f"{json.dumps(brief)[:1500]}", flush=True)  # fmt: skip
             if result["passed"] is False and result.get("tail"):
                 print(result["tail"], flush=True)
+        profile = (report["checks"].get("ablation") or {}).get("profile")
+        if profile and "share" in profile:
+            print(f"gpu_check: profile of the defaults row ({profile['clock']}): shares {profile['share']}")
+            for k in profile["top_kernels"][:8]:
+                print(f"gpu_check:   {k['seconds']:>9.5f} s {k['calls']:>6} calls {k['category']:>11} {k['name'][:90]}")
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["passed"] = all(c["passed"] is not False for c in report["checks"].values())
     print_table(report["checks"])

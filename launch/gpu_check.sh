@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU acceptance check, one command, within a time budget (default 450 s) on one GPU (docs/gpu_check.md):
-#   bash launch/gpu_check.sh [--out gpu_check.json] [--budget-s 450] [--ablation] [--tiny]
+# GPU acceptance check, one command, within a time budget (default 330 s; --ablation 450 s) on one GPU (docs/gpu_check.md):
+#   bash launch/gpu_check.sh [--out gpu_check.json] [--budget-s 330] [--hf-compile] [--ablation] [--tiny]
 # Writes one JSON (commit, device, tokens/s, MFU, peak memory, pass/fail per check); exits 1 on any failed check
 # and 2, with one line, on a machine without an NVIDIA GPU (--tiny / --dry-run: the same checks on the CPU).
 # Wheels in .whl/ (launch/gpu_wheels.sh, for a machine without network) are installed into /tmp/lychee_site first.

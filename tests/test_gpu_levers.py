@@ -1,6 +1,6 @@
 """Speed levers on a CUDA GPU: deterministic mode without a warning per GEMM, fused AdamW by default, checkpointing
 `auto` off when memory allows, the LoRA adapters' bf16 path, compiled decoder layers and Liger kernels giving the
-logits of the plain model."""
+logits and adapter gradients of the plain model (lora_B drawn, not zero)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from conftest import TINY_OVERRIDES, compose_config
+from test_levers import draw_lora_b
 
 from lychee_exp.core.config import OptimizerConfig, to_run_config
 from lychee_exp.core.inputs import load_inputs
@@ -47,26 +48,48 @@ def test_checkpointing_auto_is_off_for_the_tiny_model(tmp_path):
     assert on is False, why
 
 
-def logits(tmp_path, *extra) -> torch.Tensor:
+def logits_and_grads(tmp_path, *extra) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits and the adapters' gradients of three rows, lora_B drawn (at its zero init the adapters add nothing,
+    so a wrong adapter path would still give the plain model's logits)."""
     cfg = run_config(tmp_path, "model.lora.enabled=true", "model.dtype=bfloat16", *extra)
     inputs = load_inputs(cfg)
-    model = load_reranker(cfg.model, inputs.encoder, seed=3).to(CUDA).eval()
+    model = load_reranker(cfg.model, inputs.encoder, seed=3)
+    draw_lora_b(model)
+    model = model.to(CUDA).eval()  # no dropout: the paths compared draw no masks
     apply_levers(model, cfg.model, "bf16", CUDA)
     batch = inputs.encoder.pad([inputs.encoder.encode("i", "a query", "a document about it" * n) for n in (1, 3, 5)])
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        return model(batch["input_ids"].to(CUDA), batch["attention_mask"].to(CUDA)).float().cpu()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(batch["input_ids"].to(CUDA), batch["attention_mask"].to(CUDA)).float()
+    (out * torch.tensor([1.0, -0.5, 0.25], device=CUDA)).sum().backward()
+    grads = {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n for n in grads)
+    return out.detach().cpu(), grads
 
 
-def test_lora_auto_path_gives_peft_float32_logits(tmp_path):
-    torch.testing.assert_close(logits(tmp_path, "model.lora.dtype=auto"), logits(tmp_path, "model.lora.dtype=float32"))
+def assert_same(got, expected, tol: float) -> None:
+    """Logits within tol (relative and absolute); every gradient within tol in relative norm."""
+    torch.testing.assert_close(got[0], expected[0], rtol=tol, atol=tol)
+    assert got[1].keys() == expected[1].keys()
+    for name, grad in expected[1].items():
+        err = float((got[1][name] - grad).norm() / grad.norm().clamp(min=1e-12))
+        assert err < tol, (name, err)
 
 
-def test_compiled_layers_give_the_same_logits(tmp_path):
-    torch.testing.assert_close(
-        logits(tmp_path, "model.compile_layers=true"), logits(tmp_path), rtol=2e-2, atol=2e-2
+def test_lora_auto_path_gives_peft_float32_logits_and_gradients(tmp_path):
+    assert_same(
+        logits_and_grads(tmp_path, "model.lora.dtype=auto"),
+        logits_and_grads(tmp_path, "model.lora.dtype=float32"),
+        1e-3,
+    )
+
+
+def test_compiled_layers_give_the_same_logits_and_gradients(tmp_path):
+    plain = logits_and_grads(tmp_path)
+    assert_same(
+        logits_and_grads(tmp_path, "model.compile_layers=true"), plain, 2e-2
     )  # bf16: fused kernels round differently
 
 
-def test_liger_kernels_give_the_same_logits(tmp_path):
+def test_liger_kernels_give_the_same_logits_and_gradients(tmp_path):
     pytest.importorskip("liger_kernel")
-    torch.testing.assert_close(logits(tmp_path, "model.liger_kernel=true"), logits(tmp_path), rtol=2e-2, atol=2e-2)
+    assert_same(logits_and_grads(tmp_path, "model.liger_kernel=true"), logits_and_grads(tmp_path), 2e-2)

@@ -3,6 +3,7 @@ cuBLAS's workspace setting for deterministic mode, compiled decoder layers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -128,27 +129,55 @@ class CountCasts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def draw_lora_b(model: torch.nn.Module, seed: int = 5) -> None:
+    """lora_B is zero at init, so the adapters add nothing whatever their path: drawn, they change the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen).to(p.dtype) * 0.2)
+
+
 def lora_model(tmp_path, lora_dtype: str):
     cfg = run_config(tmp_path, "model.lora.enabled=true", "model.dtype=bfloat16", f"model.lora.dtype={lora_dtype}")
     inputs = load_inputs(cfg)
     model = load_reranker(cfg.model, inputs.encoder, seed=3)
+    draw_lora_b(model)
     apply_levers(model, cfg.model, "bf16", torch.device("cpu"))
     batch = inputs.encoder.pad([inputs.encoder.encode("i", "a query", "a document about it" * n) for n in (1, 3)])
     return model.eval(), batch
 
 
+def logits_and_grads(model, batch, counter=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    with torch.autocast("cpu", dtype=torch.bfloat16), counter or contextlib.nullcontext():
+        logits = model(batch["input_ids"], batch["attention_mask"])
+    (logits.float() * torch.tensor([1.0, -0.5])).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def test_lora_auto_computes_in_bf16_without_upcasts(tmp_path):
     """auto keeps float32 adapter weights but skips peft's cast of each input to float32: under autocast the
-    adapter matmuls ran in bf16 either way, so the logits are the same and the casts fewer."""
-    logits, casts = {}, {}
+    adapter matmuls ran in bf16 either way, so the logits and the adapters' gradients are the same, the casts
+    fewer. (lora_B drawn: with lora_B = 0 the adapters would add nothing.)"""
+    logits, grads, casts = {}, {}, {}
     for mode in ("float32", "auto"):
         model, batch = lora_model(tmp_path, mode)
         assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), CountCasts() as counter:
-            logits[mode] = model(batch["input_ids"], batch["attention_mask"])
+        counter = CountCasts()
+        logits[mode], grads[mode] = logits_and_grads(model, batch, counter)
         casts[mode] = counter.casts
     assert torch.equal(logits["auto"], logits["float32"])
+    assert grads["auto"].keys() == grads["float32"].keys() and any("lora_A" in n for n in grads["auto"])
+    for name, grad in grads["float32"].items():
+        assert torch.equal(grads["auto"][name], grad), name
     assert casts["auto"] < casts["float32"]
+    # the drawn adapters matter: without them the logits move
+    plain, batch = lora_model(tmp_path, "auto")
+    for name, p in plain.named_parameters():
+        if "lora_B" in name:
+            p.data.zero_()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not torch.allclose(plain(batch["input_ids"], batch["attention_mask"]), logits["auto"], atol=1e-2)
 
 
 def test_lora_model_dtype_puts_adapters_in_bf16(tmp_path):

@@ -53,6 +53,11 @@ class Precision(Choice):
     fp16 = "fp16"
 
 
+class PackingFallback(Choice):
+    none = "none"  # data.packing on CUDA without a working varlen kernel stops at setup, in one line
+    sdpa = "sdpa"  # then packed rows go through one causal sdpa call per prompt per layer (slower)
+
+
 class Strategy(Choice):
     single = "single"  # one device
     dp = "dp"  # DataParallel, one process

@@ -28,6 +28,7 @@ from lychee_exp.core.choices import (  # noqa: F401  (Choice: re-exported, the b
     LrScaling,
     Metric,
     ModelKind,
+    PackingFallback,
     Precision,
     Schedule,
     Score,
@@ -127,6 +128,8 @@ class DataConfig:
     # a micro-batch's prompts end to end in one row, each attending to itself only (causal LMs; docs/performance.md)
     packing: bool = False
     pack_multiple: int = at_least(1, 64)  # a packed row's width is rounded up to a multiple: few distinct shapes
+    # on CUDA, packed rows need torch's varlen kernel (probed at setup); sdpa = accept the per-prompt fallback
+    packing_fallback: PackingFallback = PackingFallback.none
     # tokens per device per micro-batch: whole query groups until the budget is full (batch_size is then unused);
     # packed: one row of exactly this width (one shape); padded: rows x longest prompt within it. null = off
     max_tokens_per_batch: Optional[int] = None

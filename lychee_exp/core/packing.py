@@ -7,7 +7,9 @@ reused); that pad is its own segment, whose outputs nothing reads.
 
 Attention: the model runs under `packed_<base>` (registered below), which is the base implementation (sdpa or
 eager) for ordinary padded batches (evaluation) and, for packed ones, torch's varlen (flash) attention on CUDA in
-half precision, else causal sdpa on each segment in turn (eager: a block-diagonal causal mask).
+half precision, else causal sdpa on each segment in turn (eager: a block-diagonal causal mask). Which of these
+ran is recorded (`attention_paths`), and on CUDA a packed run without a working varlen kernel stops at setup
+(`check_packed_attention`) unless `data.packing_fallback=sdpa` asks for the per-prompt path.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from lychee_exp.core.errors import UserError
+
 log = logging.getLogger(__name__)
 
 PACKED_PREFIX = "packed_"
@@ -25,6 +29,10 @@ PACKED_PREFIX = "packed_"
 CU_SEQLENS, MAX_LENGTH = "cu_seq_lens_q", "max_length_q"
 BOUNDS = "packed_bounds"  # the same boundaries as host ints: slicing by them reads nothing from the device
 HOST_KEYS = ("max_length", "bounds")  # what pack() returns as host values, not tensors
+# The attention paths a process ran, by name: varlen (torch's flash varlen kernel), sdpa_per_prompt (one causal
+# sdpa call per segment), eager_block_mask (one block-diagonal mask), <base>_padded (a padded batch). Not
+# recorded while torch.compile traces (compiled layers): a compiled run reports the path decided at setup.
+ATTENTION_PATHS: set[str] = set()
 
 
 def round_up(length: int, multiple: int) -> int:
@@ -85,6 +93,83 @@ def varlen_available(device: torch.device) -> bool:
     return True
 
 
+_PROBES: dict[int, tuple[bool, str]] = {}
+
+
+def varlen_probe(device: torch.device) -> tuple[bool, str]:
+    """(works, why): the varlen kernel run once through `_varlen` on two tiny bf16 segments with grouped heads,
+    its output compared with causal sdpa per segment. Cached per device index."""
+    if not varlen_available(device):
+        return False, "no varlen_attn on this device (needs CUDA and torch >= 2.10)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PROBES:
+        _PROBES[index] = _probe(torch.device("cuda", index))
+    return _PROBES[index]
+
+
+def _probe(device: torch.device) -> tuple[bool, str]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, 4, 24, 64, device=device, dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, 2, 24, 64, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32, device=device)
+    try:
+        out = _varlen(None, q, k, v, cu, 14, 64**-0.5)
+    except Exception as err:  # noqa: BLE001 - any failure of the kernel means: not usable here
+        return False, f"varlen_attn failed: {type(err).__name__}: {str(err)[:200]}"
+    if out is None:
+        return False, "this torch's varlen_attn cannot apply the attention scale"
+    kr, vr = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    ref = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(q[:, :, s:e], kr[:, :, s:e], vr[:, :, s:e], is_causal=True)
+            for s, e in ((0, 10), (10, 24))
+        ],
+        dim=2,
+    ).transpose(1, 2)
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    if not err < 2e-2:  # bf16 operands: ~1e-3 expected
+        return False, f"varlen_attn output differs from causal sdpa per segment (relative error {err:.3g})"
+    return True, f"ok (relative error {err:.1e} against sdpa)"
+
+
+def packed_attention_path(device: torch.device, precision: str, base: str, dropout: float) -> str:
+    """The path packed rows take on this device and precision (what `attention` below does with them)."""
+    half = precision in ("bf16", "fp16")
+    if device.type == "cuda" and half and not dropout and varlen_probe(device)[0]:
+        return "varlen"
+    return "sdpa_per_prompt" if base == "sdpa" else "eager_block_mask"
+
+
+def check_packed_attention(device: torch.device, precision: str, base: str, dropout: float, fallback: str) -> str:
+    """The packed path, decided at setup; on CUDA anything but varlen is a one-line error unless
+    `data.packing_fallback=sdpa` (slower: one attention call per prompt per layer, or a full mask)."""
+    path = packed_attention_path(device, precision, base, dropout)
+    if device.type == "cuda" and path != "varlen" and fallback != "sdpa":
+        why = varlen_probe(device)[1] if precision in ("bf16", "fp16") else f"trainer.precision={precision}"
+        if dropout:
+            why = "attention dropout is on (the varlen kernel has none)"
+        raise UserError(
+            f"data.packing=true on CUDA without the varlen kernel ({why}): set data.packing_fallback=sdpa to run "
+            f"packed rows through {path} (slower), or data.packing=false"
+        )
+    return path
+
+
+def packed_attention_path_of(cfg, device: torch.device, precision: str) -> str:
+    """A run's attention path (RunConfig `cfg`): check_packed_attention's for a packed run, else padded rows
+    through the model's own attention (e.g. sdpa_padded)."""
+    if not cfg.data.packing:
+        return f"{cfg.model.attn_implementation}_padded"
+    model = cfg.model
+    return check_packed_attention(device, precision, model.attn_implementation, model.dropout or 0.0,
+                                  cfg.data.packing_fallback)  # fmt: skip
+
+
+def _record(path: str) -> None:
+    if not torch.compiler.is_compiling():
+        ATTENTION_PATHS.add(path)
+
+
 def _use_varlen(query: torch.Tensor) -> bool:
     """The flash varlen kernel: CUDA, half precision (autocast included), torch >= 2.10."""
     half = query.dtype in (torch.float16, torch.bfloat16)
@@ -134,10 +219,12 @@ def _make_packed_attention(base: str):
         else:
             base_fn = AttentionInterface._global_mapping[base]
         if cu_seqlens is None:  # an ordinary padded batch (evaluation)
+            _record(f"{base}_padded")
             return base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if not dropout and _use_varlen(query):  # the varlen kernel has no attention dropout
             out = _varlen(module, query, key, value, cu_seqlens, max_length, scaling)
             if out is not None:
+                _record("varlen")
                 return out, None
         if base == "sdpa":  # causal attention segment by segment: no width x width mask or scores
             parts = [
@@ -151,7 +238,9 @@ def _make_packed_attention(base: str):
                 )[0]
                 for s, e in zip(bounds[:-1], bounds[1:])
             ]
+            _record("sdpa_per_prompt")
             return torch.cat(parts, dim=1), None
+        _record("eager_block_mask")
         # eager adds its mask to the scores
         allowed = block_causal_mask(cu_seqlens, query.shape[2])
         mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(~allowed, float("-inf"))

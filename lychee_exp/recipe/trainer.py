@@ -31,6 +31,7 @@ from lychee_exp.core.levers import apply_levers, resolved_model_config
 from lychee_exp.core.losses import build_loss
 from lychee_exp.core.model import count_parameters, load_reranker, save_reranker
 from lychee_exp.core.optim import build_optimizer, optimizer_step, scaled_lr
+from lychee_exp.core.packing import packed_attention_path_of
 from lychee_exp.core.seeding import seed_everything
 from lychee_exp.core.token_cache import pretokenized
 from lychee_exp.recipe.checkpoint import latest_checkpoint, restore_training_state, save_training_state
@@ -113,6 +114,7 @@ class Trainer:
         self.model = model.to(self.device)
         self.precision = resolve_precision(self.cfg.trainer.precision, self.device)
         apply_levers(self.model, model_cfg, self.precision, self.device)
+        self.attention = packed_attention_path_of(self.cfg, self.device, self.precision)  # stops without varlen
         self.train_model = wrap_for_training(self.model, self.env, self.plan, self.cfg.parallel.find_unused_parameters)
 
     def _setup_data(self, inputs: RunInputs) -> None:

@@ -32,21 +32,25 @@ class Mix:
     queries_per_step: int  # data.batch_size
     group: int  # data.train_group_size: rows per step = queries_per_step x group
     doc_tokens: tuple[int, int] | None  # long_tailed: (shortest, longest) document; None: every document overflows
+    # data.max_tokens_per_batch where the config has it: the equal mixes' step (queries x group x max_len, which
+    # is the 16384 that experiment=lychee_lora ships); long_tailed: the smallest multiple of 4096 that holds any
+    # of its groups (8 x 4224 tokens at worst), so that no group stops the run at preflight
+    token_budget: int
 
 
 def full_mixes() -> dict[str, Mix]:
     return {
-        "lora_1p5b_512": Mix("equal_512", 512, 4, 8, None),
-        "lora_1p5b_2048": Mix("equal_2048", 2048, 1, 8, None),
-        "long_tailed": Mix("long_tailed", 4224, 2, 8, (32, 4096)),  # 4096-token documents plus the prompt
+        "lora_1p5b_512": Mix("equal_512", 512, 4, 8, None, 16384),
+        "lora_1p5b_2048": Mix("equal_2048", 2048, 1, 8, None, 16384),
+        "long_tailed": Mix("long_tailed", 4224, 2, 8, (32, 4096), 36864),  # 4096-token documents plus the prompt
     }
 
 
 def tiny_mixes() -> dict[str, Mix]:
     return {
-        "lora_1p5b_512": Mix("equal_512", 80, 2, 4, None),
-        "lora_1p5b_2048": Mix("equal_2048", 128, 1, 4, None),
-        "long_tailed": Mix("long_tailed", 200, 2, 4, (8, 128)),
+        "lora_1p5b_512": Mix("equal_512", 80, 2, 4, None, 640),
+        "lora_1p5b_2048": Mix("equal_2048", 128, 1, 4, None, 512),
+        "long_tailed": Mix("long_tailed", 200, 2, 4, (8, 128), 800),
     }
 
 
@@ -62,8 +66,18 @@ def model_dir(work: Path, tiny: bool) -> Path:
     return path
 
 
+def queries_per_step(mix: Mix) -> int:
+    """The most queries a step should hold: the fixed batch, or on long_tailed under its token budget twice what
+    groups of typical documents (the geometric mean) would fill."""
+    if mix.doc_tokens is None:
+        return mix.queries_per_step
+    typical = math.sqrt(mix.doc_tokens[0] * mix.doc_tokens[1])
+    return max(mix.queries_per_step, math.ceil(2 * mix.token_budget / (mix.group * typical)))
+
+
 def write_mix(mix: Mix, steps: int, path: Path, seed: int = 0) -> Path:
-    """Enough queries for `steps` optimizer steps (one epoch), 1 positive + (group - 1) negatives each."""
+    """Enough queries for `steps` optimizer steps (one epoch, fixed or token-budget batches), 1 positive +
+    (group - 1) negatives each."""
     words = " ".join(json.loads(line)["pos"][0] for line in SAMPLE_TRAIN.read_text().splitlines()).split()
     rng = random.Random(seed)
     longest = mix.doc_tokens[1] if mix.doc_tokens else mix.max_len
@@ -77,7 +91,7 @@ def write_mix(mix: Mix, steps: int, path: Path, seed: int = 0) -> Path:
         return " ".join(rng.choices(words, k=max(1, int(tokens / TOKENS_PER_WORD))))
 
     with path.open("w") as out:
-        for q in range(steps * mix.queries_per_step + mix.queries_per_step):
+        for q in range((steps + 1) * queries_per_step(mix)):
             docs = [document() for _ in range(mix.group)]
             out.write(json.dumps({"query": f"query {q}: " + " ".join(rng.choices(words, k=8)),
                                   "pos": docs[:1], "neg": docs[1:]}) + "\n")  # fmt: skip

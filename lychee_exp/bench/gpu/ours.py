@@ -11,21 +11,33 @@ from pathlib import Path
 import torch
 
 from lychee_exp.bench.gpu.flops import Shape, bf16_peak_tflops
+from lychee_exp.bench.gpu.profile import StepProfiler
 from lychee_exp.bench.gpu.timing import BatchLog, WindowClock, peak_memory, window_figures
+from lychee_exp.bench.gpu.weights import starting_point
 from lychee_exp.core.config import DataConfig, RunConfig, to_run_config
+from lychee_exp.core.levers import resolve_checkpointing
 
 FIRST_LOSSES = 5
+# The one place that lists the recipe options every lychee_exp run of the check trains with: the `lychee_lora`
+# experiment as shipped, plus what the check must add to it. Each mix's data.max_tokens_per_batch (where the schema
+# has the key) is its Mix.token_budget, added by extra_overrides. The rest of recipe_overrides is the check's
+# plumbing (model, data files, step counts, logging).
+RECIPE = ["experiment=lychee_lora"]
 
 
-def has_packing() -> bool:
-    return "packing" in {f.name for f in dataclasses.fields(DataConfig)}
+def has_key(name: str) -> bool:
+    """Whether the config schema has data.<name> (the check runs on trees with and without later keys)."""
+    return name in {f.name for f in dataclasses.fields(DataConfig)}
 
 
 def extra_overrides(spec: dict) -> list[str]:
     """The run's own overrides on top of the recipe, with data.packing=true where the schema has it (`packing:
-    auto`); packed rows have no padding to cut, so the padded path's bucketing and forward chunks are left out."""
+    auto`); packed rows have no padding to cut, so the padded path's bucketing and forward chunks are left out.
+    Where the schema has data.max_tokens_per_batch, the mix's token budget unless the run sets its own."""
     extra = list(spec.get("overrides", []))
-    if spec.get("packing") == "auto" and has_packing() and "data.packing=false" not in extra:
+    if has_key("max_tokens_per_batch") and not any(o.startswith("data.max_tokens_per_batch=") for o in extra):
+        extra.append(f"data.max_tokens_per_batch={spec['mix']['token_budget']}")
+    if spec.get("packing") == "auto" and has_key("packing") and "data.packing=false" not in extra:
         extra = [o for o in extra if not o.startswith(("trainer.forward_chunks=", "data.bucket_by_length="))]
         extra.append("data.packing=true")
     return extra
@@ -33,11 +45,11 @@ def extra_overrides(spec: dict) -> list[str]:
 
 def recipe_overrides(spec: dict) -> list[str]:
     """The run both systems read their settings from: the Lychee LoRA recipe on the check's model and mix."""
-    mix, steps = spec["mix"], spec["warmup"] + spec["timed"]
+    mix, steps = spec["mix"], spec["warmup"] + spec["timed"] + spec.get("profile_steps", 0)
     overrides = [
-        "experiment=lychee_lora",
+        *RECIPE,
         f"model.path={spec['model_dir']}",
-        "model.random_init=true",
+        "model.random_init=false",  # the check's weights, written once (lychee_exp.bench.gpu.weights)
         "parallel=single",
         "gpus=1",
         "data=jsonl",
@@ -84,6 +96,15 @@ def estimated_activations(cfg: RunConfig, encoder, checkpointing: bool) -> int:
     return activation_bytes(model_shape(cfg.model), cfg.model, tokens, checkpointing, "bf16")
 
 
+def attention_record(decided: str, device: torch.device) -> dict:
+    """The attention path decided at setup, the paths the packed attention saw, and the varlen probe's verdict."""
+    from lychee_exp.core.packing import ATTENTION_PATHS, varlen_probe
+
+    works, why = varlen_probe(device) if device.type == "cuda" else (False, "not CUDA")
+    return {"attention": decided, "attention_paths_seen": sorted(ATTENTION_PATHS), "varlen_probe": {"ok": works,
+            "why": why}}  # fmt: skip
+
+
 def checkpointing_on(model: torch.nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
@@ -108,16 +129,25 @@ class RecordingLoader:
 def run(spec: dict, out: Path) -> dict:
     from lychee_exp.core.devices import plan_devices, torch_device
     from lychee_exp.core.distributed import DistEnv
+    from lychee_exp.core.model import build_encoder, load_tokenizer
     from lychee_exp.recipe.progress import StepHooks
     from lychee_exp.recipe.trainer import Trainer
 
     cfg = compose(spec, out)
     device = torch_device("cuda" if torch.cuda.is_available() else "cpu")
     clock = WindowClock(spec["warmup"], spec["timed"], device)
-    trainer = Trainer(
-        cfg, DistEnv(device=device), plan_devices("single", 1), out, hooks=StepHooks(after_step=clock.step_done)
-    )
+    profiler = StepProfiler(spec["warmup"] + spec["timed"], spec.get("profile_steps", 0), device)  # after the window
+
+    def after_step(step: int) -> None:
+        clock.step_done(step)
+        profiler.step_done(step)
+
+    hooks = StepHooks(after_step=after_step)
+    trainer = Trainer(cfg, DistEnv(device=device), plan_devices("single", 1), out, hooks=hooks)
+    # the checkpointing decision as setup takes it (free memory before the model is built), and why
+    _, why = resolve_checkpointing(cfg, build_encoder(cfg.model, load_tokenizer(cfg.model)), device)
     trainer.setup()
+    started_from = starting_point(trainer.model)
     chunks = getattr(trainer, "forward_chunks", cfg.trainer.forward_chunks)  # resolved (auto) by setup
     log = BatchLog(chunks if isinstance(chunks, int) else 1)
     trainer.loader = RecordingLoader(trainer.loader, log)
@@ -142,9 +172,12 @@ def run(spec: dict, out: Path) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     row = window_figures(log, clock, shape, lora, checkpointing, bf16_peak_tflops(name))
     row.update(peak_memory(device))
+    row.update(attention_record(trainer.attention, device))
     row.update(
         {
             "system": "lychee_exp",
+            "fingerprints": started_from,
+            "checkpointing_why": why,
             # core.levers' estimate behind gradient_checkpointing=auto, to read beside peak_memory_mb
             "estimated_activation_gib": round(estimated_activations(cfg, trainer.encoder, checkpointing) / 2**30, 2),
             "first_losses": [round(float(x), 5) for x in losses],
@@ -165,4 +198,6 @@ def run(spec: dict, out: Path) -> dict:
             "overrides": extra_overrides(spec),
         }
     )
+    if profiler.steps:
+        row["profile"] = profiler.summary()
     return row

@@ -92,10 +92,15 @@ def window_figures(
         "shapes_first_seen_in_window": len(shapes - seen),
         "padding_share": round(1 - real / slots, 4) if slots else 0.0,
         "real_tokens_per_step": round(real / max(1, len(timed)), 1),
+        "token_slots_per_step": round(slots / max(1, len(timed)), 1),
+        "widths_seen": sorted({s[-1] for *_, s in log.batches}),  # every batch's width (a packed row's included)
     }
 
 
 def peak_memory(device: torch.device) -> dict:
     if device.type != "cuda":
-        return {"peak_memory_mb": None}
-    return {"peak_memory_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
+        return {"peak_memory_mb": None, "peak_reserved_mb": None}
+    return {
+        "peak_memory_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1),
+        "peak_reserved_mb": round(torch.cuda.max_memory_reserved(device) / 2**20, 1),
+    }

@@ -1,7 +1,8 @@
 """One system's timed run in a fresh process: `python -m lychee_exp.bench.gpu.worker SPEC.json OUT.json`.
 
-SPEC: {"system": "ours" | "hf" | "matmul", "model_dir", "data", "mix": {...}, "warmup", "timed", ...}. OUT gets the
-row (or {"error": ...}); the exit status is 0 either way once OUT is written, so that the caller reads one file.
+SPEC: {"system": "ours" | "hf" | "weights" | "matmul", "model_dir", "data", "mix": {...}, "warmup", "timed", ...}.
+OUT gets the row (or {"error": ...}); the exit status is 0 either way once OUT is written, so that the caller
+reads one file.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def main(argv: list[str]) -> int:
             from lychee_exp.bench.gpu import hf
 
             row = hf.run(spec, work)
+        elif spec["system"] == "weights":
+            from lychee_exp.bench.gpu import weights
+
+            row = weights.build(Path(spec["model_dir"]), spec["seed"])
         else:
             row = matmul_ceiling()
     except Exception as err:  # noqa: BLE001 - the caller reports the failure in the JSON
