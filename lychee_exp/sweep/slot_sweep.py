@@ -35,7 +35,7 @@ def parse(value: Any) -> str | int:
     except ValueError:
         count = 0
     if count < 1:
-        raise UserError(f"hydra.sweeper.devices_per_trial={value!r}: use all, auto or a positive number of devices")
+        raise UserError(f"hydra.sweeper.devices_per_trial={value}: use all, auto or a positive number of devices")
     return count
 
 
