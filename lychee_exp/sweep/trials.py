@@ -57,7 +57,7 @@ def describe_plan(mode: str, n_jobs: int, launcher: str) -> str:
     if n_jobs > 1:
         return (
             f"n_jobs={n_jobs}: {launcher} runs trials one at a time, in this process (concurrent trials: "
-            "hydra/launcher=submitit_local, slurm, ..., or more workers: launch/sweep_workers.sh)"
+            "hydra/launcher=submitit_local, slurm, ..., or device slots: hydra.sweeper.devices_per_trial=1)"
         )
     return ""
 
