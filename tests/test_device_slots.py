@@ -168,3 +168,58 @@ def test_lr_batch_with_one_device_per_trial_runs_two_training_trials_at_once(tmp
         assert metrics["grad_accum_steps"] == t.params["trainer.global_batch_size"] // 2
     summary = (sweep / "optimization_results.yaml").read_text()
     assert "placement:" in summary and "slots: 2" in summary
+
+
+def test_auto_measures_each_device_count_once_then_reads_the_cache(tmp_path):
+    from lychee_exp.core.config import to_run_config
+    from lychee_exp.sweep.placement import cache_path, measured_speedups, store_rate
+    from lychee_exp.testing.jobs import compose_job
+
+    cfg = to_run_config(compose_job(["model=tiny_lychee", f"speedup.baseline_file={tmp_path / 'b.json'}"], tmp_path))
+    measured = []
+
+    def measure(n: int) -> float:
+        measured.append(n)
+        return {1: 10.0, 2: 15.0, 4: 24.0}[n]
+
+    assert measured_speedups(cfg, "cpu", [2, 4], measure) == {1: 1.0, 2: 1.5, 4: 2.4}
+    assert measured_speedups(cfg, "cpu", [1, 2, 4], measure) == {1: 1.0, 2: 1.5, 4: 2.4}
+    assert measured == [1, 2, 4] and cache_path(cfg) == tmp_path / "scaling.json"
+    # other training settings are other figures; the scaling benchmark's figure for the same settings is reused
+    other = to_run_config(
+        compose_job(
+            ["model=tiny_lychee", "data.train_group_size=2", f"speedup.baseline_file={tmp_path / 'b.json'}"], tmp_path
+        )
+    )
+    store_rate(other, "cpu", 1, 5.0, "bench")
+    store_rate(other, "cpu", 2, 9.0, "bench")
+    assert measured_speedups(other, "cpu", [2], measure) == {1: 1.0, 2: 1.8} and measured == [1, 2, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TWO_CORES, reason="needs 2 cores")
+def test_auto_prints_its_decision_and_records_it(tmp_path):
+    from conftest import TINY_RANKS
+
+    def run(name: str, trials: int) -> str:
+        command = [sys.executable, "-m", "lychee_exp.run", "-m", "hparams_search=lr_batch", *TINY_RANKS]
+        command += [
+            "trainer.save_model=false",
+            f"hydra.sweep.dir={tmp_path / name}",
+            f"hydra.sweeper.n_trials={trials}",
+        ]
+        command += ["hydra.sweeper.devices_per_trial=auto", f"speedup.baseline_file={tmp_path / 'cache' / 'b.json'}"]
+        proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=900)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        return proc.stdout + proc.stderr
+
+    out = run("first", 2)
+    (line,) = [line for line in out.splitlines() if "x the trials per hour of 1 x 2" in line]
+    assert "speedup 1.00x at 1, " in line and "x at 2 ->" in line
+    summary = (tmp_path / "first" / "optimization_results.yaml").read_text()
+    assert "setting: auto" in summary and "speedups:" in summary
+    assert sorted(p.name for p in (tmp_path / "first" / "calibration").iterdir()) == ["1_devices", "2_devices"]
+    cached = json.loads((tmp_path / "cache" / "scaling.json").read_text())
+    assert len(cached) == 2
+    run("second", 1)  # the same settings: the figures come from the cache
+    assert not (tmp_path / "second" / "calibration").exists()

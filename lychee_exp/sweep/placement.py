@@ -94,31 +94,53 @@ def _load(path: Path) -> dict:
         return {}
 
 
+def cache_path(cfg: RunConfig) -> Path:
+    return Path(cfg.speedup.baseline_file).with_name("scaling.json")
+
+
+def device_name(device_type: str) -> str:
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return "cpu core"
+
+
+def store_rate(cfg: RunConfig, device_type: str, n: int, samples_per_s: float, source: str) -> None:
+    """One measured training throughput on n devices (a calibration, or the scaling benchmark's figure)."""
+    path = cache_path(cfg)
+    table = _load(path)  # re-read: another sweep may have added entries meanwhile
+    table[cache_key(cfg, device_type, device_name(device_type), n)] = {
+        "samples_per_s": samples_per_s,
+        "source": source,
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, table)
+
+
 def measured_speedups(
-    cfg: RunConfig,
-    device_type: str,
-    device_name: str,
-    counts: Sequence[int],
-    measure: Callable[[int], float],
+    cfg: RunConfig, device_type: str, counts: Sequence[int], measure: Callable[[int], float]
 ) -> dict[int, float]:
-    """s(n) for every n in counts (1 included): samples/s at n over samples/s at 1, each from the cache or
-    `measure(n)` (then cached)."""
-    path = Path(cfg.speedup.baseline_file).with_name("scaling.json")
-    table = _load(path)
-    rates: dict[int, float] = {}
+    """s(n) for every n in counts (1 included): samples/s at n over samples/s at 1, each from the cache (filled
+    by earlier calibrations and by `python -m lychee_exp.bench`) or `measure(n)` (then cached)."""
+    path, rates = cache_path(cfg), {}
     for n in sorted({1, *counts}):
-        key = cache_key(cfg, device_type, device_name, n)
-        entry = table.get(key)
+        entry = _load(path).get(cache_key(cfg, device_type, device_name(device_type), n))
         if entry:
             rates[n] = float(entry["samples_per_s"])
-            log.info("auto: %d device(s): %.3g samples/s from %s (%s)", n, rates[n], path, entry["measured_at"])
+            log.info(
+                "auto: %d device(s): %.3g samples/s from %s (%s, %s)",
+                n,
+                rates[n],
+                path,
+                entry.get("source", "?"),
+                entry["measured_at"],
+            )
             continue
         rates[n] = measure(n)
         log.info("auto: %d device(s): %.3g samples/s (calibrated)", n, rates[n])
-        table = _load(path)  # another sweep may have added entries meanwhile
-        table[key] = {"samples_per_s": rates[n], "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, table)
+        store_rate(cfg, device_type, n, rates[n], "sweep calibration")
     if rates[1] <= 0:
         raise UserError("hydra.sweeper.devices_per_trial=auto: the 1-device calibration measured no throughput")
     return {n: rate / rates[1] for n, rate in rates.items()}

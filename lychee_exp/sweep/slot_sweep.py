@@ -117,7 +117,6 @@ def _auto(sw: Any, job_cfg: DictConfig, devices: Devices, total: int) -> placeme
     run = _run_config(job_cfg)
     finished = sum(1 for t in sw.study.get_trials(deepcopy=False) if t.state.is_finished() and st.counts(t))
     remaining = max(1, sw.n_trials - finished)
-    name = _device_name(devices)
     overrides = sw.space.overrides(sw.sample_params)
 
     def measure(n: int) -> float:
@@ -125,16 +124,8 @@ def _auto(sw: Any, job_cfg: DictConfig, devices: Devices, total: int) -> placeme
         return placement.calibrate(overrides, slot, sw.sweep_dir / "calibration" / f"{n}_devices")
 
     counts = placement.candidates(total)
-    speedups = placement.measured_speedups(run, devices.kind, name, counts, measure)
+    speedups = placement.measured_speedups(run, devices.kind, counts, measure)
     return placement.decide(speedups, total, remaining)
-
-
-def _device_name(devices: Devices) -> str:
-    if devices.kind == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name(0)
-    return "cpu core"
 
 
 def record_line(sw: Any) -> str:
