@@ -5,9 +5,10 @@
 
 Each setting runs the same study (`hparams_search=lr_batch`, the tiny Qwen2, `parallel=ddp` on every device the
 machine has, the sampler's seed fixed, no pruning) from an empty sweep directory; `auto` starts with an empty
-scaling cache, so its calibration is part of its wall time (the line "(cached)" gives it without). Prints, per
-setting, the sweep command's wall time, trials per hour, the median trial duration, auto's decision line, and
-whether auto chose the setting that measured faster. Extra arguments are overrides for every sweep.
+scaling cache, so its calibration (one short run per candidate device count, paid once per training settings)
+is part of its wall time. Prints, per setting, the sweep command's wall time, trials per hour, the median trial
+duration, auto's decision line, and whether auto chose the setting that measured faster. Extra arguments are
+overrides for every sweep.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ def main() -> None:
     chosen = str(auto["placement"].get("devices_per_trial"))
     measured = "all" if faster["setting"] == "all" else "1"
     picked = "all" if chosen == str(auto["placement"].get("devices")) else chosen
-    verdict = "the same as" if picked == measured else "NOT"
-    print(f"auto chose {picked}; measured faster: devices_per_trial={measured} -> {verdict} the faster setting")
+    verdict = "auto picked the faster setting" if picked == measured else "auto did NOT pick the faster setting"
+    print(f"auto chose {picked}; measured faster: devices_per_trial={measured} -> {verdict}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 PLACEMENT = "placement"  # study attribute: the decision and its figures (results, and each trial's W&B config)
 
 
+class SlotsFailed(RuntimeError):
+    """A slot worker was killed or crashed (not a trial's failure, which the study's counts report)."""
+
+
 def parse(value: Any) -> str | int:
     """all | auto | a positive int, else a one-line error naming the key."""
     text = str(value).strip().lower()
@@ -109,7 +113,7 @@ def start(sw: Any, job_cfg: DictConfig) -> bool:
     codes = run_slots(slots, slot_command([*pinned, *([f"gpus={per_trial}"] if sw.lychee else [])]))
     failed = [(slot.index, code) for slot, code in zip(slots, codes) if code not in (0, 1)]
     if failed:  # exit 1 is the trials' failure, which the study's counts report below
-        raise RuntimeError(f"slot worker(s) ended abnormally (slot, exit code): {failed}")
+        raise SlotsFailed(f"slot worker(s) ended abnormally (slot, exit code): {failed}; the same command resumes")
     return True
 
 

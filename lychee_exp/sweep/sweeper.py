@@ -96,6 +96,8 @@ class LycheeOptunaSweeperImpl(Sweeper):
             slotted = slot_sweep.start(self, self.job_cfg)  # devices_per_trial: N (or auto's N) -> slot workers
         except UserError as err:  # a bad sweep config: one line, before any trial, exit 2
             fatal(str(err), 2)
+        except slot_sweep.SlotsFailed as err:
+            fatal(str(err), 1)
         if slotted:
             counts = st.tally(self.study)
             return self._conclude("failures" if counts.failed > self.max_failure_rate * self.n_trials else None, None)
