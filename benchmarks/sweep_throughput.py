@@ -25,20 +25,8 @@ from pathlib import Path
 
 import yaml
 
-TINY = [
-    "model=tiny_lychee",
-    "data.max_train_queries=16",
-    "data.max_dev_queries=6",
-    "data.train_group_size=4",
-    "trainer.max_steps=4",
-    "trainer.progress_bar=false",
-    "trainer.precision=fp32",
-    "trainer.save_model=false",
-    "logger=csv",
-    "hydra.sweeper.pruner._target_=optuna.pruners.NopPruner",
-    "~hydra.sweeper.pruner.n_startup_trials",
-    "~hydra.sweeper.pruner.n_warmup_steps",
-]
+# the same tiny sweep as the overhead benchmark (this directory is on sys.path when a script here runs)
+from sweep_overhead import TINY  # noqa: E402
 
 
 def sweep(out: Path, setting: str, trials: int, extra: list[str], cache: Path) -> dict:
