@@ -45,6 +45,11 @@ def test_gpu_shares_are_disjoint_and_each_slot_process_gets_its_own(tmp_path, mo
     slots = plan_slots(devices, 4, 2)
     assert [s.ids for s in slots] == [("3", "5"), ("6", "7")]
     assert [len(s.ids) for s in plan_slots(devices, 4, 1)] == [1] * 4 and len(plan_slots(devices, 3, 2)) == 1
+    if TWO_CORES:  # GPU slots split the cores too, so that their ranks' threads do not compete
+        two = plan_slots(devices, 4, 2)
+        assert two[0].cores and two[1].cores and not set(two[0].cores) & set(two[1].cores)
+    cpu = plan_slots(Devices("cpu", ("0", "1", "2", "3")), 4, 2)
+    assert [s.cores for s in cpu] == [(0, 1), (2, 3)]
     # the real spawner: each slot's process sees its own share, and the slots run at once
     probe = (
         "import json, os, sys, time; t = time.time(); time.sleep(1.5); "

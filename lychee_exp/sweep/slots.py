@@ -2,10 +2,11 @@
 slot with its own devices, all in the same study.
 
 Each slot is a worker process of its own: the same command line, with the study's storage, name and directory
-pinned and the slot's share of the devices (CUDA_VISIBLE_DEVICES on GPUs; on CPU its own cores by affinity, so
-that the job plans one rank per core in that share). A slot process is an ordinary worker of the study (trials
-claimed with heartbeats, pruning, failures, resume: lychee_exp.sweep.storage), so a slot takes the study's next
-trial as soon as its own ends, keeps its own warm ranks, and a killed sweep is finished by the same command.
+pinned and the slot's share of the devices (CUDA_VISIBLE_DEVICES on GPUs, with an equal share of the cores for
+its ranks' threads; on CPU its own cores by affinity, so that the job plans one rank per core in that share). A
+slot process is an ordinary worker of the study (trials claimed with heartbeats, pruning, failures, resume:
+lychee_exp.sweep.storage), so a slot takes the study's next trial as soon as its own ends, keeps its own warm
+ranks, and a killed sweep is finished by the same command.
 Slots are processes, not threads: a Hydra job changes the working directory, logging and Hydra's global state,
 which two jobs in one process cannot share.
 """
@@ -44,6 +45,7 @@ class Slot:
     index: int
     kind: str
     ids: tuple[str, ...]
+    cores: tuple[int, ...] = ()  # its CPU cores (on CPU its devices; with GPUs an equal share for its ranks' threads)
 
     def describe(self) -> str:
         return f"{'GPU' if self.kind == 'cuda' else 'CPU core'}s {','.join(self.ids)}"
@@ -57,17 +59,27 @@ def machine_devices(cuda_count: int | None = None) -> Devices:
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
         ids = visible[:count] if len(visible) >= count else [str(i) for i in range(count)]
         return Devices("cuda", tuple(ids))
-    try:
-        cores = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux: numbered cores, no affinity
-        cores = list(range(available_cores()))
-    return Devices("cpu", tuple(str(c) for c in cores))
+    return Devices("cpu", tuple(str(c) for c in _cores()))
 
 
 def plan_slots(devices: Devices, used: int, per_trial: int) -> list[Slot]:
     """floor(used / per_trial) disjoint shares of the first `used` devices (the ones a trial on `all` uses)."""
-    ids = devices.ids[:used]
-    return [Slot(i, devices.kind, ids[i * per_trial : (i + 1) * per_trial]) for i in range(len(ids) // per_trial)]
+    ids, count = devices.ids[:used], used // per_trial
+    cores = _cores()
+    share = max(1, len(cores) // max(count, 1))
+    slots = []
+    for i in range(count):
+        own = ids[i * per_trial : (i + 1) * per_trial]
+        mine = tuple(int(c) for c in own) if devices.kind == "cpu" else tuple(cores[i * share : (i + 1) * share])
+        slots.append(Slot(i, devices.kind, own, mine if devices.kind == "cpu" or len(cores) >= count else ()))
+    return slots
+
+
+def _cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux: numbered cores, no affinity
+        return list(range(available_cores()))
 
 
 def slot_env(slot: Slot, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -85,8 +97,8 @@ def slot_preexec(slot: Slot, parent: int):
     it (a SIGKILLed sweep must not leave workers claiming trials)."""
 
     def prepare() -> None:
-        if slot.kind == "cpu" and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {int(c) for c in slot.ids})
+        if slot.cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, set(slot.cores))
         die_with_parent(parent)
 
     return prepare
