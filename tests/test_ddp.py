@@ -287,3 +287,49 @@ def test_dp_without_cuda_is_one_line(tmp_path):
     out, err = proc.communicate(timeout=120)
     lines = [line for line in (out + err).splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "parallel=dp needs CUDA GPUs" in lines[0], lines
+
+
+def _global_batch_run(tmp_path: Path, name: str, gpus: int, *extra: str) -> Path:
+    run_dir = tmp_path / name
+    run_job(
+        [*TINY_DDP, "parallel=ddp", f"gpus={gpus}", "data.batch_size=2", "trainer.global_batch_size=4", *extra], run_dir
+    )
+    return run_dir
+
+
+def test_a_global_batch_trains_the_same_steps_on_one_device_and_on_two(tmp_path):
+    """A sweep trial may land on a 1-device or a 2-device slot: trainer.global_batch_size makes the 1-device run
+    accumulate 2 micro-batches, and both train the same steps: losses (1e-5 relative) and every parameter's
+    gradient."""
+    one, two = _global_batch_run(tmp_path, "one", 1), _global_batch_run(tmp_path, "two", 2)
+    m_one, m_two = _metrics(one), _metrics(two)
+    assert (m_one["num_devices"], m_one["grad_accum_steps"]) == (1, 2)
+    assert (m_two["num_devices"], m_two["grad_accum_steps"]) == (2, 1)
+    assert m_one["effective_batch_size"] == m_two["effective_batch_size"] == 4
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-5)
+    assert_same_training(two, one, rtol=1e-5)
+    # per-parameter gradients of the first step: plain SGD at lr 1 without clipping makes w1 = w0 - g, and w0 is
+    # a run whose lr is too small to move any weight
+    sgd = ["optimizer.name=sgd", "optimizer.weight_decay=0", "optimizer.max_grad_norm=0", "optimizer.warmup_ratio=0"]
+    sgd += ["optimizer.scheduler=constant", "trainer.max_steps=1"]
+    w0 = _weights(_global_batch_run(tmp_path, "w0", 1, *sgd, "optimizer.lr=1e-30"))
+    g_one = {k: w0[k] - w for k, w in _weights(_global_batch_run(tmp_path, "g1", 1, *sgd, "optimizer.lr=1")).items()}
+    g_two = {k: w0[k] - w for k, w in _weights(_global_batch_run(tmp_path, "g2", 2, *sgd, "optimizer.lr=1")).items()}
+    assert g_one.keys() == g_two.keys() == w0.keys()
+    assert sum(bool(g.abs().max() > 0) for g in g_one.values()) > len(g_one) // 2  # the step moved the weights
+    for key in g_one:
+        torch.testing.assert_close(g_two[key], g_one[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_a_global_batch_that_does_not_divide_is_one_line(tmp_path):
+    with pytest.raises(UserError, match=r"trainer.global_batch_size=6 is not a multiple of data.batch_size=2 x 2"):
+        run_job([*TINY_DDP, "parallel=ddp", "gpus=2", "data.batch_size=2", "trainer.global_batch_size=6"], tmp_path)
+
+
+def test_a_global_batch_with_a_token_budget_is_one_line(tmp_path):
+    """A token budget's steps hold a varying number of queries, so a fixed global batch cannot be reached."""
+    with pytest.raises(UserError, match=r"global_batch_size=4 counts queries .* max_tokens_per_batch=4096"):
+        run_job(
+            [*TINY_DDP, "parallel=ddp", "gpus=2", "trainer.global_batch_size=4", "data.max_tokens_per_batch=4096"],
+            tmp_path,
+        )

@@ -350,31 +350,26 @@ def test_a_trial_its_worker_never_claimed_is_recovered_after_the_grace_period(tm
 
 
 @pytest.mark.slow
-def test_two_workers_share_one_postgres_study(tmp_path, postgres_url):
+def test_two_slot_workers_share_one_postgres_study(tmp_path, postgres_url):
     sweep = tmp_path / "sweep"
-    args = [
-        a
-        for a in _command(sweep, *SINGLE, "hydra.sweeper.n_trials=4", f"hydra.sweeper.storage={postgres_url}")
-        if a not in (sys.executable, "-m", "lychee_exp.run")
-    ]
+    args = ["hydra.sweeper.n_trials=4", f"hydra.sweeper.storage={postgres_url}", "hydra.sweeper.devices_per_trial=1"]
     proc = subprocess.run(
-        ["bash", str(REPO / "launch" / "sweep_workers.sh"), "2", *args],
+        _command(sweep, "parallel=ddp", "gpus=2", *args),
         cwd=tmp_path,
-        env=_env(PYTHON=sys.executable, NUM_GPUS="2", LOG_DIR=str(tmp_path / "logs"), STAGGER_S="0.5"),
+        env=_env(),
         text=True,
         capture_output=True,
         timeout=400,
     )
-    logs = {p.name: p.read_text() for p in (tmp_path / "logs").glob("*.log")}
-    assert proc.returncode == 0, (proc.stdout, {k: v[-2000:] for k, v in logs.items()})
-    assert "CUDA_VISIBLE_DEVICES=0 gpus=1" in proc.stdout and "CUDA_VISIBLE_DEVICES=1 gpus=1" in proc.stdout
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "devices_per_trial=1: 2 slot(s) at once (CPU cores " in out
     study = _study(sweep, url=postgres_url)
     ran = [t for t in study.trials if not t.user_attrs.get(SURPLUS)]
     assert len(_counted_finished(study)) == 4 and len(ran) == 4
-    assert len({tuple(t.user_attrs[WORKER]) for t in ran}) == 2  # both workers took trials
+    assert len({tuple(t.user_attrs[WORKER]) for t in ran}) == 2  # both slot workers took trials
     # no trial ran twice: one launch per trial number across both workers, one directory each
-    launches = [line for log in logs.values() for line in log.splitlines() if "Launching 1 jobs" in line]
-    assert len(launches) == 4
+    assert len([line for line in out.splitlines() if "Launching 1 jobs" in line]) == 4
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [str(t.number) for t in ran]
     assert len(_rows(sweep)) == 4
 

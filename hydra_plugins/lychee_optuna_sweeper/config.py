@@ -134,6 +134,10 @@ class LycheeOptunaSweeperConf:
     grace_period: Optional[int] = None
     # multi-objective lychee_exp jobs: metrics.json keys giving one value per direction (null = the return value)
     objectives: Optional[List[str]] = None
+    # all: every trial across every device, one at a time; N: floor(devices / N) trials at once, each on its own
+    # N devices (its own CUDA_VISIBLE_DEVICES share, or CPU cores); auto: N from measured scaling (docs/sweeps.md).
+    # Any: a word or a number (OmegaConf has no union type); the sweeper refuses anything else in one line
+    devices_per_trial: Any = "all"
 
 
 _store = ConfigStore.instance()

@@ -6,7 +6,9 @@ Each device count (1 is always measured: speedup divides by it) trains the same 
 few warm-up + timed steps (no evaluation), with DDP and the same per-device batch (weak scaling: the global
 batch grows with the devices). On CPU ranks each rank gets ONE thread, so that one rank stands for one device.
 Prints a table, writes bench.csv and bench.png into the output directory, and logs them to W&B (job_type=bench).
-Timings are measured side by side in one invocation; nothing is asserted.
+Timings are measured side by side in one invocation; nothing is asserted. Each device count's figure also goes
+to the scaling cache that `hydra.sweeper.devices_per_trial=auto` reads (`scaling.json` next to
+`speedup.baseline_file`), so a sweep with the same settings calibrates nothing.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+import torch
+
 from lychee_exp.core.config import to_run_config
 from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.sweep.placement import store_rate
 from lychee_exp.testing.jobs import compose_job, run_job
 from lychee_exp.tracking.backends import make_logger
 
@@ -66,6 +71,9 @@ def measure(counts: list[int], overrides: list[str], out: Path, steps: int) -> l
             "speedup.calibrate=false",
         ]
         _, m = run_job([*overrides, *timed], out / f"devices_{count}")
+        # the figure a sweep's devices_per_trial=auto would calibrate for these settings: it reuses it
+        cfg = to_run_config(compose_job([*overrides, *timed], out / f"devices_{count}"))
+        store_rate(cfg, "cuda" if torch.cuda.is_available() else "cpu", count, m["train_samples_per_s"], "bench")
         rows.append(
             {
                 "devices": count,

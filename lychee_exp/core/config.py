@@ -167,6 +167,10 @@ class TrainerConfig:
     evaluate: bool = True  # false: train only (throughput calibration and benchmarks)
     eval_before_training: bool = True
     grad_accum_steps: int = at_least(1, 1)
+    # queries per optimizer step across every device; set, it decides the accumulation on each device count
+    # (global / (data.batch_size x devices), which must divide), so that a trial trains the same steps on 1
+    # device as on 8 (sweeps search it: hparams_search=lr_batch). null: grad_accum_steps as given
+    global_batch_size: Optional[int] = None
     # forward each micro-batch's pairs in this many length-sorted chunks, each cut to its longest pair: less
     # padding computed, the same logits (with data.bucket_by_length: what a long-tailed length mix wants).
     # auto: per device type, as measured (lychee_exp.core.chunks.AUTO_FORWARD_CHUNKS)
@@ -227,6 +231,8 @@ class TrialConfig:
     number: int = -1  # the trial's number in its study (names its directory)
     id: int = -1  # the storage's trial id, to report intermediate values to
     pruner: Dict[str, Any] = field(default_factory=dict)  # _target_ spec of the study's pruner
+    # hydra.sweeper.devices_per_trial's decision (devices per trial, slots, auto's measured speedups)
+    placement: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

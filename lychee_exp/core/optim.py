@@ -6,12 +6,14 @@ parameters, lr, the optimizer config -> torch optimizer) plus one file in conf/o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from transformers import get_scheduler
 
 from lychee_exp.core.config import OptimizerConfig, RunConfig
+from lychee_exp.core.errors import UserError
 from lychee_exp.core.registry import Registry
 
 OPTIMIZERS = Registry("optimizer.name")
@@ -37,9 +39,35 @@ def adamw(params: list[torch.nn.Parameter], lr: float, cfg: OptimizerConfig) -> 
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused)
 
 
+@OPTIMIZERS.register("sgd")
+def sgd(params: list[torch.nn.Parameter], lr: float, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """Plain SGD (no momentum): each update is -lr x the gradient, so weights compare gradients directly."""
+    return torch.optim.SGD(params, lr=lr, weight_decay=cfg.weight_decay)
+
+
 def effective_batch_size(cfg: RunConfig, num_devices: int) -> int:
     """Queries per optimizer step: per-device batch x devices x accumulation."""
     return cfg.data.batch_size * num_devices * cfg.trainer.grad_accum_steps
+
+
+def with_global_batch(cfg: RunConfig, num_devices: int) -> RunConfig:
+    """`trainer.global_batch_size` reached on `num_devices` devices: the accumulation it takes (a one-line error
+    when it does not divide). Without it the config is returned as it is."""
+    target = cfg.trainer.global_batch_size
+    if target is None:
+        return cfg
+    if cfg.data.max_tokens_per_batch is not None:
+        raise UserError(
+            f"trainer.global_batch_size={target} counts queries per step, but data.max_tokens_per_batch="
+            f"{cfg.data.max_tokens_per_batch} makes that number vary: set one of them to null"
+        )
+    per_step = cfg.data.batch_size * num_devices
+    if target < 1 or target % per_step:
+        raise UserError(
+            f"trainer.global_batch_size={target} is not a multiple of data.batch_size={cfg.data.batch_size} x "
+            f"{num_devices} device(s) = {per_step}: change one of them"
+        )
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, grad_accum_steps=target // per_step))
 
 
 def scaled_lr(cfg: RunConfig, num_devices: int, mean_batch: float | None = None) -> float:

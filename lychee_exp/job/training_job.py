@@ -21,7 +21,7 @@ from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.inputs import RunInputs, load_inputs
 from lychee_exp.core.losses import LOSSES
-from lychee_exp.core.optim import OPTIMIZERS
+from lychee_exp.core.optim import OPTIMIZERS, with_global_batch
 from lychee_exp.job.results import write_results
 from lychee_exp.launch.cluster import is_main_process, launched_externally, local_ranks, under_torchrun
 from lychee_exp.launch.launcher import launch, train_in_process
@@ -96,6 +96,8 @@ def train_job(cfg: DictConfig) -> float:
         local_ranks() or run_cfg.gpus,
         cpu_threads_per_rank=run_cfg.parallel.cpu_threads_per_rank,
     )
+    # the searched (effective) batch stays the same on whatever devices a sweep slot gives the trial
+    run_cfg = with_global_batch(run_cfg, plan.num_devices)
     if is_main:
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))
 

@@ -77,6 +77,8 @@ def _summary(study: Any, trials: list, n_trials: int, metric: Any, storage_url: 
         running=counts.running,
         queued=counts.waiting,
     )
+    if study.user_attrs.get("placement"):  # hydra.sweeper.devices_per_trial's decision (and auto's figures)
+        summary["placement"] = study.user_attrs["placement"]
     return yaml.safe_dump(summary, sort_keys=False)
 
 

@@ -31,7 +31,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from lychee_exp.core.errors import UserError
-from lychee_exp.sweep import lychee_job
+from lychee_exp.sweep import lychee_job, slot_sweep
 from lychee_exp.sweep import storage as st
 from lychee_exp.sweep.outcome import Outcome
 from lychee_exp.sweep.results import write_results
@@ -70,6 +70,7 @@ class LycheeOptunaSweeperImpl(Sweeper):
         heartbeat_interval: int,
         grace_period: Optional[int],
         objectives: Any,
+        devices_per_trial: Any = "all",
     ) -> None:
         # checked in sweep(), where a mistake can be one line and exit code 2
         self.sampler_spec, self.pruner_spec = _plain(sampler) or {}, _plain(pruner) or {}
@@ -79,7 +80,7 @@ class LycheeOptunaSweeperImpl(Sweeper):
         self.max_failure_rate, self.params = max_failure_rate, _plain(params) or {}
         self.custom_search_space, self.legacy_search_space = custom_search_space, _plain(search_space)
         self.oom_retry, self.heartbeat_interval, self.grace_period = oom_retry, heartbeat_interval, grace_period
-        self.objectives = _plain(objectives)
+        self.objectives, self.devices_per_trial = _plain(objectives), devices_per_trial
         self.last_plots = 0.0
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
@@ -92,8 +93,14 @@ class LycheeOptunaSweeperImpl(Sweeper):
     def sweep(self, arguments: List[str]) -> None:
         try:
             self._prepare(arguments)
+            slotted = slot_sweep.start(self, self.job_cfg)  # devices_per_trial: N (or auto's N) -> slot workers
         except UserError as err:  # a bad sweep config: one line, before any trial, exit 2
             fatal(str(err), 2)
+        except slot_sweep.SlotsFailed as err:
+            fatal(str(err), 1)
+        if slotted:
+            counts = st.tally(self.study)
+            return self._conclude("failures" if counts.failed > self.max_failure_rate * self.n_trials else None, None)
         runner, done = TrialRunner(self), queue.Queue()
         in_flight: dict[int, Pending] = {}  # trial number -> trial running in a slot thread
         stop, ran, waiting_logged = None, 0, False
@@ -143,6 +150,10 @@ class LycheeOptunaSweeperImpl(Sweeper):
                 log.info("waiting for %d trial(s) running in other workers", counts.running)
                 waiting_logged = True
             time.sleep(min(5, self.heartbeat_interval))
+        self._conclude(stop, ran)
+
+    def _conclude(self, stop: str | None, ran: int | None) -> None:
+        """Final results and the summary line; exit 1 when the failures stopped the sweep or nothing completed."""
         self._write_results(plots=True)
         counts = st.tally(self.study)
         if stop == "failures":
@@ -153,14 +164,14 @@ class LycheeOptunaSweeperImpl(Sweeper):
                 1,
             )
         log.info(
-            "study %s: %d/%d trials finished (%d complete, %d pruned, %d failed); this worker ran %d; results in %s",
+            "study %s: %d/%d trials finished (%d complete, %d pruned, %d failed); %s; results in %s",
             self.study.study_name,
             counts.finished,
             self.n_trials,
             counts.complete,
             counts.pruned,
             counts.failed,
-            ran,
+            "run in device slots" if ran is None else f"this worker ran {ran}",
             self.sweep_dir,
         )
         if counts.finished and counts.failed == counts.finished:
@@ -209,7 +220,7 @@ class LycheeOptunaSweeperImpl(Sweeper):
         self._check_settings()
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         self.space = build_space(self.params, arguments, self.config, self.custom_search_space, parser)
-        job_cfg = self._compose_sample()
+        self.job_cfg = job_cfg = self._compose_sample()
         self.lychee = lychee_job.is_lychee_job(job_cfg)
         if self.lychee:
             lychee_job.check(job_cfg, list(self.space.distributions), self.directions, self.objectives)
@@ -271,11 +282,12 @@ class LycheeOptunaSweeperImpl(Sweeper):
         for key in ("n_trials", "n_jobs", "heartbeat_interval"):
             if getattr(self, key) < 1:
                 raise UserError(f"hydra.sweeper.{key} must be >= 1, got {getattr(self, key)}")
+        slot_sweep.parse(self.devices_per_trial)
 
     def _compose_sample(self) -> DictConfig:
         """One job config with a value from every distribution, composed as a trial would be: a wrong type
         (e.g. a string for an int key) fails here rather than in every trial."""
-        sample = {
+        self.sample_params = sample = {
             key: d.choices[0] if isinstance(d, CategoricalDistribution) else d.low
             for key, d in self.space.distributions.items()
         }

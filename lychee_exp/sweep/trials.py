@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from optuna.exceptions import UpdateFinishedTrialError
 
-from lychee_exp.sweep import lychee_job
+from lychee_exp.sweep import lychee_job, slot_sweep
 from lychee_exp.sweep import storage as st
 from lychee_exp.sweep.outcome import Outcome, job_outcome
 from lychee_exp.sweep.space import render
@@ -57,7 +57,7 @@ def describe_plan(mode: str, n_jobs: int, launcher: str) -> str:
     if n_jobs > 1:
         return (
             f"n_jobs={n_jobs}: {launcher} runs trials one at a time, in this process (concurrent trials: "
-            "hydra/launcher=submitit_local, slurm, ..., or more workers: launch/sweep_workers.sh)"
+            "hydra/launcher=submitit_local, slurm, ..., or device slots: hydra.sweeper.devices_per_trial=1)"
         )
     return ""
 
@@ -109,6 +109,7 @@ class TrialRunner:
             overrides += lychee_job.trial_overrides(
                 trial.number, pending.trial_id, sw.url, sw.study.study_name, sw.pruner_spec, len(sw.directions) > 1
             )
+            overrides += [line for line in [slot_sweep.record_line(sw)] if line]
         log.info("trial %d: %s", trial.number, ", ".join(f"{k}={v}" for k, v in params.items()) or "fixed config")
         pending.overrides, pending.name = overrides, self._claim(str(trial.number))
         trial.set_user_attr(st.RUN_DIR, str(sw.sweep_dir / pending.name))

@@ -1,6 +1,6 @@
-"""A plain Hydra app that sleeps and records when it ran: `stamps.json` (start, end: time.time()) in its output
-dir, for the tests of trials in flight. Job 0 sleeps `first_s`, the others `sleep_s`; returns x, or raises
-after its sleep when `fail` is true."""
+"""A plain Hydra app that sleeps and records when it ran: `stamps.json` (start, end: time.time(), and the cores
+and CUDA_VISIBLE_DEVICES it got) in its output dir, for the tests of trials in flight. Job 0 sleeps `first_s`,
+the others `sleep_s`; returns x, or raises after its sleep when `fail` is true."""
 
 import json
 import os
@@ -18,6 +18,8 @@ def sleepy(cfg: DictConfig) -> float:
     job = HydraConfig.get().job.num
     time.sleep(cfg.first_s if job == 0 and cfg.first_s is not None else cfg.sleep_s)
     stamps = {"job": job, "pid": os.getpid(), "start": start, "end": time.time()}
+    # the devices this job was given (hydra.sweeper.devices_per_trial: each slot its own)
+    stamps.update(cores=sorted(os.sched_getaffinity(0)), cuda=os.environ.get("CUDA_VISIBLE_DEVICES"))
     (Path(HydraConfig.get().runtime.output_dir) / "stamps.json").write_text(json.dumps(stamps))
     if cfg.fail:
         raise RuntimeError(f"job {job} fails on purpose")
