@@ -127,6 +127,13 @@ class DataConfig:
     # a micro-batch's prompts end to end in one row, each attending to itself only (causal LMs; docs/performance.md)
     packing: bool = False
     pack_multiple: int = at_least(1, 64)  # a packed row's width is rounded up to a multiple: few distinct shapes
+    # data=beir: a BEIR directory; training reads train_file, or (empty) train_split mined on first use, and
+    # dev evaluation reranks dev_split's first-stage top-k (trec_eval metrics) instead of reading dev_file
+    dataset: str = ""
+    train_split: str = "train"
+    dev_split: str = "dev"
+    first_stage: str = "bm25"  # bm25 | dense | run:<TREC run file>
+    rerank_top_k: int = at_least(1, 100)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from lychee_exp.core.resources import resolve_path
 log = logging.getLogger(__name__)
 
 KNOWN_KEYS = {"query", "pos", "neg", "prompt", "instruction", "pos_scores", "neg_scores", "pos_labels", "qid"}
+KNOWN_KEYS |= {"pos_ids", "neg_ids"}  # document ids, written by lychee_exp.mine (read by nothing here)
 
 
 @dataclass
