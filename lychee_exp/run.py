@@ -60,8 +60,10 @@ def command_config(config_name: str, argv: list[str] | None, schema: type):
     the command line's key=value overrides (config groups such as model= included), as a plain dataclass. A
     misspelt key or a wrong type: one line naming the key, exit 2."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    GlobalHydra.instance().clear()  # a process that composed before (a test, a notebook)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
         with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
