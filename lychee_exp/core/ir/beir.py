@@ -7,13 +7,13 @@ Every problem is one UserError naming the file and line, or the id. The corpus i
 
 from __future__ import annotations
 
-import json
 import logging
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lychee_exp.core.atomic import write_bytes_atomic
+from lychee_exp.core.data.queries import json_object
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.cache import cache_path, file_key
 from lychee_exp.core.resources import resolve_path
@@ -138,13 +138,7 @@ def _jsonl(path: Path):
             if not line.strip():
                 continue
             where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise UserError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(record, dict):
-                raise UserError(f"{where}: expected a JSON object")
-            yield where, record
+            yield where, json_object(line, where, "_id and text")
 
 
 def _string(record: dict, name: str, where: str) -> str:
