@@ -17,6 +17,7 @@ from lychee_exp.core.ir.beir import Corpus, Split
 from lychee_exp.core.ir.cache import cache_path, file_key
 from lychee_exp.core.ir.dense import DEFAULT_ENCODER, corpus_embeddings, embed
 from lychee_exp.core.ir.trec import Run, as_written, ranked, read_run, write_run
+from lychee_exp.core.resources import resolve_path
 
 log = logging.getLogger(__name__)
 RUN_PREFIX = "run:"
@@ -43,7 +44,8 @@ def retrieve(
     """Each query's top_k documents and their first-stage scores (as a run file would hold them)."""
     check_stage(spec, key)
     extra = file_key(Path(spec[len(RUN_PREFIX) :]).expanduser()) if spec.startswith(RUN_PREFIX) else []
-    model = dense_model if spec == "dense" else ""
+    # the encoder by its files too: a model replaced at the same path retrieves again
+    model = [dense_model, file_key(resolve_path(dense_model, "dense_model") / "config.json")] if spec == "dense" else ""
     cached = cache_path("runs", corpus.key, split.key, split.name, spec, extra, model, top_k).with_suffix(".trec")
     if cached.exists():
         return read_run(cached, "cached run")
