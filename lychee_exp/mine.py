@@ -17,6 +17,7 @@ from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.ir.config import MineConfig, check_mine_config, register_ir_schemas
 from lychee_exp.core.ir.mining import MineSettings
 from lychee_exp.core.ir.pipeline import mine_to_file, open_split
+from lychee_exp.core.model import model_dir
 from lychee_exp.run import command_config, fail_as_one_line
 
 log = logging.getLogger("lychee_exp.mine")
@@ -32,8 +33,19 @@ def mine_command(cfg: MineConfig) -> str:
     def progress(items):
         return tqdm(items, desc=f"mine {cfg.split}", unit="query", disable=not show)
 
+    if cfg.teacher == "reranker":  # before any scoring: a wrong path or model is one line
+        model_dir(cfg.model)
     summary = mine_to_file(
-        corpus, split, cfg.first_stage, settings, Path(cfg.out), cfg.teacher, cfg.dense_model, progress
+        corpus,
+        split,
+        cfg.first_stage,
+        settings,
+        Path(cfg.out),
+        cfg.teacher,
+        cfg.dense_model,
+        progress,
+        cfg.model,
+        cfg.batch_size,
     )
     seconds = time.perf_counter() - start
     line = f"{cfg.out}: {summary.line()} ({len(split.query_ids) / seconds:.1f} queries/s, {seconds:.1f} s)"

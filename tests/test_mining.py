@@ -12,6 +12,7 @@ import pytest
 from beir_helpers import fruit_dataset, write_beir
 
 from lychee_exp.core.data.queries import load_queries
+from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.mining import MineSettings, mine
 from lychee_exp.core.ir.pipeline import open_split
@@ -120,3 +121,33 @@ def test_a_bad_mine_command_is_one_line(tmp_path, ir_cache, capsys, caplog, args
     lines = [line for line in printed if line.strip()]
     assert exit_.value.code == 2 and len(lines) == 1 and expected in lines[0], lines
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_a_trained_reranker_as_teacher_writes_its_own_scores(tmp_path, ir_cache):
+    """teacher=reranker: the written pos_scores/neg_scores are the model's logits on the same prompts (the tiny
+    random Qwen2 here, seeded); a wrong model.path is one line before any scoring."""
+    import torch
+
+    from lychee_exp.core.evaluate import score_token_ids
+    from lychee_exp.core.ir.config import MineConfig, register_ir_schemas
+    from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
+    from lychee_exp.mine import mine_command
+    from lychee_exp.run import command_config
+
+    root = fruit_dataset(tmp_path / "fruit")
+    out = tmp_path / "train.jsonl"
+    register_ir_schemas()
+    args = [f"dataset={root}", f"out={out}", "range_min=1", "range_max=10", "num_negatives=3", "teacher=reranker"]
+    cfg = command_config("mine", [*args, "model=tiny_lychee", "progress_bar=false"], MineConfig)
+    mine_command(cfg)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    encoder = build_encoder(cfg.model, load_tokenizer(cfg.model))
+    model = load_reranker(cfg.model, encoder, cfg.seed)
+    instruction = cfg.model.prompt.default_instruction
+    for line in lines:
+        prompts = [(instruction, line["query"], doc) for doc in line["pos"] + line["neg"]]
+        expected = score_token_ids(model, encoder, encoder.encode_many(prompts), 64, torch.device("cpu"))
+        assert line["pos_scores"] + line["neg_scores"] == pytest.approx([round(s, 4) for s in expected], abs=2e-4)
+    wrong = command_config("mine", [*args, "model=tiny_lychee", "model.path=/no/model"], MineConfig)
+    with pytest.raises(UserError, match="model.path=/no/model: /no/model does not exist"):
+        mine_command(wrong)

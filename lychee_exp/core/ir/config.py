@@ -15,7 +15,7 @@ from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.dense import DEFAULT_ENCODER
 from lychee_exp.core.ir.first_stage import check_stage
 
-TEACHERS = ("none", "dense")
+TEACHERS = ("none", "dense", "reranker")
 
 
 @dataclass
@@ -30,7 +30,10 @@ class MineConfig:
     num_negatives: int = at_least(1, 15)
     # dense: the bi-encoder's scores as pos_scores/neg_scores (cosine x 20) for loss=listwise_distill (the default
     # experiment's loss); none: no teacher scores (then train with loss=listwise or pointwise)
+    # reranker: a trained reranker's relevance logits (model=<preset> model.path=<run dir>/model)
     teacher: str = "dense"
+    model: ModelConfig = field(default_factory=ModelConfig)  # teacher=reranker's model
+    batch_size: int = at_least(1, 64)  # teacher=reranker: pairs per forward pass
     margin: Optional[float] = None  # with a teacher: drop candidates above the lowest positive's score - margin
     seed: int = 42
     progress_bar: bool = True

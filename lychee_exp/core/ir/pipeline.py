@@ -35,6 +35,24 @@ def dense_teacher(corpus: Corpus, split: Split, model: str) -> Teacher:
     return score
 
 
+def reranker_teacher(corpus: Corpus, split: Split, model_cfg, batch_size: int, seed: int) -> Teacher:
+    """A trained reranker's relevance logits (its own prompt and default instruction), batched by length."""
+    import torch
+
+    from lychee_exp.core.evaluate import score_token_ids
+    from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
+
+    encoder = build_encoder(model_cfg, load_tokenizer(model_cfg))
+    model = load_reranker(model_cfg, encoder, seed)
+    instruction = model_cfg.prompt.default_instruction
+
+    def score(pairs: list[tuple[str, str]]) -> list[float]:
+        prompts = [(instruction, split.queries[q], corpus.text(d)) for q, d in pairs]
+        return score_token_ids(model, encoder, encoder.encode_many(prompts), batch_size, torch.device("cpu"))
+
+    return score
+
+
 def mine_to_file(
     corpus: Corpus,
     split: Split,
@@ -44,9 +62,15 @@ def mine_to_file(
     teacher: str = "none",
     dense_model: str = "",
     progress: Callable[[Iterable], Iterable] = lambda items: items,
+    teacher_model=None,
+    batch_size: int = 64,
 ) -> MineSummary:
     run = retrieve(first_stage, corpus, split, settings.range_max, dense_model)
-    scorer = dense_teacher(corpus, split, dense_model) if teacher == "dense" else None
+    scorer = None
+    if teacher == "dense":
+        scorer = dense_teacher(corpus, split, dense_model)
+    elif teacher == "reranker":
+        scorer = reranker_teacher(corpus, split, teacher_model, batch_size, settings.seed)
     lines, summary = mine(corpus, split, run, settings, scorer, progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
