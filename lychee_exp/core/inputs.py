@@ -43,7 +43,7 @@ def load_inputs(cfg: RunConfig, warn_unknown: bool = True) -> RunInputs:
         return _last[1]
     data = cfg.data
     dev_rerank = beir_dev(data) if data.dataset else None
-    train_file = data.train_file or beir_train_file(data)
+    train_file = data.train_file or (beir_train_file(data) if data.dataset else data.train_file)
     train = load_queries(train_file, "data.train_file", data.max_train_queries, warn_unknown)
     check_negatives(train, data.train_group_size, data.random_negatives)
     if cfg.loss.distill_weight > 0:
