@@ -55,6 +55,34 @@ def main() -> None:
         sys.exit(2)
 
 
+def command_config(config_name: str, argv: list[str] | None, schema: type):
+    """The typed config of a command other than training (mine, rerank): conf/<config_name>.yaml composed with
+    the command line's key=value overrides (config groups such as model= included), as a plain dataclass. A
+    misspelt key or a wrong type: one line naming the key, exit 2."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    GlobalHydra.instance().clear()  # a process that composed before (a test, a notebook)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
+            cfg = compose(config_name, overrides=list(sys.argv[1:] if argv is None else argv))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.to_container(cfg, resolve=True))
+        return OmegaConf.to_object(merged)
+    except (ConfigCompositionException, OverrideParseException) as err:
+        print(f"error: {composition_error(err)}", file=sys.stderr)
+    except OmegaConfBaseException as err:
+        print(f"error: {err.full_key or 'config'}: {str(err).splitlines()[0]}", file=sys.stderr)
+    sys.exit(2)
+
+
+def fail_as_one_line(err: Exception) -> None:
+    """A command's user mistake (exit 2) or failed run (exit 1), as one line."""
+    log.error("error: %s", err)
+    sys.exit(2 if isinstance(err, UserError) else 1)
+
+
 def composition_error(err: Exception) -> str:
     """Hydra's multi-line composition error as one line: the key, then what is wrong with it."""
     if isinstance(err, MissingConfigException) and err.options:

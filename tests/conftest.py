@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import pytest
 import torch
+from beir_helpers import ir_cache  # noqa: F401  (a fixture: a temporary LYCHEE_CACHE_DIR)
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 

@@ -12,10 +12,11 @@ PACKAGE = Path(lychee_exp.__file__).resolve().parent
 # Lower to higher: a module may import its own layer and lower ones (lychee_exp/__init__.py and each
 # subpackage's docstring say the same). The entry points are the top-level modules users run.
 LAYERS = ["core", "tracking", "sweep", "recipe", "launch", "job", "entry", "testing", "bench"]
-ENTRY_POINTS = {"run", "report", "dashboard"}
+ENTRY_POINTS = {"run", "report", "dashboard", "mine", "rerank"}
 SUBPACKAGE_DOCS = [
     "core",
     "core.data",
+    "core.ir",
     "tracking",
     "tracking.report",
     "sweep",

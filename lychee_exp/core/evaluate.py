@@ -1,5 +1,10 @@
 """Dev evaluation: rerank each query's candidates, NDCG@10 and MRR@10 (BEIR / MS MARCO conventions).
 
+Two protocols. Fixed candidates (a JSONL dev file): each line's pos + neg are reranked, so every positive is
+among them (sentence-transformers' always_rerank_positives=True). A BEIR split (data=beir): the first stage's
+top-k are reranked and scored as trec_eval does against every judged document (core.ir.metrics), the way
+papers report rerankers.
+
 NDCG uses graded gains (a dev line's `pos_labels`, else 1 per positive) with linear gain as trec_eval does;
 MRR counts any gain > 0 as relevant.
 
@@ -19,6 +24,8 @@ from torchmetrics.functional.retrieval import retrieval_normalized_dcg, retrieva
 
 from lychee_exp.core.data.groups import DevPairs
 from lychee_exp.core.distributed import DistEnv
+from lychee_exp.core.ir.candidates import RerankPairs
+from lychee_exp.core.ir.metrics import trec_metrics
 from lychee_exp.core.prompt import PromptEncoder
 
 TOP_K = 10
@@ -64,7 +71,13 @@ def bm25_scores(pairs: DevPairs) -> list[float]:
 
 def reference_metrics(pairs: DevPairs) -> dict[str, float]:
     """The bars a reranker is measured against, logged: BM25 on the dev candidates (bm25_*), and the dev file's
-    own teacher scores when it has them (teacher_*)."""
+    own teacher scores when it has them (teacher_*). For a BEIR split: the first stage's own metrics on the
+    candidates reranked (<stage>_*, e.g. bm25_ndcg@10)."""
+    if isinstance(pairs, RerankPairs):
+        refs = trec_metrics(pairs.first_stage, pairs.qrels, pairs.recall_at, prefix=f"{pairs.stage}_")
+        log.info("dev protocol: %s; first stage: %s", pairs.protocol, _brief(refs))
+        return refs
+    log.info("dev protocol: fixed candidates (each dev line's pos + neg, positives always among them)")
     refs = ranking_metrics(bm25_scores(pairs), pairs.labels, pairs.query_index, prefix="bm25_")
     log.info("BM25 on the dev candidates: ndcg@10 %.4f, mrr@10 %.4f", refs["bm25_ndcg@10"], refs["bm25_mrr@10"])
     if pairs.teacher_scores is not None:
@@ -82,15 +95,44 @@ def score_token_ids(
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> list[float]:
-    """Relevance logits for tokenized prompts, batched by length so that little compute goes to padding."""
-    order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]), reverse=True)
-    scores = [0.0] * len(token_ids)
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
+    """Relevance logits for tokenized prompts on this process alone, batched by length."""
+    return score_sharded(model, encoder, token_ids, batch_size, device, DistEnv(device=device), autocast)
+
+
+def length_batches(token_ids: Sequence[list[int]], batch_size: int) -> list[list[int]]:
+    """Rows in batches of similar length (longest first: the peak memory shows at once), little compute on padding.
+    The batches depend only on the prompts, not on how many ranks score them."""
+    order = sorted(range(len(token_ids)), key=lambda i: (-len(token_ids[i]), i))
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+@torch.inference_mode()
+def score_sharded(
+    model: torch.nn.Module,
+    encoder: PromptEncoder,
+    token_ids: Sequence[list[int]],
+    batch_size: int,
+    device: torch.device,
+    env: DistEnv,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    progress: Callable[[int], None] = lambda pairs: None,
+) -> list[float]:
+    """Every rank scores every world_size-th batch of length_batches; the scores are all-gathered. Each batch is
+    the same tensor on any number of ranks, so 1 and N ranks give the same scores."""
+    batches = length_batches(token_ids, batch_size)[env.rank :: env.world_size]
+    was_training = model.training
+    model.eval()
+    mine: list[tuple[int, float]] = []
+    for rows in batches:
         batch = encoder.pad([token_ids[i] for i in rows])
         with autocast():
             logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
-        for row, value in zip(rows, logits.float().cpu().tolist()):
+        mine.extend(zip(rows, logits.float().cpu().tolist()))
+        progress(len(rows))
+    model.train(was_training)
+    scores = [0.0] * len(token_ids)
+    for part in env.gather_objects(mine):
+        for row, value in part:
             scores[row] = value
     return scores
 
@@ -104,16 +146,14 @@ def evaluate(
     env: DistEnv | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> dict[str, float]:
-    """Each rank scores every world_size-th pair (by length, so shards cost alike); results are all-gathered."""
+    """Dev metrics of the model's scores, sharded across ranks (score_sharded): the fixed-candidate protocol's
+    NDCG@10/MRR@10, or, for a BEIR split's first-stage candidates (RerankPairs), trec_eval's metrics."""
     env = env or DistEnv(device=device)
-    by_length = sorted(range(len(pairs.token_ids)), key=lambda i: len(pairs.token_ids[i]))
-    mine = by_length[env.rank :: env.world_size]
-    was_training = model.training
-    model.eval()
-    my_scores = score_token_ids(model, encoder, [pairs.token_ids[i] for i in mine], batch_size, device, autocast)
-    model.train(was_training)
-    scores = [0.0] * len(pairs.token_ids)
-    for rows, values in env.gather_objects((mine, my_scores)):
-        for row, value in zip(rows, values):
-            scores[row] = value
+    scores = score_sharded(model, encoder, pairs.token_ids, batch_size, device, env, autocast)
+    if isinstance(pairs, RerankPairs):
+        return trec_metrics(pairs.run_of(scores), pairs.qrels, pairs.recall_at)
     return ranking_metrics(scores, pairs.labels, pairs.query_index)
+
+
+def _brief(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))

@@ -17,6 +17,7 @@ from typing import Any
 from lychee_exp.core.config import RunConfig
 from lychee_exp.core.data.queries import RankingQuery, check_negatives, check_teacher_scores, load_queries
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.ir.training import BeirDev, beir_dev, beir_train_file, dataset_files
 from lychee_exp.core.model import answer_token_ids, build_encoder, load_tokenizer
 from lychee_exp.core.prompt import PromptEncoder
 from lychee_exp.core.resources import resolve_path
@@ -30,6 +31,7 @@ class RunInputs:
     encoder: PromptEncoder
     # token ids of the train prompts, filled once per process by core.token_cache (data.pretokenize)
     token_ids: dict = field(default_factory=dict)
+    dev_rerank: BeirDev | None = None  # data=beir: the dev split and its first-stage candidates (dev_queries empty)
 
 
 def load_inputs(cfg: RunConfig, warn_unknown: bool = True) -> RunInputs:
@@ -40,15 +42,17 @@ def load_inputs(cfg: RunConfig, warn_unknown: bool = True) -> RunInputs:
     if _last is not None and _last[0] == key:
         return _last[1]
     data = cfg.data
-    train = load_queries(data.train_file, "data.train_file", data.max_train_queries, warn_unknown)
+    dev_rerank = beir_dev(data) if data.dataset else None
+    train_file = data.train_file or (beir_train_file(data) if data.dataset else data.train_file)
+    train = load_queries(train_file, "data.train_file", data.max_train_queries, warn_unknown)
     check_negatives(train, data.train_group_size, data.random_negatives)
     if cfg.loss.distill_weight > 0:
         check_teacher_scores(train, "data.train_file")
-    dev = load_queries(data.dev_file, "data.dev_file", data.max_dev_queries, warn_unknown)
+    dev = [] if dev_rerank else load_queries(data.dev_file, "data.dev_file", data.max_dev_queries, warn_unknown)
     tokenizer = load_tokenizer(cfg.model)
     encoder = build_encoder(cfg.model, tokenizer)
     answer_token_ids(cfg.model, encoder)  # yes/no must each be one token: one line naming the key, else
-    _last = (key, RunInputs(train, dev, tokenizer, encoder))
+    _last = (key, RunInputs(train, dev, tokenizer, encoder, dev_rerank=dev_rerank))
     return _last[1]
 
 
@@ -67,4 +71,6 @@ def _inputs_key(cfg: RunConfig) -> str:
         except (OSError, UserError):  # a missing file: load_inputs names it, in one line
             files.append([spec, None])
     settings = [data.max_train_queries, data.max_dev_queries, data.train_group_size, data.random_negatives]
+    settings += [data.dataset, data.train_split, data.dev_split, data.first_stage, data.rerank_top_k]
+    files.append(dataset_files(data.dataset))
     return json.dumps([dataclasses.asdict(cfg.model), settings, cfg.loss.distill_weight > 0, files], default=str)

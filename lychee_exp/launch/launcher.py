@@ -22,6 +22,7 @@ import shutil
 import signal
 import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
@@ -100,8 +101,23 @@ def train_in_process(cfg: RunConfig, plan: DevicePlan, output_dir: Path, inputs:
 def _elastic_launch(
     cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None, nodes: NodeSpec | None = None
 ) -> dict:
-    log_dir = output_dir / "logs"
     log.info(plan.describe())
+    if cfg.parallel.max_restarts > 0 and cfg.trainer.resume == "never":
+        # a restarted attempt continues from the latest checkpoint (trainer.checkpoint_every) of this run
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="auto"))
+    payload = plain_dict(cfg)
+    args = (payload, str(output_dir), plan.threads_per_rank, plan.device_type, log_file, os.getpid())
+    results = run_ranks(worker, args, plan, output_dir, cfg.parallel.max_restarts, nodes)
+    return results[min(results)]  # rank 0's metrics (every rank returns the same; other nodes lack rank 0)
+
+
+def run_ranks(
+    entrypoint: Callable, args: tuple, plan: DevicePlan, output_dir: Path, max_restarts: int = 0, nodes=None
+) -> dict[int, Any]:
+    """Starts plan.num_devices ranks of entrypoint(*args) with torch's elastic agent (c10d rendezvous on a free
+    local port, per-rank logs in <output_dir>/logs, rank 0's teed) and returns each local rank's result. A
+    failed rank stops the others and becomes one RunFailed line naming it and its log."""
+    log_dir = output_dir / "logs"
     nnodes = nodes.nnodes if nodes else 1
     config = LaunchConfig(
         min_nodes=nnodes,
@@ -110,24 +126,18 @@ def _elastic_launch(
         run_id=nodes.run_id if nodes else f"lychee-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d",
         rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0",
-        max_restarts=cfg.parallel.max_restarts,
+        max_restarts=max_restarts,
         rdzv_configs={"is_host": nodes.node_rank == 0} if nodes else {},
         monitor_interval=0.2,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL}),
         log_line_prefix_template="[rank${rank}] ",
     )
-    if cfg.parallel.max_restarts > 0 and cfg.trainer.resume == "never":
-        # a restarted attempt continues from the latest checkpoint (trainer.checkpoint_every) of this run
-        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="auto"))
-    payload = plain_dict(cfg)
     shutil.rmtree(output_dir / FAILURE_NOTES, ignore_errors=True)  # notes of an earlier attempt in this dir
     # The agent logs each failure with a full dump; the one line below (with the rank's log) replaces it.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, worker)(
-            payload, str(output_dir), plan.threads_per_rank, plan.device_type, log_file, os.getpid()
-        )
+        return elastic_launch(config, entrypoint)(*args)
     except SignalException as err:
         _stop_on_signal(err)
     except ChildFailedError as err:
@@ -137,7 +147,6 @@ def _elastic_launch(
         if nodes and collateral(message):
             raise RunFailed(lost_nodes(nodes, output_dir / FAILURE_NOTES, rank, message) + where, "crashed") from None
         raise RunFailed(f"rank {rank} failed: {message}{where}", failure_kind(message)) from None
-    return results[min(results)]  # rank 0's metrics (every rank returns the same; other nodes lack rank 0)
 
 
 def _stop_on_signal(err: SignalException) -> None:

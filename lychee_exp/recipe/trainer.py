@@ -27,6 +27,7 @@ from lychee_exp.core.data.loader import train_loader
 from lychee_exp.core.devices import DevicePlan, resolve_precision
 from lychee_exp.core.distributed import DistEnv, wrap_for_training
 from lychee_exp.core.inputs import RunInputs, load_inputs
+from lychee_exp.core.ir.training import dev_rerank_pairs
 from lychee_exp.core.levers import apply_levers, resolved_model_config
 from lychee_exp.core.losses import build_loss
 from lychee_exp.core.model import count_parameters, load_reranker, save_reranker
@@ -123,7 +124,11 @@ class Trainer:
         self.train_set = TrainGroups(
             inputs.train_queries, data.train_group_size, instruction, cfg.seed, data.random_negatives
         )
-        self.dev_pairs = build_dev_pairs(inputs.dev_queries, self.encoder, instruction, cfg.seed)
+        self.dev_pairs = (
+            dev_rerank_pairs(inputs.dev_rerank, self.encoder, instruction)
+            if inputs.dev_rerank
+            else build_dev_pairs(inputs.dev_queries, self.encoder, instruction, cfg.seed)
+        )
         # DataParallel splits one process's batch over its GPUs, so that process loads all of their batches.
         loader_batch = data.batch_size * (self.num_devices if self.plan.strategy == "dp" else 1)
         window = loader_batch * env.world_size * cfg.trainer.grad_accum_steps

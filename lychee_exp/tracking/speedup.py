@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 # data keys that do not change a training step's speed (the rest of data, and all of model and loss, may)
-_NOT_THROUGHPUT = ("name", "dev_file", "eval_batch_size", "max_dev_queries")
+_NOT_THROUGHPUT = ("name", "dev_file", "eval_batch_size", "max_dev_queries", "dev_split", "rerank_top_k")
 
 
 def throughput_settings(cfg: RunConfig, device_type: str) -> dict:

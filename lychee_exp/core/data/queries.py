@@ -20,6 +20,7 @@ from lychee_exp.core.resources import resolve_path
 log = logging.getLogger(__name__)
 
 KNOWN_KEYS = {"query", "pos", "neg", "prompt", "instruction", "pos_scores", "neg_scores", "pos_labels", "qid"}
+KNOWN_KEYS |= {"pos_ids", "neg_ids"}  # document ids, written by lychee_exp.mine (read by nothing here)
 
 
 @dataclass
@@ -67,13 +68,19 @@ def load_queries(spec: str, key: str, limit: int = 0, warn_unknown: bool = True)
     return queries
 
 
-def _parse_line(line: str, where: str, index: int, unknown: dict[str, int], number: int) -> RankingQuery:
+def json_object(line: str, where: str, fields: str) -> dict:
+    """One JSONL line as a dict; anything else is one UserError naming file:line (`fields`: what it should hold)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise UserError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
     if not isinstance(record, dict):
-        raise UserError(f"{where}: expected a JSON object with query/pos/neg, got {type(record).__name__}")
+        raise UserError(f"{where}: expected a JSON object with {fields}, got {type(record).__name__}")
+    return record
+
+
+def _parse_line(line: str, where: str, index: int, unknown: dict[str, int], number: int) -> RankingQuery:
+    record = json_object(line, where, "query/pos/neg")
     query = record.get("query")
     if not isinstance(query, str) or not query.strip():
         raise UserError(f"{where}: 'query' must be a non-empty string")

@@ -1,0 +1,166 @@
+"""BEIR datasets: `corpus.jsonl` ({"_id", "title", "text"}), `queries.jsonl` ({"_id", "text"}) and
+`qrels/<split>.tsv` (a header row, then `query-id corpus-id score`), as beir-cellar/beir's loader reads them.
+
+Every problem is one UserError naming the file and line, or the id. The corpus is parsed once and cached
+(core.ir.cache): later runs, and every DDP rank, load the pickle instead of the JSONL.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lychee_exp.core.atomic import write_bytes_atomic
+from lychee_exp.core.data.queries import json_object
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.ir.cache import cache_path, file_key
+from lychee_exp.core.resources import resolve_path
+
+log = logging.getLogger(__name__)
+
+Qrels = dict[str, dict[str, int]]  # query id -> document id -> graded relevance (0 = judged not relevant)
+
+
+@dataclass
+class Corpus:
+    ids: list[str]
+    texts: list[str]  # "title text", as BEIR's models read a document
+    key: list = field(default_factory=list)  # the file it came from (path, size, mtime): names caches built on it
+    row: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.row = {doc_id: i for i, doc_id in enumerate(self.ids)}
+
+    def text(self, doc_id: str) -> str:
+        return self.texts[self.row[doc_id]]
+
+
+@dataclass
+class Split:
+    """One split's queries (those with at least one relevant judgement, sorted by id) and all its judgements."""
+
+    name: str
+    query_ids: list[str]
+    queries: dict[str, str]
+    qrels: Qrels
+    key: list = field(default_factory=list)  # the queries and qrels files it came from
+
+
+def dataset_dir(spec: str, key: str = "dataset") -> Path:
+    path = resolve_path(spec, key)
+    if not path.is_dir():
+        raise UserError(f"{key}={spec}: {path} is not a directory (expected a BEIR dataset)")
+    for name in ("corpus.jsonl", "queries.jsonl"):
+        if not (path / name).is_file():
+            raise UserError(f"{key}={spec}: {path} has no {name} (expected a BEIR dataset)")
+    return path
+
+
+def load_corpus(directory: Path) -> Corpus:
+    path = directory / "corpus.jsonl"
+    key = file_key(path)
+    cached = cache_path("corpus", key).with_suffix(".pkl")
+    if cached.exists():
+        ids, texts = pickle.loads(cached.read_bytes())
+        return Corpus(ids, texts, key)
+    ids, texts = [], []
+    for where, record in _jsonl(path):
+        ids.append(_string(record, "_id", where))
+        title, text = record.get("title") or "", record.get("text")
+        if not isinstance(text, str) or not isinstance(title, str):
+            raise UserError(f"{where}: 'text' (and 'title', when given) must be strings")
+        texts.append(f"{title} {text}".strip())
+    _no_duplicates(ids, path)
+    if not ids:
+        raise UserError(f"{path}: the corpus is empty")
+    write_bytes_atomic(cached, pickle.dumps((ids, texts), protocol=pickle.HIGHEST_PROTOCOL))
+    return Corpus(ids, texts, key)
+
+
+def load_queries(directory: Path) -> dict[str, str]:
+    path = directory / "queries.jsonl"
+    queries = {}
+    for where, record in _jsonl(path):
+        qid, text = _string(record, "_id", where), _string(record, "text", where)
+        if qid in queries:
+            raise UserError(f"{where}: query id {qid!r} appears twice")
+        queries[qid] = text
+    return queries
+
+
+def load_split(directory: Path, split: str, corpus: Corpus, key: str = "split") -> Split:
+    path = directory / "qrels" / f"{split}.tsv"
+    if not path.is_file():
+        have = sorted(p.stem for p in (directory / "qrels").glob("*.tsv"))
+        raise UserError(f"{key}={split}: no {path}; splits here: {', '.join(have) or 'none'}")
+    queries = load_queries(directory)
+    qrels = read_beir_qrels(path)
+    for qid, judged in qrels.items():
+        if qid not in queries:
+            raise UserError(f"{path}: query id {qid!r} is not in {directory / 'queries.jsonl'}")
+        missing = next((doc for doc in judged if doc not in corpus.row), None)
+        if missing is not None:
+            raise UserError(f"{path}: document id {missing!r} (query {qid!r}) is not in {directory / 'corpus.jsonl'}")
+    query_ids = sorted(qid for qid, judged in qrels.items() if any(rel > 0 for rel in judged.values()))
+    if not query_ids:
+        raise UserError(f"{key}={split}: {path} judges no document relevant (an empty split)")
+    if len(query_ids) < len(qrels):
+        log.info("%s: %d queries without a relevant document left out", path, len(qrels) - len(query_ids))
+    return Split(
+        split,
+        query_ids,
+        {q: queries[q] for q in query_ids},
+        qrels,
+        [file_key(path), file_key(directory / "queries.jsonl")],
+    )
+
+
+def read_beir_qrels(path: Path) -> Qrels:
+    qrels: Qrels = {}
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            cols = line.rstrip("\n").split("\t")
+            if not line.strip() or (number == 1 and not _is_int(cols[-1])):  # the header row
+                continue
+            if len(cols) != 3 or not _is_int(cols[2]):
+                raise UserError(f"{path}:{number}: expected 'query-id<TAB>corpus-id<TAB>score' with an integer score")
+            qrels.setdefault(cols[0], {})[cols[1]] = int(cols[2])
+    if not qrels:
+        raise UserError(f"{path}: no judgements (an empty split)")
+    return qrels
+
+
+def _jsonl(path: Path):
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            yield where, json_object(line, where, "_id and text")
+
+
+def _string(record: dict, name: str, where: str) -> str:
+    value = record.get(name)
+    if isinstance(value, int) and not isinstance(value, bool) and name == "_id":
+        value = str(value)
+    if not isinstance(value, str) or not value:
+        raise UserError(f"{where}: '{name}' must be a non-empty string")
+    return value
+
+
+def _no_duplicates(ids: list[str], path: Path) -> None:
+    seen: set[str] = set()
+    for number, doc_id in enumerate(ids, start=1):
+        if doc_id in seen:
+            raise UserError(f"{path}: document id {doc_id!r} appears twice (record {number})")
+        seen.add(doc_id)
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,119 @@
+"""First-stage retrieval, a split's top-k per query: `bm25` (bm25s, Lucene's variant, English stopwords; the
+index cached per corpus), `dense` (a Hugging Face encoder, mean pooling, cosine; core.ir.dense) or `run:<file>` (the
+user's own TREC run). A document whose id equals the query's is skipped, as BEIR's evaluation does. Runs are cached
+per corpus, split, stage and depth, so DDP ranks and later runs read them instead of retrieving again."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.ir.beir import Corpus, Split
+from lychee_exp.core.ir.cache import cache_path, file_key
+from lychee_exp.core.ir.dense import DEFAULT_ENCODER, corpus_embeddings, embed
+from lychee_exp.core.ir.trec import Run, as_written, ranked, read_run, write_run
+from lychee_exp.core.resources import resolve_path
+
+log = logging.getLogger(__name__)
+RUN_PREFIX = "run:"
+
+
+def check_stage(spec: str, key: str = "first_stage") -> None:
+    if spec in ("bm25", "dense"):
+        return
+    if spec.startswith(RUN_PREFIX) and spec[len(RUN_PREFIX) :]:
+        if not Path(spec[len(RUN_PREFIX) :]).expanduser().is_file():
+            raise UserError(f"{key}={spec}: {spec[len(RUN_PREFIX) :]} does not exist")
+        return
+    raise UserError(f"{key}={spec}: expected bm25, dense or run:<TREC run file>")
+
+
+def stage_name(spec: str) -> str:
+    """bm25 | dense | run: the prefix of the first stage's metrics in training logs (bm25_ndcg@10, ...)."""
+    return "run" if spec.startswith(RUN_PREFIX) else spec
+
+
+def retrieve(
+    spec: str, corpus: Corpus, split: Split, top_k: int, dense_model: str = DEFAULT_ENCODER, key: str = "first_stage"
+) -> Run:
+    """Each query's top_k documents and their first-stage scores (as a run file would hold them)."""
+    check_stage(spec, key)
+    extra = file_key(Path(spec[len(RUN_PREFIX) :]).expanduser()) if spec.startswith(RUN_PREFIX) else []
+    # the encoder by its files too: a model replaced at the same path retrieves again
+    model = [dense_model, file_key(resolve_path(dense_model, "dense_model") / "config.json")] if spec == "dense" else ""
+    cached = cache_path("runs", corpus.key, split.key, split.name, spec, extra, model, top_k).with_suffix(".trec")
+    if cached.exists():
+        return read_run(cached, "cached run")
+    if spec == "bm25":
+        run = _bm25(corpus, split, top_k)
+    elif spec == "dense":
+        run = _dense(corpus, split, top_k, dense_model)
+    else:
+        run = _user_run(Path(spec[len(RUN_PREFIX) :]).expanduser(), corpus, split, top_k)
+    run = as_written(run)
+    write_run(cached, run, stage_name(spec))
+    return run
+
+
+def _keep_top(qid: str, docs: list[tuple[str, float]], top_k: int) -> dict[str, float]:
+    return dict([(doc, score) for doc, score in docs if doc != qid][:top_k])
+
+
+def _bm25(corpus: Corpus, split: Split, top_k: int) -> Run:
+    import bm25s
+
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
+    index_dir = cache_path("bm25", corpus.key)
+    if (index_dir / "params.index.json").exists():
+        retriever = bm25s.BM25.load(str(index_dir))
+    else:
+        retriever = bm25s.BM25()
+        tokens = bm25s.tokenize(corpus.texts, stopwords="en", show_progress=False)
+        retriever.index(tokens, show_progress=False)
+        tmp = index_dir.with_name(f".{index_dir.name}.{os.getpid()}.tmp")
+        retriever.save(str(tmp))
+        try:
+            tmp.rename(index_dir)  # whole or not at all
+        except OSError:  # another process saved it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    texts = [split.queries[qid] for qid in split.query_ids]
+    tokens = bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
+    k = min(top_k + 1, len(corpus.ids))  # one more: the query's own id may be among them
+    run: Run = {}
+    for qid, query_tokens in zip(split.query_ids, tokens):
+        if not query_tokens:  # only stopwords: nothing to match
+            run[qid] = {}
+            continue
+        rows, scores = retriever.retrieve([query_tokens], k=k, show_progress=False, n_threads=1)
+        docs = [(corpus.ids[int(r)], float(s)) for r, s in zip(rows[0], scores[0])]
+        run[qid] = _keep_top(qid, docs, top_k)
+    return run
+
+
+def _dense(corpus: Corpus, split: Split, top_k: int, dense_model: str) -> Run:
+    docs = corpus_embeddings(corpus, dense_model)
+    queries = embed([split.queries[q] for q in split.query_ids], dense_model)
+    run: Run = {}
+    k = min(top_k + 1, len(corpus.ids))
+    for qid, scores in zip(split.query_ids, queries @ docs.T):
+        top = np.argsort(-scores, kind="stable")[:k]
+        run[qid] = _keep_top(qid, [(corpus.ids[i], float(scores[i])) for i in top], top_k)
+    return run
+
+
+def _user_run(path: Path, corpus: Corpus, split: Split, top_k: int) -> Run:
+    given = read_run(path, "first_stage")
+    missing = next((doc for docs in given.values() for doc in docs if doc not in corpus.row), None)
+    if missing is not None:
+        raise UserError(f"first_stage=run:{path}: document id {missing!r} is not in the corpus")
+    absent = [q for q in split.query_ids if q not in given]
+    if len(absent) == len(split.query_ids):
+        raise UserError(f"first_stage=run:{path}: none of split {split.name!r}'s queries is in the run")
+    if absent:
+        log.warning("%s: %d of split %s's queries have no candidates", path, len(absent), split.name)
+    return {qid: _keep_top(qid, ranked(given.get(qid, {})), top_k) for qid in split.query_ids}

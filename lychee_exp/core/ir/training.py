@@ -1,0 +1,60 @@
+"""What data=beir gives a training run: the train split's mined JSONL (data.train_file, or mined on first use
+and cached) and the dev split's first-stage top-k, which the dev evaluation reranks (core.ir.candidates)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.ir.beir import Corpus, Split
+from lychee_exp.core.ir.cache import file_key
+from lychee_exp.core.ir.dense import DEFAULT_ENCODER
+from lychee_exp.core.ir.first_stage import retrieve, stage_name
+from lychee_exp.core.ir.pipeline import mined_train_file, open_split
+from lychee_exp.core.ir.trec import Run
+from lychee_exp.core.resources import resolve_path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BeirDev:
+    corpus: Corpus
+    split: Split
+    run: Run  # the first stage's top-k of each dev query
+    stage: str  # bm25 | dense | run
+    top_k: int
+
+
+def beir_dev(data) -> BeirDev:
+    corpus, split = open_split(data.dataset, data.dev_split, "data.dataset", "data.dev_split")
+    if data.max_dev_queries:
+        split.query_ids = split.query_ids[: data.max_dev_queries]
+    run = retrieve(data.first_stage, corpus, split, data.rerank_top_k, DEFAULT_ENCODER, "data.first_stage")
+    return BeirDev(corpus, split, run, stage_name(data.first_stage), data.rerank_top_k)
+
+
+def beir_train_file(data) -> str:
+    """data.train_file when given; else the train split mined with the defaults (cached after the first use)."""
+    corpus, split = open_split(data.dataset, data.train_split, "data.dataset", "data.train_split")
+    path = mined_train_file(corpus, split, data.first_stage, DEFAULT_ENCODER)
+    log.info("data.train_file: %s (split %s mined with first_stage=%s)", path, split.name, data.first_stage)
+    return str(path)
+
+
+def dev_rerank_pairs(dev: BeirDev, encoder, instruction: str):
+    from lychee_exp.core.ir.candidates import build_rerank_pairs
+
+    return build_rerank_pairs(dev.corpus, dev.split, dev.run, encoder, instruction, dev.stage, dev.top_k)
+
+
+def dataset_files(spec: str) -> list:
+    """What a BEIR directory's contents are keyed by (path, size, mtime of each file): [] without one."""
+    if not spec:
+        return []
+    try:
+        root = resolve_path(spec, "data.dataset")
+        return [file_key(p) for p in sorted(root.rglob("*")) if p.is_file()]
+    except (OSError, UserError):  # load_inputs names the problem, in one line
+        return [spec, None]

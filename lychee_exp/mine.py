@@ -1,0 +1,66 @@
+"""Entry point: `python -m lychee_exp.mine dataset=<beir dir> split=train first_stage=bm25 out=<train.jsonl>`.
+
+Writes a BEIR split as FlagEmbedding reranker JSONL with hard negatives from the first stage's ranks
+(core.ir.mining; keys in core.ir.config.MineConfig), then one summary line. A user mistake is one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.core.ir.config import MineConfig, check_mine_config, register_ir_schemas
+from lychee_exp.core.ir.mining import MineSettings
+from lychee_exp.core.ir.pipeline import mine_to_file, open_split
+from lychee_exp.core.model import model_dir
+from lychee_exp.run import command_config, fail_as_one_line
+
+log = logging.getLogger("lychee_exp.mine")
+
+
+def mine_command(cfg: MineConfig) -> str:
+    check_mine_config(cfg)
+    start = time.perf_counter()
+    corpus, split = open_split(cfg.dataset, cfg.split)
+    settings = MineSettings(cfg.range_min, cfg.range_max, cfg.num_negatives, cfg.margin, cfg.seed)
+    show = cfg.progress_bar and sys.stderr.isatty()
+
+    def progress(items):
+        return tqdm(items, desc=f"mine {cfg.split}", unit="query", disable=not show)
+
+    if cfg.teacher == "reranker":  # before any scoring: a wrong path or model is one line
+        model_dir(cfg.model)
+    summary = mine_to_file(
+        corpus,
+        split,
+        cfg.first_stage,
+        settings,
+        Path(cfg.out),
+        cfg.teacher,
+        cfg.dense_model,
+        progress,
+        cfg.model,
+        cfg.batch_size,
+    )
+    seconds = time.perf_counter() - start
+    line = f"{cfg.out}: {summary.line()} ({len(split.query_ids) / seconds:.1f} queries/s, {seconds:.1f} s)"
+    log.info(line)
+    return line
+
+
+def main(argv: list[str] | None = None) -> None:
+    register_ir_schemas()
+    cfg = command_config("mine", argv, MineConfig)
+    try:
+        mine_command(cfg)
+    except (UserError, RunFailed) as err:
+        fail_as_one_line(err)
+
+
+if __name__ == "__main__":
+    main()

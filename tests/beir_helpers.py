@@ -1,0 +1,45 @@
+"""Small BEIR-format datasets written by hand for the IR tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+def write_beir(root: Path, docs: dict[str, str], queries: dict[str, str], qrels: dict[str, dict]) -> Path:
+    """qrels: split -> query id -> {doc id: relevance}."""
+    (root / "qrels").mkdir(parents=True, exist_ok=True)
+    (root / "corpus.jsonl").write_text(
+        "".join(json.dumps({"_id": d, "title": "", "text": t}) + "\n" for d, t in docs.items())
+    )
+    (root / "queries.jsonl").write_text("".join(json.dumps({"_id": q, "text": t}) + "\n" for q, t in queries.items()))
+    for split, judged in qrels.items():
+        rows = "".join(f"{q}\t{d}\t{r}\n" for q, docs_ in judged.items() for d, r in docs_.items())
+        (root / "qrels" / f"{split}.tsv").write_text("query-id\tcorpus-id\tscore\n" + rows)
+    return root
+
+
+WORDS = ["apple", "banana", "cherry", "grape", "lemon", "mango", "melon", "olive", "peach", "pear", "plum", "berry"]
+
+
+def fruit_dataset(root: Path) -> Path:
+    """12 queries (one fruit each), 48 documents: each fruit's two relevant documents (graded 2 and 1), plus
+    documents that mention a fruit only in passing."""
+    docs, queries, train, test = {}, {}, {}, {}
+    for i, word in enumerate(WORDS):
+        docs[f"{word}-a"] = f"all about the {word}: how the {word} grows and how to eat a {word}"
+        docs[f"{word}-b"] = f"recipes with {word} and a history of the {word} tree"
+        docs[f"{word}-c"] = f"a market sells many things, among them a {word} now and then"
+        docs[f"{word}-d"] = f"weather report for the valley, sunny, no mention of fruit {i}"
+        queries[f"q-{word}"] = f"how does the {word} grow"
+        (train if i % 2 == 0 else test)[f"q-{word}"] = {f"{word}-a": 2, f"{word}-b": 1, f"{word}-c": 0}
+    return write_beir(root, docs, queries, {"train": train, "test": test})
+
+
+@pytest.fixture
+def ir_cache(tmp_path, monkeypatch) -> Path:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LYCHEE_CACHE_DIR", str(cache))
+    return cache
