@@ -183,7 +183,7 @@ def test_bounds_live_beside_their_fields(tmp_path):
     ("override", "message"),
     [
         ("loss.name=hinge", "loss.name='hinge' is not one of listwise, pointwise"),
-        ("optimizer.name=lion", "optimizer.name='lion' is not one of adamw"),
+        ("optimizer.name=lion", "optimizer.name='lion' is not one of adamw, sgd"),
     ],
 )
 def test_unregistered_part_fails_before_training_listing_the_registered(override, message, tmp_path):
