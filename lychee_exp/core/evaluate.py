@@ -65,12 +65,15 @@ def bm25_scores(pairs: DevPairs) -> list[float]:
 def reference_metrics(pairs: DevPairs) -> dict[str, float]:
     """The bars a reranker is measured against, logged: BM25 on the dev candidates (bm25_*), and the dev file's
     own teacher scores when it has them (teacher_*)."""
-    refs = ranking_metrics(bm25_scores(pairs), pairs.labels, pairs.query_index, prefix="bm25_")
+    refs = pairs.references
+    if not refs:
+        refs.update(ranking_metrics(bm25_scores(pairs), pairs.labels, pairs.query_index, prefix="bm25_"))
+        if pairs.teacher_scores is not None:
+            refs.update(ranking_metrics(pairs.teacher_scores, pairs.labels, pairs.query_index, prefix="teacher_"))
     log.info("BM25 on the dev candidates: ndcg@10 %.4f, mrr@10 %.4f", refs["bm25_ndcg@10"], refs["bm25_mrr@10"])
-    if pairs.teacher_scores is not None:
-        refs.update(ranking_metrics(pairs.teacher_scores, pairs.labels, pairs.query_index, prefix="teacher_"))
+    if "teacher_ndcg@10" in refs:
         log.info("teacher scores of the dev file: ndcg@10 %.4f", refs["teacher_ndcg@10"])
-    return refs
+    return dict(refs)
 
 
 @torch.inference_mode()

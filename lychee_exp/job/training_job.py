@@ -53,14 +53,6 @@ def preflight(cfg: RunConfig) -> RunInputs:
     return load_inputs(cfg)
 
 
-def _job_log_file() -> str | None:
-    """The Hydra job's log file, which rank 0 of a spawned run keeps writing to."""
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            return handler.baseFilename
-    return None
-
-
 def job_log_file() -> str | None:
     """The Hydra job's log file, which rank 0 of a spawned run keeps writing to."""
     for handler in logging.getLogger().handlers:

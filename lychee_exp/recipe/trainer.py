@@ -22,7 +22,7 @@ from tqdm import tqdm
 from lychee_exp.core import evaluate as ev
 from lychee_exp.core.chunks import forward_chunk_count
 from lychee_exp.core.config import RunConfig
-from lychee_exp.core.data.groups import TrainGroups, build_dev_pairs
+from lychee_exp.core.data.groups import TrainGroups
 from lychee_exp.core.data.loader import train_loader
 from lychee_exp.core.devices import DevicePlan, resolve_precision
 from lychee_exp.core.distributed import DistEnv, wrap_for_training
@@ -116,7 +116,7 @@ class Trainer:
         self.train_set = TrainGroups(
             inputs.train_queries, data.train_group_size, instruction, cfg.seed, data.random_negatives
         )
-        self.dev_pairs = build_dev_pairs(inputs.dev_queries, self.encoder, instruction, cfg.seed)
+        self.dev_pairs = inputs.dev_pairs(instruction, cfg.seed)  # built once per process
         # DataParallel splits one process's batch over its GPUs, so that process loads all of their batches.
         loader_batch = data.batch_size * (self.num_devices if self.plan.strategy == "dp" else 1)
         window = loader_batch * env.world_size * cfg.trainer.grad_accum_steps
