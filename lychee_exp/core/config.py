@@ -198,6 +198,9 @@ class LoggerConfig:
     job_type: Optional[str] = None  # default: trial in sweeps, else train
     tags: List[str] = field(default_factory=list)
     init_timeout_s: int = at_least(1, 30)  # an unreachable server costs at most this, then the run goes offline
+    # TensorBoard event files beside the chosen logger (`logger=wandb logger.tensorboard=true`); logger=tensorboard
+    # writes them in any case
+    tensorboard: bool = False
 
 
 @dataclass

@@ -39,7 +39,7 @@ from lychee_exp.recipe.progress import NO_HOOKS, Progress, StepFigures, StepHook
 from lychee_exp.recipe.step import WindowStep
 from lychee_exp.tracking.backends import NullLogger, run_logger
 from lychee_exp.tracking.console import log_eval, log_setup, log_train_step
-from lychee_exp.tracking.throughput import StepTimer, log_hints, setup_facts, speedup_facts, summarize
+from lychee_exp.tracking.throughput import StepTimer, gpu_memory, log_hints, setup_facts, speedup_facts, summarize
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,8 @@ class Trainer:
             summary["train_distill_loss"] = sum(f.distill_loss for f in logged) / len(logged)
         lr = self.scheduler.get_last_lr()[0]
         where = (self.logger, self.env.is_main, progress.step, self.total_steps, progress.epoch)
-        log_train_step(*where, summary["train_loss"], lr, figures)
+        gpu = gpu_memory(self.device) if self.env.is_main else {}
+        log_train_step(*where, summary["train_loss"], lr, figures, gpu)
         logged.clear()
 
     def _evaluate_into(self, progress: Progress) -> None:
