@@ -114,7 +114,7 @@ def test_gpu_memory_goes_to_the_step_line_and_every_logger(monkeypatch, caplog):
         def log_metrics(self, metrics, step):
             self.rows.append((step, metrics))
 
-    figures = StepFigures(**{f: 1.0 for f in StepFigures.__dataclass_fields__})
+    figures = StepFigures(**dict.fromkeys(StepFigures.__dataclass_fields__, 1.0))
     logger = Rows()
     with caplog.at_level(logging.INFO, logger="lychee_exp.tracking.console"):
         log_train_step(logger, True, 3, 4, 0, 0.5, 1e-3, figures, gpu)
@@ -140,3 +140,24 @@ def test_a_gpu_run_logs_its_memory_to_tensorboard(tmp_path):
     assert sorted(allocated) == [1, 2, 3, 4] and all(0 < allocated[s] <= reserved[s] for s in allocated)
     peak = scalars[HISTORY["gpu_peak_allocated"]]
     assert all(peak[s] >= allocated[s] for s in allocated)
+
+
+def test_a_resumed_run_replaces_the_steps_it_logs_again(tmp_path):
+    """A resumed run truncates its loggers at the checkpoint's step, then logs the later steps again: TensorBoard
+    must show the second values only (purge_step), as metrics.csv does."""
+    from lychee_exp.tracking.backends import TensorBoardLogger
+
+    first = TensorBoardLogger(tmp_path, {})
+    for step in range(1, 5):
+        first.log_metrics({HISTORY["loss"]: float(step)}, step)
+    first.finish()  # the run died after step 4; its last checkpoint is step 2
+    resumed = TensorBoardLogger(tmp_path, {})
+    resumed.truncate(2)
+    for step in (3, 4):
+        resumed.log_metrics({HISTORY["loss"]: 10.0 * step}, step)
+    resumed.finish()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars(HISTORY["loss"])] == [(1, 1), (2, 2), (3, 30), (4, 40)]
