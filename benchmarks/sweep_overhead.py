@@ -2,17 +2,17 @@
 tree against warm ranks of an earlier commit (`--against REF`), to find and check an overhead regression.
 
     python benchmarks/sweep_overhead.py [--trials 6] [--gpus 2] [--repeats 2] [--preset tiny|issue]
-                                        [--against REF] [--out DIR] [overrides]
+                                        [--against REF] [--baselines FILE] [--out DIR] [overrides]
 
 Runs the same sweep (`hparams_search=lr_batch`, the tiny Qwen2, `parallel=ddp gpus=N`) once per kind, `--repeats`
-times (at least 2), after one untimed sweep that fills their shared speedup-baseline cache, alternating which
-kind goes first so that cold caches and the first start-up fall on both sides. Kinds: `fresh` and `warm`
-(`parallel.warm_ranks=false/true`); with `--against REF`, `warm@REF` (the commit's code, exported with
-`git archive` and put first on PYTHONPATH) and `warm` (this tree). Presets: `tiny` (16 train / 6 dev queries,
-metrics.csv only, no pruning) or `issue` (issue 25's sweep: `model=tiny_lychee trainer.max_steps=4` with the
-default data, logger and pruner). Prints each trial's overhead from trials.csv (duration - training -
-evaluation), the medians over all repeats, and whether the first two kinds' trials got the same metrics.
-Extra arguments are overrides for every sweep (e.g. `model=minilm_cross_encoder`).
+times (at least 2), after one untimed sweep that fills their shared speedup-baseline cache (or with the cache
+`--baselines` names), alternating which kind goes first so that cold caches and the first start-up fall on both
+sides. Kinds: `fresh` and `warm` (`parallel.warm_ranks=false/true`); with `--against REF`, `warm@REF` (the
+commit's code, exported with `git archive` and put first on PYTHONPATH) and `warm` (this tree). Presets: `tiny`
+(16 train / 6 dev queries, metrics.csv only, no pruning) or `issue` (issue 25's sweep: `model=tiny_lychee
+trainer.max_steps=4` with the default data, logger and pruner). Prints each trial's overhead from trials.csv
+(duration - training - evaluation), the medians over all repeats, and whether the first two kinds' trials got
+the same metrics. Extra arguments are overrides for every sweep (e.g. `model=minilm_cross_encoder`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="sweeps per kind, order alternating (>= 2)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--against", metavar="REF", help="warm ranks of this commit against this tree's")
+    parser.add_argument("--baselines", type=Path, help="a filled baseline cache (baselines.json of an earlier --out)")
     parser.add_argument("--out", type=Path, default=None)
     args, overrides = parser.parse_known_args()
     if args.repeats < 2:
@@ -110,8 +112,12 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="lychee-sweep-overhead-"))
     # one speedup-baseline cache for every sweep, filled by an untimed sweep first: the timed trials find their
     # baselines cached (a calibration would count as overhead on whichever kind met a batch size first)
-    overrides = [*PRESETS[args.preset], f"speedup.baseline_file={out / 'baselines.json'}", *overrides]
-    sweep(out / "fill-baselines", args.trials, args.gpus, True, overrides)
+    baselines = out / "baselines.json"
+    if args.baselines:
+        shutil.copyfile(args.baselines, baselines)
+    overrides = [*PRESETS[args.preset], f"speedup.baseline_file={baselines}", *overrides]
+    if not args.baselines:
+        sweep(out / "fill-baselines", args.trials, args.gpus, True, overrides)
     # (name, warm ranks, source tree or None for this one)
     kinds = [("fresh", False, None), ("warm", True, None)]
     if args.against:
