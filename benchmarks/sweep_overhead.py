@@ -112,6 +112,7 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="lychee-sweep-overhead-"))
     # one speedup-baseline cache for every sweep, filled by an untimed sweep first: the timed trials find their
     # baselines cached (a calibration would count as overhead on whichever kind met a batch size first)
+    out.mkdir(parents=True, exist_ok=True)
     baselines = out / "baselines.json"
     if args.baselines:
         shutil.copyfile(args.baselines, baselines)
