@@ -10,37 +10,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_RANKS
 
 from lychee_exp.testing.jobs import run_job
 from lychee_exp.tracking.keys import HISTORY
 from lychee_exp.tracking.wandb_records import find_run_files, read_run
 
+# the tiny DDP settings with per-step rows and dev evaluations at 0, 2, 4; given baselines: the speedup is a
+# figure without a calibration run first
 TINY = [
-    "model=tiny_lychee",
-    "loss=pointwise",
+    *(o for o in TINY_RANKS if not o.startswith("logger=")),
     "data.batch_size=2",
-    "data.max_train_queries=16",
-    "data.max_dev_queries=4",
-    "data.train_group_size=4",
-    "trainer.max_steps=4",
     "trainer.eval_every=2",
-    "trainer.progress_bar=false",
-    "trainer.log_every=1",
-    # given baselines: the speedup is a figure without a calibration run first
     "speedup.baseline_samples_per_s=10",
     "speedup.one_rank_samples_per_s=5",
 ]
 # the keys the seed guide watches: loss, lr, dev metrics (history); effective batch size, speedup (summary)
 HISTORY_KEYS = [HISTORY["loss"], HISTORY["lr"], HISTORY["dev_ndcg"], HISTORY["dev_mrr"]]
 SUMMARY_KEYS = ["effective_batch_size", "speedup"]
-
-
-@pytest.fixture
-def no_wandb_key(monkeypatch, tmp_path):
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
 
 
 def _scalars(log_dir: Path) -> dict[str, dict[int, float]]:

@@ -31,15 +31,6 @@ TINY = [
 SECRET = "0123456789abcdef0123456789abcdef01234567"
 
 
-@pytest.fixture
-def no_wandb_key(monkeypatch, tmp_path):
-    """No API key anywhere (environment or ~/.netrc): runs go offline."""
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
-
-
 def _metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
