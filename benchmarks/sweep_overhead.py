@@ -1,13 +1,18 @@
-"""Per-trial overhead of a sweep, warm ranks against fresh ranks per trial, side by side.
+"""Per-trial overhead of a sweep, warm ranks against fresh ranks per trial, side by side; or warm ranks of this
+tree against warm ranks of an earlier commit (`--against REF`), to find and check an overhead regression.
 
-    python benchmarks/sweep_overhead.py [--trials 6] [--gpus 2] [--repeats 2] [--out DIR] [overrides]
+    python benchmarks/sweep_overhead.py [--trials 6] [--gpus 2] [--repeats 2] [--preset tiny|issue]
+                                        [--against REF] [--baselines FILE] [--out DIR] [overrides]
 
-Runs the same sweep (`hparams_search=lr_batch`, the tiny Qwen2, `parallel=ddp gpus=N`, the sampler's seed fixed,
-no pruning) with `parallel.warm_ranks=true` and with `false`, `--repeats` times each (at least 2), alternating
-which goes first (fresh-warm, warm-fresh, ...) so that cold caches and the first start-up fall on both sides.
-Prints each trial's overhead from trials.csv (duration - training - evaluation), the medians over all repeats,
-and whether the warm and fresh trials got the same metrics. Extra arguments are overrides for every sweep (e.g.
-`model=minilm_cross_encoder`).
+Runs the same sweep (`hparams_search=lr_batch`, the tiny Qwen2, `parallel=ddp gpus=N`) once per kind, `--repeats`
+times (at least 2), after one untimed sweep that fills their shared speedup-baseline cache (or with the cache
+`--baselines` names), alternating which kind goes first so that cold caches and the first start-up fall on both
+sides. Kinds: `fresh` and `warm` (`parallel.warm_ranks=false/true`); with `--against REF`, `warm@REF` (the
+commit's code, exported with `git archive` and put first on PYTHONPATH) and `warm` (this tree). Presets: `tiny`
+(16 train / 6 dev queries, metrics.csv only, no pruning) or `issue` (issue 25's sweep: `model=tiny_lychee
+trainer.max_steps=4` with the default data, logger and pruner). Prints each trial's overhead from trials.csv
+(duration - training - evaluation), the medians over all repeats, and whether the first two kinds' trials got
+the same metrics. Extra arguments are overrides for every sweep (e.g. `model=minilm_cross_encoder`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,7 +47,13 @@ TINY = [
 COMPARED = ("ndcg@10", "mrr@10", "train_loss", "steps")
 
 
-def sweep(sweep_dir: Path, trials: int, gpus: int, warm: bool, overrides: list[str]) -> float:
+# issue 25's sweep: its overhead was 0.27 s a warm trial at the tiny preset, 1.2-1.6 s at this one
+ISSUE = ["model=tiny_lychee", "trainer.max_steps=4", "trainer.progress_bar=false"]
+PRESETS = {"tiny": TINY, "issue": ISSUE}
+
+
+def sweep(sweep_dir: Path, trials: int, gpus: int, warm: bool, overrides: list[str], code: Path | None = None) -> float:
+    """One sweep; `code`: a source tree to run instead of the installed lychee_exp (first on PYTHONPATH)."""
     command = [
         sys.executable,
         "-m",
@@ -50,14 +62,16 @@ def sweep(sweep_dir: Path, trials: int, gpus: int, warm: bool, overrides: list[s
         "hparams_search=lr_batch",
         "parallel=ddp",
         f"gpus={gpus}",
-        *TINY,
         f"parallel.warm_ranks={str(warm).lower()}",
         f"hydra.sweeper.n_trials={trials}",
         f"hydra.sweep.dir={sweep_dir}",
         *overrides,
     ]
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), env.get("PYTHONPATH")]))
     start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=code)
     if proc.returncode:
         sys.exit(f"the sweep in {sweep_dir} failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
     return time.perf_counter() - start
@@ -73,45 +87,76 @@ def outcome(run_dir: str) -> tuple:
     return tuple(round(metrics[k], 6) for k in COMPARED)
 
 
+def export(ref: str, out: Path) -> Path:
+    """The tree of commit `ref` of this repository, in out/<ref>."""
+    repo = Path(__file__).resolve().parents[1]
+    target = out / f"code-{ref}"
+    target.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(repo), "archive", ref], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    return target
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="sweeps per kind, order alternating (>= 2)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--against", metavar="REF", help="warm ranks of this commit against this tree's")
+    parser.add_argument("--baselines", type=Path, help="a filled baseline cache (baselines.json of an earlier --out)")
     parser.add_argument("--out", type=Path, default=None)
     args, overrides = parser.parse_known_args()
     if args.repeats < 2:
         parser.error("--repeats must be at least 2: the order alternates between repeats")
     out = args.out or Path(tempfile.mkdtemp(prefix="lychee-sweep-overhead-"))
-    walls: dict[str, list[float]] = {"fresh": [], "warm": []}
-    tables: dict[str, list[list[dict]]] = {"fresh": [], "warm": []}
+    # one speedup-baseline cache for every sweep, filled by an untimed sweep first: the timed trials find their
+    # baselines cached (a calibration would count as overhead on whichever kind met a batch size first)
+    out.mkdir(parents=True, exist_ok=True)
+    baselines = out / "baselines.json"
+    if args.baselines:
+        shutil.copyfile(args.baselines, baselines)
+    overrides = [*PRESETS[args.preset], f"speedup.baseline_file={baselines}", *overrides]
+    if not args.baselines:
+        sweep(out / "fill-baselines", args.trials, args.gpus, True, overrides)
+    # (name, warm ranks, source tree or None for this one)
+    kinds = [("fresh", False, None), ("warm", True, None)]
+    if args.against:
+        kinds = [(f"warm@{args.against}", True, export(args.against, out)), ("warm", True, None)]
+    names = [name for name, _, _ in kinds]
+    walls: dict[str, list[float]] = {name: [] for name in names}
+    tables: dict[str, list[list[dict]]] = {name: [] for name in names}
     for repeat in range(args.repeats):
-        order = (("fresh", False), ("warm", True)) if repeat % 2 == 0 else (("warm", True), ("fresh", False))
-        for name, warm in order:
-            sweep_dir = out / f"{repeat}-{name}"
-            walls[name].append(sweep(sweep_dir, args.trials, args.gpus, warm, overrides))
+        order = kinds if repeat % 2 == 0 else kinds[::-1]
+        for name, warm, code in order:
+            sweep_dir = out / f"{repeat}-{name.replace('@', '-')}"
+            walls[name].append(sweep(sweep_dir, args.trials, args.gpus, warm, overrides, code))
             tables[name].append(rows(sweep_dir))
-        print(f"repeat {repeat}: {' then '.join(name for name, _ in order)}")
-    columns = ("rep", 3), ("trial", 5), ("fresh: overhead s", 18), ("warm: overhead s", 17), ("train+eval s", 13)
+        print(f"repeat {repeat}: {' then '.join(name for name, _, _ in order)}")
+    first, second = names
+    columns = (
+        ("rep", 3),
+        ("trial", 5),
+        (f"{first}: overhead s", 20),
+        (f"{second}: overhead s", 20),
+        ("train+eval s", 13),
+    )
     print(" ".join(f"{name:>{width}}" for name, width in columns), "same metrics")
     same = []
     for repeat in range(args.repeats):
-        for fresh, warm in zip(tables["fresh"][repeat], tables["warm"][repeat]):
-            same.append(outcome(fresh["run_dir"]) == outcome(warm["run_dir"]))
-            work = float(warm["train_time_s"]) + float(warm["eval_time_s"])
-            print(
-                f"{repeat:>3} {fresh['number']:>5} {fresh['overhead_s']:>18} {warm['overhead_s']:>17} {work:>13.2f} "
-                f"{same[-1]}"
-            )
+        for a, b in zip(tables[first][repeat], tables[second][repeat]):
+            same.append(outcome(a["run_dir"]) == outcome(b["run_dir"]))
+            work = float(b["train_time_s"]) + float(b["eval_time_s"])
+            print(f"{repeat:>3} {a['number']:>5} {a['overhead_s']:>20} {b['overhead_s']:>20} {work:>13.2f} {same[-1]}")
     medians = {
         name: statistics.median(float(r["overhead_s"]) for table in per_repeat for r in table)
         for name, per_repeat in tables.items()
     }
     print(
-        f"median overhead per trial over {args.repeats} repeats: fresh ranks {medians['fresh']:.2f} s, warm ranks "
-        f"{medians['warm']:.2f} s ({medians['fresh'] / medians['warm']:.1f}x less); median sweep wall time "
-        f"{statistics.median(walls['fresh']):.0f} s vs {statistics.median(walls['warm']):.0f} s; metrics equal in "
-        f"{sum(same)}/{len(same)} trials; sweeps in {out}"
+        f"median overhead per trial over {args.repeats} repeats ({args.preset} preset): {first} "
+        f"{medians[first]:.2f} s, {second} {medians[second]:.2f} s ({medians[first] / medians[second]:.1f}x less); "
+        f"median sweep wall time {statistics.median(walls[first]):.0f} s vs {statistics.median(walls[second]):.0f} s; "
+        f"metrics equal in {sum(same)}/{len(same)} trials; sweeps in {out}"
     )
 
 

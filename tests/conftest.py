@@ -82,6 +82,15 @@ def _fresh_inputs_cache():
 
 
 @pytest.fixture
+def no_wandb_key(monkeypatch, tmp_path):
+    """No W&B API key anywhere (environment or ~/.netrc): runs go offline."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+
+
+@pytest.fixture
 def compose_cfg() -> Callable[..., DictConfig]:
     """compose_cfg(overrides, tmp_path) -> a ready DictConfig whose output_dir is tmp_path."""
     yield compose_config

@@ -31,15 +31,6 @@ TINY = [
 SECRET = "0123456789abcdef0123456789abcdef01234567"
 
 
-@pytest.fixture
-def no_wandb_key(monkeypatch, tmp_path):
-    """No API key anywhere (environment or ~/.netrc): runs go offline."""
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
-
-
 def _metrics(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
@@ -300,3 +291,51 @@ def test_a_baseline_is_reused_only_under_the_same_step_settings(tmp_path, tiny_c
     ]
     assert [cached_baseline(c, plan) for c in other] == [None] * len(other)
     assert cached_baseline(cfg, DevicePlan("single", "cpu", 1, 1)) is None  # other thread count
+
+
+def _store_many(cfg, writer: int, count: int, start) -> None:
+    import dataclasses
+
+    from lychee_exp.core.devices import DevicePlan
+    from lychee_exp.tracking.speedup import store_baseline
+
+    start.wait()  # every writer starts together, so that their read-change-write cycles overlap
+    for i in range(count):
+        store_baseline(
+            cfg,
+            dataclasses.replace(DevicePlan("single", "cpu", 1, 1), threads_per_rank=1000 * writer + i),
+            1.0 + i,
+            f"w{writer}",
+        )
+
+
+def test_concurrent_baseline_writers_lose_no_entry(tmp_path, tiny_cfg):
+    """Runs that end together (a sweep's concurrent trials, several sweep workers) each add their figure to the one
+    cache file: every entry written must be there afterwards, not just the last writer's table."""
+    import dataclasses
+    import multiprocessing
+
+    from lychee_exp.core.config import to_run_config
+    from lychee_exp.core.devices import DevicePlan
+    from lychee_exp.tracking.speedup import cached_baseline
+
+    cfg = to_run_config(tiny_cfg)
+    path = tmp_path / "baselines.json"
+    cfg = dataclasses.replace(cfg, speedup=dataclasses.replace(cfg.speedup, baseline_file=str(path)))
+    writers, count = 4, 25
+    context = multiprocessing.get_context("fork")  # the writers share this process's imports
+    start = context.Barrier(writers)
+    procs = [context.Process(target=_store_many, args=(cfg, w, count, start)) for w in range(writers)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0] * writers
+    assert len(json.loads(path.read_text())) == writers * count
+    plan = DevicePlan("single", "cpu", 1, 1)
+    found = [
+        cached_baseline(cfg, dataclasses.replace(plan, threads_per_rank=1000 * w + i))
+        for w in range(writers)
+        for i in range(count)
+    ]
+    assert found == [1.0 + i for _ in range(writers) for i in range(count)]

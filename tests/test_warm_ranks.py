@@ -161,6 +161,28 @@ def test_inputs_are_read_again_only_when_their_source_changes(tmp_path, compose_
     assert len(load_inputs(moved).train_queries) == 5
 
 
+def test_dev_pairs_and_their_reference_metrics_are_built_once_per_process(tmp_path, compose_cfg, monkeypatch):
+    """A warm trial reuses the dev pairs (tokenized) and their BM25 figures: they were most of its setup. Another
+    seed or instruction (another candidate order or prompt) builds new ones, equal to a fresh build."""
+    from lychee_exp.core import evaluate as ev
+    from lychee_exp.core.data.groups import build_dev_pairs
+
+    cfg = to_run_config(compose_cfg(["model=tiny_lychee", "loss=pointwise", "data.max_dev_queries=6"], tmp_path))
+    inputs = load_inputs(cfg)
+    pairs = inputs.dev_pairs("judge", 1)
+    assert inputs.dev_pairs("judge", 1) is pairs
+    other_seed, other_instruction = inputs.dev_pairs("judge", 2), inputs.dev_pairs("rank", 1)
+    assert other_seed is not pairs and other_instruction is not pairs
+    assert other_seed == build_dev_pairs(inputs.dev_queries, inputs.encoder, "judge", 2)
+    assert other_instruction.token_ids != pairs.token_ids  # the instruction is in every prompt
+    calls = []
+    bm25 = ev.bm25_scores
+    monkeypatch.setattr(ev, "bm25_scores", lambda p: calls.append(p) or bm25(p))
+    first = ev.reference_metrics(pairs)
+    assert ev.reference_metrics(pairs) == first and len(calls) == 1
+    assert ev.reference_metrics(other_seed) == first and len(calls) == 2  # same pairs, another order
+
+
 # ------------------------------------------------------------------------------------------ real sweeps
 SWEEP = [
     *TINY_RANKS,

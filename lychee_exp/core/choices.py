@@ -73,6 +73,7 @@ class Backend(Choice):
 class LoggerName(Choice):
     wandb = "wandb"  # W&B + metrics.csv
     csv = "csv"  # metrics.csv in the run directory
+    tensorboard = "tensorboard"  # TensorBoard event files in <run>/tensorboard + metrics.csv
     none = "none"
 
 

@@ -11,6 +11,7 @@ run.preflight.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import string
 from dataclasses import dataclass, field
@@ -215,6 +216,9 @@ class LoggerConfig:
     job_type: Optional[str] = None  # default: trial in sweeps, else train
     tags: List[str] = field(default_factory=list)
     init_timeout_s: int = at_least(1, 30)  # an unreachable server costs at most this, then the run goes offline
+    # TensorBoard event files beside the chosen logger (`logger=wandb logger.tensorboard=true`); logger=tensorboard
+    # writes them in any case
+    tensorboard: bool = False
 
 
 @dataclass
@@ -338,8 +342,14 @@ def _check_template(template: str) -> None:
             raise UserError(f"model.prompt.template must contain {{{needed}}} exactly once")
 
 
+@functools.lru_cache(maxsize=1)
+def _schema() -> DictConfig:
+    """RunConfig as an OmegaConf schema, built once per process (half of a conversion's time; merge copies it)."""
+    return OmegaConf.structured(RunConfig)
+
+
 def _to_object(cfg: DictConfig) -> RunConfig:
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(cfg, resolve=True))
+    merged = OmegaConf.merge(_schema(), OmegaConf.to_container(cfg, resolve=True))
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 

@@ -72,18 +72,22 @@ def bm25_scores(pairs: DevPairs) -> list[float]:
 def reference_metrics(pairs: DevPairs) -> dict[str, float]:
     """The bars a reranker is measured against, logged: BM25 on the dev candidates (bm25_*), and the dev file's
     own teacher scores when it has them (teacher_*). For a BEIR split: the first stage's own metrics on the
-    candidates reranked (<stage>_*, e.g. bm25_ndcg@10)."""
+    candidates reranked (<stage>_*, e.g. bm25_ndcg@10). Computed once per DevPairs (warm trials reuse them)."""
+    refs = pairs.references
     if isinstance(pairs, RerankPairs):
-        refs = trec_metrics(pairs.first_stage, pairs.qrels, pairs.recall_at, prefix=f"{pairs.stage}_")
+        if not refs:
+            refs.update(trec_metrics(pairs.first_stage, pairs.qrels, pairs.recall_at, prefix=f"{pairs.stage}_"))
         log.info("dev protocol: %s; first stage: %s", pairs.protocol, _brief(refs))
-        return refs
+        return dict(refs)
     log.info("dev protocol: fixed candidates (each dev line's pos + neg, positives always among them)")
-    refs = ranking_metrics(bm25_scores(pairs), pairs.labels, pairs.query_index, prefix="bm25_")
+    if not refs:
+        refs.update(ranking_metrics(bm25_scores(pairs), pairs.labels, pairs.query_index, prefix="bm25_"))
+        if pairs.teacher_scores is not None:
+            refs.update(ranking_metrics(pairs.teacher_scores, pairs.labels, pairs.query_index, prefix="teacher_"))
     log.info("BM25 on the dev candidates: ndcg@10 %.4f, mrr@10 %.4f", refs["bm25_ndcg@10"], refs["bm25_mrr@10"])
-    if pairs.teacher_scores is not None:
-        refs.update(ranking_metrics(pairs.teacher_scores, pairs.labels, pairs.query_index, prefix="teacher_"))
+    if "teacher_ndcg@10" in refs:
         log.info("teacher scores of the dev file: ndcg@10 %.4f", refs["teacher_ndcg@10"])
-    return refs
+    return dict(refs)
 
 
 @torch.inference_mode()

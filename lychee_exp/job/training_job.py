@@ -4,6 +4,7 @@ speedup baseline, launch the ranks, write metrics.json from rank 0's results, an
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import secrets
@@ -51,17 +52,12 @@ def preflight(cfg: RunConfig) -> RunInputs:
     which the ranks that train in this process reuse."""
     LOSSES.lookup(cfg.loss.name)
     OPTIMIZERS.lookup(cfg.optimizer.name)
+    tensorboard = cfg.logger.name == "tensorboard" or (cfg.logger.tensorboard and cfg.logger.name != "none")
+    if tensorboard and importlib.util.find_spec("tensorboard") is None:  # else rank 0 would fail at its first log
+        raise UserError("logger: TensorBoard's event files need the tensorboard package (pip install tensorboard)")
     inputs = load_inputs(cfg)
     check_token_budget(cfg, inputs)
     return inputs
-
-
-def _job_log_file() -> str | None:
-    """The Hydra job's log file, which rank 0 of a spawned run keeps writing to."""
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            return handler.baseFilename
-    return None
 
 
 def job_log_file() -> str | None:

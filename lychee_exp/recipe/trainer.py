@@ -22,12 +22,11 @@ from tqdm import tqdm
 from lychee_exp.core import evaluate as ev
 from lychee_exp.core.chunks import forward_chunk_count
 from lychee_exp.core.config import RunConfig
-from lychee_exp.core.data.groups import TrainGroups, build_dev_pairs
+from lychee_exp.core.data.groups import TrainGroups
 from lychee_exp.core.data.loader import train_loader
 from lychee_exp.core.devices import DevicePlan, resolve_precision
 from lychee_exp.core.distributed import DistEnv, wrap_for_training
 from lychee_exp.core.inputs import RunInputs, load_inputs
-from lychee_exp.core.ir.training import dev_rerank_pairs
 from lychee_exp.core.levers import apply_levers, resolved_model_config
 from lychee_exp.core.losses import build_loss
 from lychee_exp.core.model import count_parameters, load_reranker, save_reranker
@@ -41,7 +40,7 @@ from lychee_exp.recipe.progress import NO_HOOKS, Progress, StepFigures, StepHook
 from lychee_exp.recipe.step import WindowStep
 from lychee_exp.tracking.backends import NullLogger, run_logger
 from lychee_exp.tracking.console import log_eval, log_setup, log_train_step
-from lychee_exp.tracking.throughput import StepTimer, log_hints, setup_facts, speedup_facts, summarize
+from lychee_exp.tracking.throughput import StepTimer, gpu_memory, log_hints, setup_facts, speedup_facts, summarize
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +123,7 @@ class Trainer:
         self.train_set = TrainGroups(
             inputs.train_queries, data.train_group_size, instruction, cfg.seed, data.random_negatives
         )
-        self.dev_pairs = (
-            dev_rerank_pairs(inputs.dev_rerank, self.encoder, instruction)
-            if inputs.dev_rerank
-            else build_dev_pairs(inputs.dev_queries, self.encoder, instruction, cfg.seed)
-        )
+        self.dev_pairs = inputs.dev_pairs(instruction, cfg.seed)  # built once per process
         # DataParallel splits one process's batch over its GPUs, so that process loads all of their batches.
         loader_batch = data.batch_size * (self.num_devices if self.plan.strategy == "dp" else 1)
         window = loader_batch * env.world_size * cfg.trainer.grad_accum_steps
@@ -269,7 +264,8 @@ class Trainer:
             summary["train_distill_loss"] = sum(f.distill_loss for f in logged) / len(logged)
         lr = self.scheduler.get_last_lr()[0]
         where = (self.logger, self.env.is_main, progress.step, self.total_steps, progress.epoch)
-        log_train_step(*where, summary["train_loss"], lr, figures)
+        gpu = gpu_memory(self.device) if self.env.is_main else {}
+        log_train_step(*where, summary["train_loss"], lr, figures, gpu)
         logged.clear()
 
     def _evaluate_into(self, progress: Progress) -> None:

@@ -7,6 +7,7 @@ then records the trial PRUNED with its last reported value (metrics.json says st
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Callable
@@ -19,13 +20,20 @@ from lychee_exp.sweep.storage import open_storage
 log = logging.getLogger(__name__)
 
 
+@functools.lru_cache(maxsize=4)
+def _storage(url: str) -> Any:
+    """One storage per process and URL: a warm rank 0 reports for trial after trial of the same study, and
+    opening the storage (engine, schema check) was a tenth of a warm trial's overhead."""
+    return open_storage(url)
+
+
 def pruning_callback(trial_cfg: Any, metric: str) -> Callable[[int, dict], bool]:
     """(step, dev metrics) -> True to stop, for trial_cfg.id of study trial_cfg.study_name."""
     url = trial_cfg.storage
     if url.startswith("env:"):  # the sweeper passes the URL (maybe with a password) in the environment
         url = os.environ[url[len("env:") :]]
     study = optuna.load_study(
-        study_name=trial_cfg.study_name, storage=open_storage(url), pruner=build_pruner(trial_cfg.pruner)
+        study_name=trial_cfg.study_name, storage=_storage(url), pruner=build_pruner(trial_cfg.pruner)
     )
     trial = optuna.trial.Trial(study, trial_cfg.id)
 

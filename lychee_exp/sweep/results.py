@@ -3,7 +3,8 @@ it, and it is right after a resume): optimization_results.yaml (hydra-optuna-swe
 best_params and best_value, or solutions for several objectives; then this project's), trials.csv, and
 optuna's plots as HTML (these at the end, and at most once a minute during the sweep: they take a while).
 
-Every file is replaced atomically: a reader (or a second worker writing too) never sees half a file.
+Every file is replaced atomically: a reader (or a second worker writing too) never sees half a file; the
+tables are written under a file lock, so that the last one written is from the newest reading of the study.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import optuna.visualization as vis
 import yaml
 from optuna.trial import TrialState
 
-from lychee_exp.core.atomic import write_text_atomic
+from lychee_exp.core.atomic import locked, write_text_atomic
 from lychee_exp.sweep.storage import METRICS, REASON, RUN_DIR, SURPLUS, tally
 from lychee_exp.tracking.keys import TRIALS_CSV_COLUMNS
 
@@ -29,9 +30,12 @@ log = logging.getLogger(__name__)
 def write_results(
     study: Any, sweep_dir: Path, n_trials: int, metric: str | Sequence[str], storage_url: str, plots: bool = True
 ) -> None:
-    trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(SURPLUS)]
-    write_text_atomic(sweep_dir / "optimization_results.yaml", _summary(study, trials, n_trials, metric, storage_url))
-    write_text_atomic(sweep_dir / "trials.csv", _table(trials))
+    # the study is read under the lock: a worker that read it earlier cannot rename an older table over a newer one
+    with locked(sweep_dir / "trials.csv"):
+        trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(SURPLUS)]
+        summary = _summary(study, trials, n_trials, metric, storage_url)
+        write_text_atomic(sweep_dir / "optimization_results.yaml", summary)
+        write_text_atomic(sweep_dir / "trials.csv", _table(trials))
     if not plots:
         return
     try:

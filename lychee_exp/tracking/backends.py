@@ -1,10 +1,12 @@
-"""Experiment loggers (metrics.csv, W&B). Only the main process (global rank 0) gets real ones; every other rank
-a NullLogger, so a DDP run is one W&B run, never one per rank."""
+"""Experiment loggers (metrics.csv, W&B, TensorBoard). Only the main process (global rank 0) gets real ones; every
+other rank a NullLogger, so a DDP run is one W&B run (one set of event files), never one per rank."""
 
 from __future__ import annotations
 
 import csv
+import json
 import logging
+import math
 import netrc
 import os
 import shutil
@@ -67,6 +69,9 @@ def has_wandb_api_key() -> bool:
         return False
 
 
+_requirements_saved = False  # set by this process's first W&B run
+
+
 class WandbLogger(NullLogger):
     """One W&B run. Offline without an API key; an unreachable server costs at most init_timeout_s, after
     which the run continues offline (what it logged can be uploaded later with `wandb sync`)."""
@@ -86,7 +91,13 @@ class WandbLogger(NullLogger):
             "dir": str(output_dir),
             "reinit": "create_new",
         }  # consecutive trials in one process: new runs
-        settings = wandb.Settings(init_timeout=cfg.init_timeout_s, silent=True, console="off")
+        global _requirements_saved
+        # requirements.txt lists every installed package (importlib.metadata over ~120 distributions: 0.3-0.7 s a
+        # run); a process's later runs (warm trials of a sweep) have the same environment, so only its first saves it
+        settings = wandb.Settings(
+            init_timeout=cfg.init_timeout_s, silent=True, console="off", x_save_requirements=not _requirements_saved
+        )
+        _requirements_saved = True
         wandb_dir = output_dir / "wandb"
         before = set(wandb_dir.glob("run-*")) if wandb_dir.is_dir() else set()
         try:
@@ -123,8 +134,47 @@ class WandbLogger(NullLogger):
         self.run.finish()
 
 
+class TensorBoardLogger(NullLogger):
+    """TensorBoard event files in <run>/tensorboard under W&B's key names (train/loss, dev/ndcg@10, ...): the history
+    as scalars at their step, the run's numeric summary (effective_batch_size, speedup, peak memory...) as scalars
+    at the last step, the config as text."""
+
+    def __init__(self, output_dir: Path, config: dict):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.log_dir, self.last_step = output_dir / "tensorboard", 0
+        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+        self.writer.add_text("config", f"```\n{json.dumps(config, indent=1, default=str)}\n```")
+
+    def truncate(self, step: int) -> None:
+        # a resumed run logs the steps after `step` again: TensorBoard hides what was written from purge_step on
+        self.writer.close()
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer, self.last_step = SummaryWriter(log_dir=str(self.log_dir), purge_step=step + 1), step
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.last_step = max(self.last_step, step)
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()  # a crashed or killed run keeps what it logged
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], image: Path | None = None) -> None:
+        lines = [" | ".join(columns), " | ".join("---" for _ in columns), *(" | ".join(map(str, r)) for r in rows)]
+        self.writer.add_text(f"{name}/table", "\n".join(lines), self.last_step)
+
+    def log_summary(self, summary: dict) -> None:
+        for key, value in summary.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):  # bools are ints: stopped_early 0/1
+                self.writer.add_scalar(key, value, self.last_step)
+        self.writer.flush()
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
 class Loggers(NullLogger):
-    """Fans out to several loggers (metrics.csv is always kept beside W&B)."""
+    """Fans out to several loggers (metrics.csv is always kept beside W&B and TensorBoard)."""
 
     def __init__(self, loggers: list[NullLogger]):
         self.loggers = loggers
@@ -164,6 +214,8 @@ def make_logger(
     loggers: list[NullLogger] = [CSVLogger(output_dir)]
     if cfg.name == "wandb" and cfg.mode != "disabled":
         loggers.append(WandbLogger(cfg, output_dir, name, group, job_type, config or {}))
+    if cfg.name == "tensorboard" or cfg.tensorboard:
+        loggers.append(TensorBoardLogger(output_dir, config or {}))
     return Loggers(loggers)
 
 

@@ -57,10 +57,20 @@ def log_setup(
 
 
 def log_train_step(
-    logger: NullLogger, is_main: bool, step: int, total_steps: int, epoch: int, loss: float, lr: float, figures
+    logger: NullLogger,
+    is_main: bool,
+    step: int,
+    total_steps: int,
+    epoch: int,
+    loss: float,
+    lr: float,
+    figures,
+    gpu: dict | None = None,
 ) -> None:
     """One training row: `loss` (the mean since the last row) and the logged step's own figures (a
-    recipe.progress.StepFigures: grad_norm, queries and non-pad tokens over all ranks, seconds, data wait)."""
+    recipe.progress.StepFigures: grad_norm, queries and non-pad tokens over all ranks, seconds, data wait), plus
+    rank 0's GPU memory and utilisation (`gpu`: throughput.gpu_memory's figures, {} off CUDA)."""
+    gpu = gpu or {}
     grad_norm, queries, tokens, elapsed, wait = (
         figures.grad_norm,
         figures.queries,
@@ -80,13 +90,14 @@ def log_train_step(
             HISTORY["queries_per_step"]: queries,
             HISTORY["tokens_per_step"]: tokens,
             HISTORY["epoch"]: epoch,
+            **gpu,
         },
         step,
     )
     if is_main:
         log.info(
             "step %d/%d | loss %.4f | lr %.3g | %.1f samples/s | %.0f tokens/s | %d queries %d tokens | "
-            "data wait %.0f%%",
+            "data wait %.0f%%%s",
             step,
             total_steps,
             loss,
@@ -96,7 +107,23 @@ def log_train_step(
             queries,
             tokens,
             100 * wait / elapsed,
+            _gpu_text(gpu),
         )
+
+
+def _gpu_text(gpu: dict) -> str:
+    """' | gpu mem 812/1024 MB (peak 900/1024) | util 87%' (allocated/reserved), or '' without figures."""
+    if not gpu:
+        return ""
+    text = " | gpu mem {:.0f}/{:.0f} MB (peak {:.0f}/{:.0f})".format(
+        *(
+            gpu[HISTORY[k]]
+            for k in ("gpu_memory_allocated", "gpu_memory_reserved", "gpu_peak_allocated", "gpu_peak_reserved")
+        )
+    )
+    if HISTORY["gpu_utilization"] in gpu:
+        text += f" | util {gpu[HISTORY['gpu_utilization']]:.0f}%"
+    return text
 
 
 def log_eval(logger: NullLogger, is_main: bool, metrics: dict[str, float], step: int) -> None:

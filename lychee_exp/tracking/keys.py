@@ -15,6 +15,12 @@ HISTORY = {
     "epoch": "epoch",
     "dev_ndcg": "dev/ndcg@10",
     "dev_mrr": "dev/mrr@10",
+    # rank 0's GPU at each logged step (CUDA only; utilisation where NVML, the nvidia-ml-py package, is available)
+    "gpu_memory_allocated": "gpu/memory_allocated_mb",
+    "gpu_memory_reserved": "gpu/memory_reserved_mb",
+    "gpu_peak_allocated": "gpu/peak_memory_allocated_mb",
+    "gpu_peak_reserved": "gpu/peak_memory_reserved_mb",
+    "gpu_utilization": "gpu/utilization_pct",
 }
 DEV_PREFIX = "dev/"  # every dev metric of an evaluation, e.g. dev/ndcg@10
 # `num_devices` counts the devices whose batches make a step (DDP ranks or DataParallel GPUs); runs written before

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from lychee_exp.core.atomic import write_json_atomic
+from lychee_exp.core.atomic import read_json, update_json_locked
 from lychee_exp.core.chunks import forward_chunk_count
 from lychee_exp.core.config import RunConfig
 from lychee_exp.core.devices import DevicePlan, resolve_precision, torch_device
@@ -79,15 +79,8 @@ def baseline_key(cfg: RunConfig, plan: DevicePlan) -> str:
     return "|".join(str(part) for part in parts)
 
 
-def _load(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def cached_baseline(cfg: RunConfig, plan: DevicePlan) -> float | None:
-    entry = _load(Path(cfg.speedup.baseline_file)).get(baseline_key(cfg, plan))
+    entry = read_json(Path(cfg.speedup.baseline_file)).get(baseline_key(cfg, plan))
     if not entry:
         return None
     # said once per run, so that a figure measured on a busy machine can be found and deleted
@@ -105,15 +98,9 @@ def cached_baseline(cfg: RunConfig, plan: DevicePlan) -> float | None:
 def store_baseline(cfg: RunConfig, plan: DevicePlan, samples_per_s: float, source: str) -> None:
     if samples_per_s <= 0:
         return
-    path = Path(cfg.speedup.baseline_file)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    table = _load(path)
-    table[baseline_key(cfg, plan)] = {
-        "samples_per_s": samples_per_s,
-        "source": source,
-        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    write_json_atomic(path, table)
+    entry = {"samples_per_s": samples_per_s, "source": source, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    # several runs (concurrent trials, sweep workers) may end together: read-change-write under the file's lock
+    update_json_locked(Path(cfg.speedup.baseline_file), lambda table: table.update({baseline_key(cfg, plan): entry}))
 
 
 def single_device_plan(plan: DevicePlan) -> DevicePlan:

@@ -15,6 +15,7 @@ from lychee_exp.core.config import RunConfig
 from lychee_exp.core.devices import DevicePlan
 from lychee_exp.core.distributed import DistEnv, device_name
 from lychee_exp.core.optim import effective_batch_size
+from lychee_exp.tracking.keys import HISTORY
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,41 @@ def peak_memory_mb(device: torch.device) -> float:
         return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
     except (OSError, StopIteration, ValueError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def gpu_memory(device: torch.device) -> dict:
+    """This process's GPU now, under HISTORY's keys: memory allocated to tensors and reserved by torch's caching
+    allocator (the figure that runs out first), both peaks since the job began (reset_peak_memory), and the
+    utilisation NVML reports when nvidia-ml-py is installed. {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    mb = 2**20
+    figures = {
+        HISTORY["gpu_memory_allocated"]: torch.cuda.memory_allocated(device) / mb,
+        HISTORY["gpu_memory_reserved"]: torch.cuda.memory_reserved(device) / mb,
+        HISTORY["gpu_peak_allocated"]: torch.cuda.max_memory_allocated(device) / mb,
+        HISTORY["gpu_peak_reserved"]: torch.cuda.max_memory_reserved(device) / mb,
+    }
+    utilization = _gpu_utilization(device)
+    if utilization is not None:
+        figures[HISTORY["gpu_utilization"]] = utilization
+    return figures
+
+
+_nvml_missing = False  # set on the first failure: without NVML every later step would pay for the same error
+
+
+def _gpu_utilization(device: torch.device) -> float | None:
+    """Percent of the last sample period a kernel ran (torch maps the device through CUDA_VISIBLE_DEVICES)."""
+    global _nvml_missing
+    if _nvml_missing:
+        return None
+    try:
+        return float(torch.cuda.utilization(device))
+    except Exception as err:  # noqa: BLE001 - no pynvml module, no NVML library, or a driver refusing the query
+        _nvml_missing = True
+        log.info("GPU utilisation not logged (%s); install nvidia-ml-py for it", str(err).splitlines()[0][:120])
+        return None
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import Dataset
@@ -114,6 +114,8 @@ class DevPairs:
     token_ids: list[list[int]]
     texts: list[tuple[str, str]]  # (query, document), for lexical baselines
     teacher_scores: list[float] | None = None  # the file's pos_scores/neg_scores when every line has them
+    # core.evaluate.reference_metrics, kept: a process that reuses these pairs (a warm trial) ranks them once
+    references: dict[str, float] = field(default_factory=dict)
 
 
 def build_dev_pairs(queries: list[RankingQuery], encoder: PromptEncoder, instruction: str, seed: int) -> DevPairs:

@@ -1,0 +1,150 @@
+"""The seed guide's monitoring: TensorBoard event files on rank 0 with W&B's key names, read back with
+TensorBoard's own reader; rank 0's GPU memory and utilisation in the step line, W&B and TensorBoard."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_RANKS
+
+from lychee_exp.testing.jobs import run_job
+from lychee_exp.tracking.keys import HISTORY
+from lychee_exp.tracking.wandb_records import find_run_files, read_run
+
+# the tiny DDP settings with per-step rows and dev evaluations at 0, 2, 4; given baselines: the speedup is a
+# figure without a calibration run first
+TINY = [
+    *(o for o in TINY_RANKS if not o.startswith("logger=")),
+    "data.batch_size=2",
+    "trainer.eval_every=2",
+    "speedup.baseline_samples_per_s=10",
+    "speedup.one_rank_samples_per_s=5",
+]
+# the keys the seed guide watches: loss, lr, dev metrics (history); effective batch size, speedup (summary)
+HISTORY_KEYS = [HISTORY["loss"], HISTORY["lr"], HISTORY["dev_ndcg"], HISTORY["dev_mrr"]]
+SUMMARY_KEYS = ["effective_batch_size", "speedup"]
+
+
+def _scalars(log_dir: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_beside_wandb_on_rank_0_with_the_same_keys(tmp_path, no_wandb_key):
+    run_dir = tmp_path / "run"
+    run_job([*TINY, "parallel=ddp", "gpus=2", "logger=wandb", "logger.tensorboard=true"], run_dir)
+    assert len(list(run_dir.glob("**/events.out.tfevents.*"))) == 1  # one writer: rank 0's
+    scalars = _scalars(run_dir / "tensorboard")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    with (run_dir / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    for key in HISTORY_KEYS:
+        logged = {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
+        assert logged and scalars[key].keys() == logged.keys(), key
+        assert list(scalars[key].values()) == pytest.approx(list(logged.values()), rel=1e-6), key
+    assert sorted(scalars[HISTORY["loss"]]) == [1, 2, 3, 4] and sorted(scalars[HISTORY["dev_ndcg"]]) == [0, 2, 4]
+    for key in SUMMARY_KEYS:
+        assert scalars[key] == {4: pytest.approx(metrics[key], rel=1e-6)}, key
+    assert metrics["effective_batch_size"] == 4 and metrics["speedup"] > 0
+    # W&B got the same names: its history keys are the event files' history tags
+    (wandb_file,) = find_run_files(run_dir)
+    record = read_run(wandb_file)
+    wandb_history = {k for row in record["history"] for k in row if not k.startswith("_")}
+    tb_history = {k for k, by_step in scalars.items() if len(by_step) > 1 or k.startswith(("train/", "dev/"))}
+    assert tb_history == wandb_history
+    for key in SUMMARY_KEYS:
+        assert record["summary"][key] == pytest.approx(scalars[key][4], rel=1e-6)
+
+
+def test_logger_tensorboard_alone_writes_events_and_csv_only(tmp_path):
+    run_dir = tmp_path / "run"
+    run_job([*TINY, "parallel=single", "logger=tensorboard", "trainer.max_steps=2"], run_dir)
+    assert not (run_dir / "wandb").exists() and (run_dir / "metrics.csv").is_file()
+    scalars = _scalars(run_dir / "tensorboard")
+    assert all(key in scalars for key in [*HISTORY_KEYS, *SUMMARY_KEYS])
+
+
+def test_gpu_memory_goes_to_the_step_line_and_every_logger(monkeypatch, caplog):
+    """The plumbing, with torch.cuda's figures faked (no GPU here): what gpu_memory reads reaches the step's log
+    line and the logger row under HISTORY's keys; NVML missing leaves utilisation out instead of failing."""
+    from lychee_exp.recipe.progress import StepFigures
+    from lychee_exp.tracking import throughput
+    from lychee_exp.tracking.console import log_train_step
+
+    mb = 2**20
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 100 * mb)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 160 * mb)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 120 * mb)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 200 * mb)
+    monkeypatch.setattr(torch.cuda, "utilization", lambda device: 87)
+    monkeypatch.setattr(throughput, "_nvml_missing", False)
+    gpu = throughput.gpu_memory(torch.device("cuda", 0))
+    assert gpu == {
+        HISTORY["gpu_memory_allocated"]: 100,
+        HISTORY["gpu_memory_reserved"]: 160,
+        HISTORY["gpu_peak_allocated"]: 120,
+        HISTORY["gpu_peak_reserved"]: 200,
+        HISTORY["gpu_utilization"]: 87,
+    }
+
+    class Rows:
+        rows: list = []
+
+        def log_metrics(self, metrics, step):
+            self.rows.append((step, metrics))
+
+    figures = StepFigures(**dict.fromkeys(StepFigures.__dataclass_fields__, 1.0))
+    logger = Rows()
+    with caplog.at_level(logging.INFO, logger="lychee_exp.tracking.console"):
+        log_train_step(logger, True, 3, 4, 0, 0.5, 1e-3, figures, gpu)
+    assert "gpu mem 100/160 MB (peak 120/200) | util 87%" in caplog.text
+    assert logger.rows[0][0] == 3 and logger.rows[0][1].items() >= gpu.items()
+
+    def no_nvml(device):
+        raise ModuleNotFoundError("No module named 'pynvml'")
+
+    monkeypatch.setattr(torch.cuda, "utilization", no_nvml)
+    monkeypatch.setattr(throughput, "_nvml_missing", False)
+    assert HISTORY["gpu_utilization"] not in throughput.gpu_memory(torch.device("cuda", 0))
+    assert throughput.gpu_memory(torch.device("cpu")) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_run_logs_its_memory_to_tensorboard(tmp_path):
+    run_dir = tmp_path / "run"
+    run_job([*TINY, "parallel=single", "gpus=1", "logger=tensorboard"], run_dir)
+    scalars = _scalars(run_dir / "tensorboard")
+    allocated, reserved = scalars[HISTORY["gpu_memory_allocated"]], scalars[HISTORY["gpu_memory_reserved"]]
+    assert sorted(allocated) == [1, 2, 3, 4] and all(0 < allocated[s] <= reserved[s] for s in allocated)
+    peak = scalars[HISTORY["gpu_peak_allocated"]]
+    assert all(peak[s] >= allocated[s] for s in allocated)
+
+
+def test_a_resumed_run_replaces_the_steps_it_logs_again(tmp_path):
+    """A resumed run truncates its loggers at the checkpoint's step, then logs the later steps again: TensorBoard
+    must show the second values only (purge_step), as metrics.csv does."""
+    from lychee_exp.tracking.backends import TensorBoardLogger
+
+    first = TensorBoardLogger(tmp_path, {})
+    for step in range(1, 5):
+        first.log_metrics({HISTORY["loss"]: float(step)}, step)
+    first.finish()  # the run died after step 4; its last checkpoint is step 2
+    resumed = TensorBoardLogger(tmp_path, {})
+    resumed.truncate(2)
+    for step in (3, 4):
+        resumed.log_metrics({HISTORY["loss"]: 10.0 * step}, step)
+    resumed.finish()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars(HISTORY["loss"])] == [(1, 1), (2, 2), (3, 30), (4, 40)]
