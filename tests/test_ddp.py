@@ -328,7 +328,7 @@ def test_a_global_batch_that_does_not_divide_is_one_line(tmp_path):
 
 def test_a_global_batch_with_a_token_budget_is_one_line(tmp_path):
     """A token budget's steps hold a varying number of queries, so a fixed global batch cannot be reached."""
-    with pytest.raises(UserError, match=r"global_batch_size=4 counts queries .* max_tokens_per_batch=4096"):
+    with pytest.raises(UserError, match=r"global_batch_size=4 counts queries .*max_tokens_per_batch=4096"):
         run_job(
             [*TINY_DDP, "parallel=ddp", "gpus=2", "trainer.global_batch_size=4", "data.max_tokens_per_batch=4096"],
             tmp_path,
