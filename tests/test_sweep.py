@@ -32,7 +32,8 @@ from lychee_exp.sweep.storage import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = [*TINY_RANKS, "trainer.save_model=false", "data.batch_size=choice(1,2)"]
+# the per-device batch searched, lr_batch's global batch fixed off (test_device_slots sweeps the global batch)
+TINY = [*TINY_RANKS, "trainer.save_model=false", "data.batch_size=choice(1,2)", "trainer.global_batch_size=null"]
 SINGLE = ["parallel=single", "gpus=1"]
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -547,6 +548,12 @@ def test_job_outcomes(tmp_path):
     assert oom_retry_overrides(["a=1", "data.batch_size=8"], job) == (
         ["a=1", "data.batch_size=4", "trainer.grad_accum_steps=4"],
         {"batch_size": 4, "grad_accum_steps": 4},
+    )
+    # a searched global batch stays what the trial sampled: only the micro-batch halves (accumulation follows)
+    job.trainer.global_batch_size = 16
+    assert oom_retry_overrides(["trainer.global_batch_size=16", "data.batch_size=8"], job) == (
+        ["trainer.global_batch_size=16", "data.batch_size=4"],
+        {"batch_size": 4, "global_batch_size": 16},
     )
     job.data.batch_size = 1
     assert oom_retry_overrides([], job) is None

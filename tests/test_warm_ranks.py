@@ -189,6 +189,8 @@ SWEEP = [
     "parallel=ddp",
     "gpus=2",
     "trainer.save_model=false",
+    # these sweeps search the per-device batch (lr_batch's global batch is test_device_slots')
+    "trainer.global_batch_size=null",
     "speedup.calibrate=false",
     "hydra.sweeper.heartbeat_interval=1",
     "hydra.sweeper.pruner._target_=optuna.pruners.NopPruner",

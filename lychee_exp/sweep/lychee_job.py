@@ -62,14 +62,18 @@ def trial_overrides(
 
 
 def oom_retry_overrides(overrides: list[str], job_cfg: Any) -> tuple[list[str], dict] | None:
-    """Half the per-device batch, twice the accumulation: the same effective batch in less memory.
+    """Half the per-device batch, the same effective batch in less memory: twice the accumulation, or, with
+    trainer.global_batch_size, the same global batch (the trial derives the accumulation from it).
     None when the batch cannot be halved."""
     batch_size, grad_accum_steps = job_cfg.data.batch_size, job_cfg.trainer.grad_accum_steps
+    global_batch = job_cfg.trainer.get("global_batch_size")
     if batch_size < 2:
         return None
-    changed = {"data.batch_size": batch_size // 2, "trainer.grad_accum_steps": grad_accum_steps * 2}
+    changed = {"data.batch_size": batch_size // 2}
+    if global_batch is None:
+        changed["trainer.grad_accum_steps"] = grad_accum_steps * 2
     kept = [line for line in overrides if line.split("=", 1)[0].lstrip("+") not in changed]
-    return [*kept, *(f"{key}={value}" for key, value in changed.items())], {
-        "batch_size": batch_size // 2,
-        "grad_accum_steps": grad_accum_steps * 2,
-    }
+    record = {key.split(".", 1)[1]: value for key, value in changed.items()}
+    if global_batch is not None:
+        record["global_batch_size"] = global_batch
+    return [*kept, *(f"{key}={value}" for key, value in changed.items())], record

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lychee_exp.core.config import RunConfig, to_run_config
-from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.errors import UserError
-from lychee_exp.sweep import placement
 from lychee_exp.sweep import storage as st
 from lychee_exp.sweep.slots import SLOT_ENV, Devices, machine_devices, plan_slots, run_slots, slot_command
 from lychee_exp.sweep.space import render
+
+if TYPE_CHECKING:  # the run's config and the placement measurement import torch: only a sweep in slots needs them
+    from lychee_exp.core.config import RunConfig
+    from lychee_exp.sweep.placement import Decision
 
 log = logging.getLogger(__name__)
 PLACEMENT = "placement"  # study attribute: the decision and its figures (results, and each trial's W&B config)
@@ -50,6 +51,7 @@ def in_slot() -> bool:
 def _run_config(job_cfg: DictConfig) -> RunConfig:
     """The trial's RunConfig for planning: `${hydra:...}` values (the run's directories) resolve only inside a
     running job, and no figure planned here depends on them, so they are left empty."""
+    from lychee_exp.core.config import to_run_config
 
     def unhydra(node: Any) -> Any:
         if isinstance(node, dict):
@@ -67,6 +69,8 @@ def trial_devices(job_cfg: DictConfig | None, devices: Devices) -> int:
     """D: the devices a trial uses on `all`."""
     if job_cfg is None:
         return len(devices.ids)
+    from lychee_exp.core.devices import plan_devices
+
     run = _run_config(job_cfg)
     cuda = len(devices.ids) if devices.kind == "cuda" else 0
     return plan_devices(run.parallel.strategy, run.gpus, cuda_count=cuda, cores=len(devices.ids)).num_devices
@@ -117,7 +121,9 @@ def start(sw: Any, job_cfg: DictConfig) -> bool:
     return True
 
 
-def _auto(sw: Any, job_cfg: DictConfig, devices: Devices, total: int) -> placement.Decision:
+def _auto(sw: Any, job_cfg: DictConfig, devices: Devices, total: int) -> Decision:
+    from lychee_exp.sweep import placement
+
     run = _run_config(job_cfg)
     finished = sum(1 for t in sw.study.get_trials(deepcopy=False) if t.state.is_finished() and st.counts(t))
     remaining = max(1, sw.n_trials - finished)

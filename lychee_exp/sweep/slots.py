@@ -21,9 +21,6 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
-
-from lychee_exp.core.devices import available_cores
 from lychee_exp.core.orphans import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -54,6 +51,8 @@ class Slot:
 def machine_devices(cuda_count: int | None = None) -> Devices:
     """The devices visible to this sweep: CUDA GPUs (the visible subset's own names), else the CPU cores of
     this process's affinity."""
+    import torch  # here: the sweeper's start must not pay for torch unless it plans slots
+
     count = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if cuda_count is None else cuda_count
     if count:
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
@@ -79,7 +78,7 @@ def _cores() -> list[int]:
     try:
         return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux: numbered cores, no affinity
-        return list(range(available_cores()))
+        return list(range(os.cpu_count() or 1))
 
 
 def slot_env(slot: Slot, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -156,12 +156,8 @@ class TrialRunner:
             return outcome
         overrides, halved = retry
         number = pending.trial.number
-        log.warning(
-            "trial %d ran out of memory: retrying once with data.batch_size=%d, trainer.grad_accum_steps=%d",
-            number,
-            halved["batch_size"],
-            halved["grad_accum_steps"],
-        )
+        changed = ", ".join(f"{'data' if key == 'batch_size' else 'trainer'}.{key}={v}" for key, v in halved.items())
+        log.warning("trial %d ran out of memory: retrying once with %s", number, changed)
         pending.trial.set_user_attr("oom_retry", halved)
         again = Pending(pending.trial, pending.trial_id, overrides, self._claim(f"{number}-oom-retry"))
         pending.trial.set_user_attr(st.RUN_DIR, str(sw.sweep_dir / again.name))

@@ -110,6 +110,9 @@ def workspace(entity: str, project: str, name: str = DEFAULT_NAME) -> ws.Workspa
                 per_run([HISTORY["samples_per_s"]], "train samples/s"),
                 per_run([HISTORY["tokens_per_s"]], "train tokens/s"),
                 per_run([HISTORY["data_wait"]], "data-wait share of step time"),
+                # a token budget (data.max_tokens_per_batch) makes both vary from step to step
+                per_run([HISTORY["queries_per_step"]], "queries per optimizer step"),
+                per_run([HISTORY["tokens_per_step"]], "real tokens per optimizer step"),
                 wr.BarPlot(title="peak memory, busiest rank (MB)", metrics=[s("peak_memory_mb")]),
                 _scatter(world, s("peak_memory_mb"), "peak memory (MB) vs devices"),
             ],
