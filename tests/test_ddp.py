@@ -327,9 +327,14 @@ def test_a_global_batch_that_does_not_divide_is_one_line(tmp_path):
 
 
 def test_a_global_batch_with_a_token_budget_is_one_line(tmp_path):
-    """A token budget's steps hold a varying number of queries, so a fixed global batch cannot be reached."""
-    with pytest.raises(UserError, match=r"global_batch_size=4 counts queries .*max_tokens_per_batch=4096"):
-        run_job(
-            [*TINY_DDP, "parallel=ddp", "gpus=2", "trainer.global_batch_size=4", "data.max_tokens_per_batch=4096"],
-            tmp_path,
-        )
+    """A token budget's steps hold a varying number of queries, so a fixed global batch cannot be reached: the
+    line names the key that can (trainer.global_tokens_per_step); which needs a budget, and must divide."""
+    budget = ["parallel=ddp", "gpus=2", "data.max_tokens_per_batch=4096"]
+    with pytest.raises(UserError, match=r"global_batch_size=4 counts queries .*max_tokens_per_batch=4096.*tokens_per"):
+        run_job([*TINY_DDP, *budget, "trainer.global_batch_size=4"], tmp_path)
+    with pytest.raises(UserError, match=r"^trainer.global_tokens_per_step=8192 needs a token budget"):
+        run_job([*TINY_DDP, "parallel=ddp", "gpus=2", "trainer.global_tokens_per_step=8192"], tmp_path)
+    with pytest.raises(UserError, match=r"global_tokens_per_step=12288 is not a multiple of .*=4096 x 2 device"):
+        run_job([*TINY_DDP, *budget, "trainer.global_tokens_per_step=12288"], tmp_path)
+    with pytest.raises(UserError, match=r"global_batch_size=4 and trainer.global_tokens_per_step=8192 both"):
+        run_job([*TINY_DDP, *budget, "trainer.global_batch_size=4", "trainer.global_tokens_per_step=8192"], tmp_path)

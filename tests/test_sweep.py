@@ -555,7 +555,14 @@ def test_job_outcomes(tmp_path):
         ["trainer.global_batch_size=16", "data.batch_size=4"],
         {"batch_size": 4, "global_batch_size": 16},
     )
-    job.data.batch_size = 1
+    # a token budget is the micro-batch: it halves instead (the global tokens per step stay)
+    job.trainer.global_batch_size, job.data.max_tokens_per_batch = None, 4096
+    job.trainer.global_tokens_per_step = 16384
+    assert oom_retry_overrides(["trainer.global_tokens_per_step=16384"], job) == (
+        ["trainer.global_tokens_per_step=16384", "data.max_tokens_per_batch=2048"],
+        {"max_tokens_per_batch": 2048, "global_tokens_per_step": 16384},
+    )
+    job.data.max_tokens_per_batch, job.data.batch_size = None, 1
     assert oom_retry_overrides([], job) is None
 
 
@@ -590,3 +597,26 @@ def test_params_grammar_to_distributions():
         build_space({"data.batch_size": "range(5, 1)"}, [], config, None, OverridesParser.create())
     with pytest.raises(UserError, match="log interval needs low > 0"):
         build_space({"optimizer.lr": "tag(log, interval(0, 1))"}, [], config, None, OverridesParser.create())
+
+
+def test_lr_tokens_is_lr_batch_searching_tokens_per_step(tmp_path):
+    """hparams_search=lr_tokens (for token budgets): lr_batch's settings, its global batch fixed to null by a
+    null param, the step size searched in tokens; both keys exist in the schema, so build_space accepts them."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from lychee_exp.sweep.space import build_space
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        tokens = compose("config", ["hparams_search=lr_tokens"], return_hydra_config=True)
+        batch = compose("config", ["hparams_search=lr_batch"], return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    sweeper = tokens.hydra.sweeper
+    assert sweeper.study_name == "lr_tokens" and sweeper.pruner == batch.hydra.sweeper.pruner
+    assert sweeper.n_trials == batch.hydra.sweeper.n_trials and sweeper.oom_retry is True
+    space = build_space(sweeper.params, [], tokens, None, OverridesParser.create())
+    assert space.fixed == {"trainer.global_batch_size": "trainer.global_batch_size=null"}
+    assert sorted(space.distributions) == ["optimizer.lr", "trainer.global_tokens_per_step"]
+    assert space.distributions["trainer.global_tokens_per_step"].choices == (65536, 131072, 262144)

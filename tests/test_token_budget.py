@@ -207,15 +207,18 @@ def test_two_ranks_give_the_gradient_of_one_process_on_their_union(tmp_path):
 
 @pytest.mark.slow
 def test_ddp_budget_run_matches_one_process(tmp_path):
-    """Whole runs: 2 ranks (accumulation 1) against one process with accumulation 2 on the same plan: every
-    step's loss (1e-5 relative), pre-clip gradient norm and the saved weights."""
+    """Whole runs at trainer.global_tokens_per_step = 2 budgets (what a sweep slot of 1 or 2 devices gets): 2
+    ranks (accumulation 1) against one process (accumulation 2) on the same plan: every step's loss (1e-5
+    relative), pre-clip gradient norm and the saved weights."""
     common = [*TINY_RANKS, *UNEVEN, "speedup.calibrate=false", "trainer.max_steps=5", "optimizer.lr=1e-3"]
-    run_job([*common, "parallel=single", "gpus=1", "trainer.grad_accum_steps=2"], tmp_path / "single")
+    common += ["trainer.global_tokens_per_step=4096"]
+    run_job([*common, "parallel=single", "gpus=1"], tmp_path / "single")
     run_job([*common, "parallel=ddp", "gpus=2"], tmp_path / "ddp")
     assert_same_training(tmp_path / "ddp", tmp_path / "single", rtol=1e-5)
     # epoch 0's last step (step 3) had rank 1 on a dummy batch, and the run went on into epoch 1 without a hang
     m = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
-    assert m["steps"] == 5 and m["num_devices"] == 2 and m["distinct_shapes"] == 1
+    assert m["steps"] == 5 and m["num_devices"] == 2 and m["distinct_shapes"] == 1 and m["grad_accum_steps"] == 1
+    assert json.loads((tmp_path / "single" / "metrics.json").read_text())["grad_accum_steps"] == 2
 
 
 def test_checkpointing_auto_decides_from_the_budget(tmp_path, monkeypatch):

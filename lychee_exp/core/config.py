@@ -177,8 +177,11 @@ class TrainerConfig:
     grad_accum_steps: int = at_least(1, 1)
     # queries per optimizer step across every device; set, it decides the accumulation on each device count
     # (global / (data.batch_size x devices), which must divide), so that a trial trains the same steps on 1
-    # device as on 8 (sweeps search it: hparams_search=lr_batch). null: grad_accum_steps as given
+    # device as on 8 (sweeps search it: hparams_search=lr_batch). null: grad_accum_steps as given (or the next key)
     global_batch_size: Optional[int] = None
+    # the same with a token budget (data.max_tokens_per_batch), whose steps vary in queries: tokens per optimizer
+    # step across every device (budget x devices x accumulation; hparams_search=lr_tokens searches it)
+    global_tokens_per_step: Optional[int] = None
     # forward each micro-batch's pairs in this many length-sorted chunks, each cut to its longest pair: less
     # padding computed, the same logits (with data.bucket_by_length: what a long-tailed length mix wants).
     # auto: per device type, as measured (lychee_exp.core.chunks.AUTO_FORWARD_CHUNKS)

@@ -51,23 +51,43 @@ def effective_batch_size(cfg: RunConfig, num_devices: int) -> int:
 
 
 def with_global_batch(cfg: RunConfig, num_devices: int) -> RunConfig:
-    """`trainer.global_batch_size` reached on `num_devices` devices: the accumulation it takes (a one-line error
-    when it does not divide). Without it the config is returned as it is."""
-    target = cfg.trainer.global_batch_size
-    if target is None:
+    """`trainer.global_batch_size` (queries) or, with a token budget, `trainer.global_tokens_per_step` reached on
+    `num_devices` devices: the accumulation it takes (a one-line error when it does not divide). Without either
+    the config is returned as it is."""
+    queries, tokens, budget = (
+        cfg.trainer.global_batch_size,
+        cfg.trainer.global_tokens_per_step,
+        cfg.data.max_tokens_per_batch,
+    )
+    if queries is None and tokens is None:
         return cfg
-    if cfg.data.max_tokens_per_batch is not None:
+    if queries is not None and tokens is not None:
         raise UserError(
-            f"trainer.global_batch_size={target} counts queries per step, but data.max_tokens_per_batch="
-            f"{cfg.data.max_tokens_per_batch} makes that number vary: set one of them to null"
+            f"trainer.global_batch_size={queries} and trainer.global_tokens_per_step={tokens} both fix the step: "
+            "set one of them to null"
         )
-    per_step = cfg.data.batch_size * num_devices
-    if target < 1 or target % per_step:
+    if queries is not None and budget is not None:
         raise UserError(
-            f"trainer.global_batch_size={target} is not a multiple of data.batch_size={cfg.data.batch_size} x "
-            f"{num_devices} device(s) = {per_step}: change one of them"
+            f"trainer.global_batch_size={queries} counts queries per step, but data.max_tokens_per_batch={budget} "
+            "makes that number vary: fix tokens per step instead (trainer.global_tokens_per_step; "
+            "hparams_search=lr_tokens), or set data.max_tokens_per_batch=null"
         )
-    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, grad_accum_steps=target // per_step))
+    if tokens is not None and budget is None:
+        raise UserError(
+            f"trainer.global_tokens_per_step={tokens} needs a token budget (data.max_tokens_per_batch); "
+            "without one, fix queries per step: trainer.global_batch_size"
+        )
+    if queries is not None:
+        key, target, per_step, unit = "trainer.global_batch_size", queries, cfg.data.batch_size, "data.batch_size"
+    else:
+        key, target, per_step, unit = "trainer.global_tokens_per_step", tokens, budget, "data.max_tokens_per_batch"
+    if target < 1 or target % (per_step * num_devices):
+        raise UserError(
+            f"{key}={target} is not a multiple of {unit}={per_step} x {num_devices} device(s) = "
+            f"{per_step * num_devices}: change one of them"
+        )
+    accumulation = target // (per_step * num_devices)
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, grad_accum_steps=accumulation))
 
 
 def scaled_lr(cfg: RunConfig, num_devices: int, mean_batch: float | None = None) -> float:

@@ -62,18 +62,20 @@ def trial_overrides(
 
 
 def oom_retry_overrides(overrides: list[str], job_cfg: Any) -> tuple[list[str], dict] | None:
-    """Half the per-device batch, the same effective batch in less memory: twice the accumulation, or, with
-    trainer.global_batch_size, the same global batch (the trial derives the accumulation from it).
-    None when the batch cannot be halved."""
-    batch_size, grad_accum_steps = job_cfg.data.batch_size, job_cfg.trainer.grad_accum_steps
-    global_batch = job_cfg.trainer.get("global_batch_size")
-    if batch_size < 2:
+    """Half the micro-batch (the per-device batch, or the token budget when data.max_tokens_per_batch is set),
+    the same effective batch in less memory: twice the accumulation, or, with trainer.global_batch_size or
+    global_tokens_per_step, the same global step (the trial derives the accumulation from it).
+    None when the micro-batch cannot be halved."""
+    budget = job_cfg.data.get("max_tokens_per_batch")
+    key, size = (
+        ("data.max_tokens_per_batch", budget) if budget is not None else ("data.batch_size", job_cfg.data.batch_size)
+    )
+    fixed = {k: v for k in ("global_batch_size", "global_tokens_per_step") if (v := job_cfg.trainer.get(k)) is not None}
+    if size < 2:
         return None
-    changed = {"data.batch_size": batch_size // 2}
-    if global_batch is None:
-        changed["trainer.grad_accum_steps"] = grad_accum_steps * 2
+    changed = {key: size // 2}
+    if not fixed:
+        changed["trainer.grad_accum_steps"] = job_cfg.trainer.grad_accum_steps * 2
     kept = [line for line in overrides if line.split("=", 1)[0].lstrip("+") not in changed]
-    record = {key.split(".", 1)[1]: value for key, value in changed.items()}
-    if global_batch is not None:
-        record["global_batch_size"] = global_batch
-    return [*kept, *(f"{key}={value}" for key, value in changed.items())], record
+    record = {**{k.split(".", 1)[1]: v for k, v in changed.items()}, **fixed}
+    return [*kept, *(f"{k}={v}" for k, v in changed.items())], record

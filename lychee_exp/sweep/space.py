@@ -97,7 +97,11 @@ def build_space(
     twice the command line wins (over params), as in hydra-optuna-sweeper."""
     distributions: dict[str, Any] = {}
     fixed: dict[str, str] = {}
-    lines = [(f"hydra.sweeper.params.{key}", f"{key}={value}") for key, value in (params or {}).items()]
+    # a null param fixes the key to null (hparams_search=lr_tokens turns lr_batch's global batch off so)
+    lines = [
+        (f"hydra.sweeper.params.{key}", f"{key}={'null' if value is None else value}")
+        for key, value in (params or {}).items()
+    ]
     lines += [("", argument) for argument in arguments]  # the command line
     for where, line in lines:
         try:

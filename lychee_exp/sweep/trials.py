@@ -156,7 +156,8 @@ class TrialRunner:
             return outcome
         overrides, halved = retry
         number = pending.trial.number
-        changed = ", ".join(f"{'data' if key == 'batch_size' else 'trainer'}.{key}={v}" for key, v in halved.items())
+        data_keys = ("batch_size", "max_tokens_per_batch")
+        changed = ", ".join(f"{'data' if key in data_keys else 'trainer'}.{key}={v}" for key, v in halved.items())
         log.warning("trial %d ran out of memory: retrying once with %s", number, changed)
         pending.trial.set_user_attr("oom_retry", halved)
         again = Pending(pending.trial, pending.trial_id, overrides, self._claim(f"{number}-oom-retry"))
