@@ -2,7 +2,8 @@
 tree against warm ranks of an earlier commit (`--against REF`), to find and check an overhead regression.
 
     python benchmarks/sweep_overhead.py [--trials 6] [--gpus 2] [--repeats 2] [--preset tiny|issue]
-                                        [--against REF] [--baselines FILE] [--out DIR] [overrides]
+                                        [--devices-per-trial all|N] [--against REF] [--baselines FILE]
+                                        [--out DIR] [overrides]
 
 Runs the same sweep (`hparams_search=lr_batch`, the tiny Qwen2, `parallel=ddp gpus=N`) once per kind, `--repeats`
 times (at least 2), after one untimed sweep that fills their shared speedup-baseline cache (or with the cache
@@ -10,9 +11,11 @@ times (at least 2), after one untimed sweep that fills their shared speedup-base
 sides. Kinds: `fresh` and `warm` (`parallel.warm_ranks=false/true`); with `--against REF`, `warm@REF` (the
 commit's code, exported with `git archive` and put first on PYTHONPATH) and `warm` (this tree). Presets: `tiny`
 (16 train / 6 dev queries, metrics.csv only, no pruning) or `issue` (issue 25's sweep: `model=tiny_lychee
-trainer.max_steps=4` with the default data, logger and pruner). Prints each trial's overhead from trials.csv
-(duration - training - evaluation), the medians over all repeats, and whether the first two kinds' trials got
-the same metrics. Extra arguments are overrides for every sweep (e.g. `model=minilm_cross_encoder`).
+trainer.max_steps=4` with the default data, logger and pruner). `--devices-per-trial N`: the sweeps run in device
+slots of N devices (hydra.sweeper.devices_per_trial), so the overhead is a slot's trial's. Prints each trial's
+overhead from trials.csv (duration - training - evaluation), the medians over all repeats, and whether the first
+two kinds' trials got the same metrics. Extra arguments are overrides for every sweep
+(e.g. `model=minilm_cross_encoder`).
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--against", metavar="REF", help="warm ranks of this commit against this tree's")
     parser.add_argument("--baselines", type=Path, help="a filled baseline cache (baselines.json of an earlier --out)")
+    parser.add_argument("--devices-per-trial", default="all", help="all, or N devices per slot (trials at once)")
     parser.add_argument("--out", type=Path, default=None)
     args, overrides = parser.parse_known_args()
     if args.repeats < 2:
@@ -117,6 +121,7 @@ def main() -> None:
     if args.baselines:
         shutil.copyfile(args.baselines, baselines)
     overrides = [*PRESETS[args.preset], f"speedup.baseline_file={baselines}", *overrides]
+    overrides.append(f"hydra.sweeper.devices_per_trial={args.devices_per_trial}")
     if not args.baselines:
         sweep(out / "fill-baselines", args.trials, args.gpus, True, overrides)
     # (name, warm ranks, source tree or None for this one)
@@ -153,7 +158,8 @@ def main() -> None:
         for name, per_repeat in tables.items()
     }
     print(
-        f"median overhead per trial over {args.repeats} repeats ({args.preset} preset): {first} "
+        f"median overhead per trial over {args.repeats} repeats ({args.preset} preset, devices_per_trial="
+        f"{args.devices_per_trial}): {first} "
         f"{medians[first]:.2f} s, {second} {medians[second]:.2f} s ({medians[first] / medians[second]:.1f}x less); "
         f"median sweep wall time {statistics.median(walls[first]):.0f} s vs {statistics.median(walls[second]):.0f} s; "
         f"metrics equal in {sum(same)}/{len(same)} trials; sweeps in {out}"
