@@ -1,7 +1,7 @@
 """Entry point: `python -m lychee_exp.rerank dataset=<beir dir> split=test first_stage=bm25 top_k=100
 model=minilm_cross_encoder model.path=<run dir>/model out=<dir> [parallel=ddp gpus=N]`.
 
-Scores a split's first-stage top-k with a trained run's model/ (or a checkpoint, or any model preset) and writes
+Scores a split's first-stage top-k with a trained run's model/ (or any model preset's weights) and writes
 <out>/run.trec (TREC run) and <out>/metrics.json: ndcg@10, mrr@10, recall@<top_k>, map as trec_eval computes
 them on run.trec and the split's qrels, the same keys prefixed first_stage_, and pairs/s. Everything a user can
 get wrong is checked before any rank starts; a mistake is one line, exit 2.

@@ -75,6 +75,20 @@ def test_a_bad_rerank_command_is_one_line_before_any_rank_starts(tmp_path, ir_ca
     assert not (tmp_path / "out" / "metrics.json").exists()
 
 
+def test_a_training_checkpoint_as_model_path_says_where_the_model_is(tmp_path, ir_cache, capsys, caplog):
+    """recipe/checkpoint.py's step_N holds trainable weights and optimizer state, not a model to score with."""
+    root, step = fruit_dataset(tmp_path / "fruit"), tmp_path / "run" / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    (step / "model.safetensors").write_bytes(b"")
+    (step / "state.pt").write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_:
+        rerank_main([f"dataset={root}", f"out={tmp_path / 'out'}", *TINY, f"model.path={step}"])
+    printed = capsys.readouterr().err.splitlines() + [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    lines = [line for line in printed if line.strip()]
+    assert exit_.value.code == 2 and len(lines) == 1 and "a training checkpoint" in lines[0], lines
+    assert "run's model/ directory" in lines[0]
+
+
 @pytest.mark.slow
 def test_data_beir_trains_and_evaluates_by_reranking_in_a_sweep_trial(tmp_path, ir_cache):
     from conftest import TINY_RANKS
