@@ -2,7 +2,7 @@
 tree against warm ranks of an earlier commit (`--against REF`), to find and check an overhead regression.
 
     python benchmarks/sweep_overhead.py [--trials 6] [--gpus 2] [--repeats 2] [--preset tiny|issue]
-                                        [--devices-per-trial all|N] [--against REF] [--baselines FILE]
+                                        [--devices-per-trial N] [--against REF] [--baselines FILE]
                                         [--out DIR] [overrides]
 
 Runs the same sweep (`hparams_search=lr_batch`, the tiny Qwen2, `parallel=ddp gpus=N`) once per kind, `--repeats`
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--against", metavar="REF", help="warm ranks of this commit against this tree's")
     parser.add_argument("--baselines", type=Path, help="a filled baseline cache (baselines.json of an earlier --out)")
-    parser.add_argument("--devices-per-trial", default="all", help="all, or N devices per slot (trials at once)")
+    parser.add_argument("--devices-per-trial", help="N devices per slot (trials at once); unset: the sweep's own")
     parser.add_argument("--out", type=Path, default=None)
     args, overrides = parser.parse_known_args()
     if args.repeats < 2:
@@ -121,7 +121,8 @@ def main() -> None:
     if args.baselines:
         shutil.copyfile(args.baselines, baselines)
     overrides = [*PRESETS[args.preset], f"speedup.baseline_file={baselines}", *overrides]
-    overrides.append(f"hydra.sweeper.devices_per_trial={args.devices_per_trial}")
+    if args.devices_per_trial:  # only when asked: a commit older than slots (--against) has no such key
+        overrides.append(f"hydra.sweeper.devices_per_trial={args.devices_per_trial}")
     if not args.baselines:
         sweep(out / "fill-baselines", args.trials, args.gpus, True, overrides)
     # (name, warm ranks, source tree or None for this one)
@@ -159,7 +160,7 @@ def main() -> None:
     }
     print(
         f"median overhead per trial over {args.repeats} repeats ({args.preset} preset, devices_per_trial="
-        f"{args.devices_per_trial}): {first} "
+        f"{args.devices_per_trial or 'all'}): {first} "
         f"{medians[first]:.2f} s, {second} {medians[second]:.2f} s ({medians[first] / medians[second]:.1f}x less); "
         f"median sweep wall time {statistics.median(walls[first]):.0f} s vs {statistics.median(walls[second]):.0f} s; "
         f"metrics equal in {sum(same)}/{len(same)} trials; sweeps in {out}"

@@ -18,7 +18,7 @@ from conftest import TINY_RANKS
 
 from lychee_exp.core.devices import available_cores
 from lychee_exp.core.errors import Preempted, RunFailed, UserError
-from lychee_exp.launch.cluster import expand_nodelist, is_main_process, slurm_nodes
+from lychee_exp.launch.cluster import expand_nodelist, is_main_process, job_devices, slurm_nodes
 from lychee_exp.launch.processes import free_port
 from lychee_exp.testing.equivalence import assert_same_training
 from lychee_exp.testing.jobs import run_job
@@ -129,6 +129,10 @@ def test_slurm_variables_give_the_node_spec():
     assert slurm_nodes({}) is None
     with pytest.raises(UserError, match="one task per node"):
         slurm_nodes({**env, "SLURM_NTASKS": "32"})
+    # the job's devices, for trainer.global_batch_size before any rank joins: every node's, or torchrun's world
+    assert job_devices(8, env) == 32 and job_devices(8, {}) == 8
+    torchrun = {"TORCHELASTIC_RUN_ID": "r", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "16"}
+    assert job_devices(2, torchrun) == 16
 
 
 def test_errors_survive_pickling():
@@ -152,6 +156,7 @@ def test_requeue_pins_the_run_directory():
 def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp):
     run_dir, port = tmp_path / "run", free_port()
     args = [*TINY_MULTI, f"hydra.run.dir={run_dir}", f"speedup.baseline_file={tmp_path / 'none.json'}"]
+    args += ["trainer.global_batch_size=4"]  # 2 x 2 ranks over both agents: accumulation 1, as the reference
     agents = [
         subprocess.Popen(
             ["bash", str(REPO / "launch/torchrun.sh"), *args],
@@ -190,6 +195,7 @@ def test_faked_slurm_nodes_match_in_process_ddp(tmp_path, in_process_ddp):
         "parallel.cpu_threads_per_rank=1",
         f"hydra.run.dir={run_dir}",
         "speedup.baseline_samples_per_s=10",
+        "trainer.global_batch_size=4",  # counted over both nodes' ranks: accumulation 1, as the reference
     ]
     nodes = [_slurm_node(k, port, args, tmp_path) for k in range(2)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]

@@ -485,6 +485,16 @@ hydra:
             [],
             "hydra.sweeper.params: trial.number is set by the sweeper for each trial and cannot be searched",
         ),
+        (
+            "trainer.global_batch_size: choice(8, 16)",
+            ["data.max_tokens_per_batch=4096"],
+            "trainer.global_batch_size=8 counts queries per step, but data.max_tokens_per_batch=4096",
+        ),
+        (
+            "trainer.global_tokens_per_step: choice(8192, 16384)",
+            [],
+            "trainer.global_tokens_per_step=8192 needs a token budget (data.max_tokens_per_batch",
+        ),
     ],
     ids=[
         "unknown-key",
@@ -495,6 +505,8 @@ hydra:
         "wrong-type",
         "minimize",
         "trial-key",
+        "global-batch-with-a-budget",
+        "global-tokens-without-a-budget",
     ],
 )
 def test_bad_sweep_configs_get_one_line_before_any_trial(tmp_path, params, args, expected):
@@ -555,8 +567,12 @@ def test_job_outcomes(tmp_path):
         ["trainer.global_batch_size=16", "data.batch_size=4"],
         {"batch_size": 4, "global_batch_size": 16},
     )
-    # a token budget is the micro-batch: it halves instead (the global tokens per step stay)
+    # a token budget is the micro-batch: it halves instead, with twice the accumulation, or the global tokens kept
     job.trainer.global_batch_size, job.data.max_tokens_per_batch = None, 4096
+    assert oom_retry_overrides([], job) == (
+        ["data.max_tokens_per_batch=2048", "trainer.grad_accum_steps=4"],
+        {"max_tokens_per_batch": 2048, "grad_accum_steps": 4},
+    )
     job.trainer.global_tokens_per_step = 16384
     assert oom_retry_overrides(["trainer.global_tokens_per_step=16384"], job) == (
         ["trainer.global_tokens_per_step=16384", "data.max_tokens_per_batch=2048"],

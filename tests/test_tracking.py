@@ -205,6 +205,7 @@ def test_sweep_trials_are_one_wandb_run_each_in_one_group(tmp_path, no_wandb_key
             "logger=wandb",
             "hydra.sweeper.n_trials=3",
             "data.batch_size=choice(1,2)",
+            "trainer.global_batch_size=null",  # the per-device batch searched (lr_batch's own is the global one)
             f"hydra.sweep.dir={sweep_dir}",
             _baseline_file(tmp_path),
         ],

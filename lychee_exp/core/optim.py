@@ -14,6 +14,7 @@ from transformers import get_scheduler
 
 from lychee_exp.core.config import OptimizerConfig, RunConfig
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.global_step import check_global_step
 from lychee_exp.core.registry import Registry
 
 OPTIMIZERS = Registry("optimizer.name")
@@ -61,27 +62,14 @@ def with_global_batch(cfg: RunConfig, num_devices: int) -> RunConfig:
     )
     if queries is None and tokens is None:
         return cfg
-    if queries is not None and tokens is not None:
-        raise UserError(
-            f"trainer.global_batch_size={queries} and trainer.global_tokens_per_step={tokens} both fix the step: "
-            "set one of them to null"
-        )
-    if queries is not None and budget is not None:
-        raise UserError(
-            f"trainer.global_batch_size={queries} counts queries per step, but data.max_tokens_per_batch={budget} "
-            "makes that number vary: fix tokens per step instead (trainer.global_tokens_per_step; "
-            "hparams_search=lr_tokens), or set data.max_tokens_per_batch=null"
-        )
-    if tokens is not None and budget is None:
-        raise UserError(
-            f"trainer.global_tokens_per_step={tokens} needs a token budget (data.max_tokens_per_batch); "
-            "without one, fix queries per step: trainer.global_batch_size"
-        )
+    check_global_step(queries, tokens, budget)
     if queries is not None:
         key, target, per_step, unit = "trainer.global_batch_size", queries, cfg.data.batch_size, "data.batch_size"
     else:
         key, target, per_step, unit = "trainer.global_tokens_per_step", tokens, budget, "data.max_tokens_per_batch"
-    if target < 1 or target % (per_step * num_devices):
+    if target < 1:
+        raise UserError(f"{key}={target}: must be >= 1 (or null)")
+    if target % (per_step * num_devices):
         raise UserError(
             f"{key}={target} is not a multiple of {unit}={per_step} x {num_devices} device(s) = "
             f"{per_step * num_devices}: change one of them"

@@ -24,7 +24,7 @@ from lychee_exp.core.inputs import RunInputs, load_inputs
 from lychee_exp.core.losses import LOSSES
 from lychee_exp.core.optim import OPTIMIZERS, with_global_batch
 from lychee_exp.job.results import write_results
-from lychee_exp.launch.cluster import is_main_process, launched_externally, local_ranks, under_torchrun
+from lychee_exp.launch.cluster import is_main_process, job_devices, launched_externally, local_ranks, under_torchrun
 from lychee_exp.launch.launcher import launch, train_in_process
 from lychee_exp.tracking.speedup import resolve_baselines
 
@@ -92,8 +92,9 @@ def train_job(cfg: DictConfig) -> float:
         local_ranks() or run_cfg.gpus,
         cpu_threads_per_rank=run_cfg.parallel.cpu_threads_per_rank,
     )
-    # the searched (effective) batch stays the same on whatever devices a sweep slot gives the trial
-    run_cfg = with_global_batch(run_cfg, plan.num_devices)
+    # the searched (effective) batch stays the same on whatever devices a sweep slot gives the trial; counted over
+    # every node's devices (the plan is this node's until the ranks have joined)
+    run_cfg = with_global_batch(run_cfg, job_devices(plan.num_devices))
     if is_main:
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))
 

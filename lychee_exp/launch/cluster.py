@@ -97,3 +97,12 @@ def launched_externally(environ: Mapping[str, str] = os.environ) -> bool:
 def local_ranks(environ: Mapping[str, str] = os.environ) -> int | None:
     """Ranks on this node when torchrun started them (None otherwise)."""
     return int(environ["LOCAL_WORLD_SIZE"]) if under_torchrun(environ) and "LOCAL_WORLD_SIZE" in environ else None
+
+
+def job_devices(node_devices: int, environ: Mapping[str, str] = os.environ) -> int:
+    """The devices of the whole job whose node has `node_devices`: torchrun's WORLD_SIZE, or every SLURM node's
+    share (each node starts as many ranks as this one), before any process group exists."""
+    if under_torchrun(environ):
+        return int(environ["WORLD_SIZE"])
+    spec = slurm_nodes(environ)
+    return node_devices * (spec.nnodes if spec else 1)

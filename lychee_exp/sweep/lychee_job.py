@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.global_step import check_global_step
 from lychee_exp.sweep.space import render
 
 STORAGE_ENV = "LYCHEE_TRIAL_STORAGE"
@@ -36,6 +37,12 @@ def check(
         raise UserError(
             f"hydra.sweeper.params: {searched[0]} is set by the sweeper for each trial and cannot be searched"
         )
+    # the sample trial's global step against its batches: a mismatch would fail every trial the same way
+    check_global_step(
+        job_cfg.trainer.get("global_batch_size"),
+        job_cfg.trainer.get("global_tokens_per_step"),
+        job_cfg.data.get("max_tokens_per_batch"),
+    )
     if len(directions) > 1 and len(objectives or []) != len(directions):
         raise UserError(
             f"hydra.sweeper.objectives={list(objectives or [])}: a lychee_exp job returns one metric; "
