@@ -183,6 +183,30 @@ def test_dev_pairs_and_their_reference_metrics_are_built_once_per_process(tmp_pa
     assert ev.reference_metrics(other_seed) == first and len(calls) == 2  # same pairs, another order
 
 
+def test_what_an_import_sets_in_the_environment_keeps_the_warm_ranks():
+    """sklearn (loaded by optuna's fANOVA importances when the sweep writes its results after a trial) sets two
+    KMP_ variables in the sweep process; a variable the user sets (hydra.job.env_set, e.g. NCCL_ALGO) still
+    means new ranks, and what a job hands over itself (LYCHEE_*) never does."""
+    import subprocess as sp
+
+    from lychee_exp.launch.launcher import startup_environ
+
+    pytest.importorskip("sklearn")
+
+    base = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    imported = sp.run(
+        [sys.executable, "-c", "import os, sklearn; print(os.environ.get('KMP_INIT_AT_FORK'))"],
+        env=base,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert imported == "FALSE"  # the import does set it (else this test would prove nothing)
+    after = {**base, "KMP_INIT_AT_FORK": "FALSE", "KMP_DUPLICATE_LIB_OK": "True", "LYCHEE_FAULT": "1:2:oom"}
+    assert startup_environ(after) == startup_environ(base)
+    assert startup_environ({**base, "NCCL_ALGO": "Ring"}) != startup_environ(base)
+
+
 # ------------------------------------------------------------------------------------------ real sweeps
 SWEEP = [
     *TINY_RANKS,

@@ -169,9 +169,20 @@ def _agent_view(failures: dict) -> dict[int, tuple[float, str]]:
 
 
 # ----------------------------------------------------------------------------------------------- warm ranks
+# set in this process by an import, not by the user: sklearn/joblib set them when optuna's fANOVA importances (the
+# sweep's results after a trial) load sklearn; they must not make the next trial start new ranks
+IMPORT_SET_ENV = frozenset({"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})
+
+
+def startup_environ(environ: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The part of the environment that warm ranks keep from their start (RankSetup.environ): all but what a job
+    hands over itself (PASSED_ENV) and what imports set."""
+    return tuple(sorted((k, v) for k, v in environ.items() if not k.startswith(PASSED_ENV) and k not in IMPORT_SET_ENV))
+
+
 def _warm_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None) -> dict:
     environ = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV)}
-    startup = tuple(sorted((k, v) for k, v in os.environ.items() if not k.startswith(PASSED_ENV)))
+    startup = startup_environ(dict(os.environ))
     setup = RankSetup(
         plan.num_devices, plan.device_type, plan.threads_per_rank, cfg.parallel.backend, cfg.parallel.timeout_s, startup
     )
