@@ -187,14 +187,12 @@ def test_what_an_import_sets_in_the_environment_keeps_the_warm_ranks():
     """sklearn (loaded by optuna's fANOVA importances when the sweep writes its results after a trial) sets two
     KMP_ variables in the sweep process; a variable the user sets (hydra.job.env_set, e.g. NCCL_ALGO) still
     means new ranks, and what a job hands over itself (LYCHEE_*) never does."""
-    import subprocess as sp
-
     from lychee_exp.launch.launcher import startup_environ
 
     pytest.importorskip("sklearn")
 
     base = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
-    imported = sp.run(
+    imported = subprocess.run(
         [sys.executable, "-c", "import os, sklearn; print(os.environ.get('KMP_INIT_AT_FORK'))"],
         env=base,
         capture_output=True,
