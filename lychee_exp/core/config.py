@@ -69,6 +69,10 @@ class PromptConfig:
     doc_max_len: int = at_least(0, 192)  # tokens; the document is truncated, never the template; 0 = only max_len
     yes_token: str = "yes"
     no_token: str = "no"
+    # sequence classifiers (cross-encoders) read a tokenizer text pair, (query side, document), as
+    # sentence-transformers and FlagEmbedding feed them (core.pair_prompt); max_len is then the pair's budget
+    text_pair: bool = True
+    query_template: str = "{query}"  # the pair's first text: {instruction} and {query}
 
 
 @dataclass

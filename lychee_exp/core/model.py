@@ -20,6 +20,7 @@ from lychee_exp.core.choices import ModelKind
 from lychee_exp.core.config import ModelConfig
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX, packed_attention
+from lychee_exp.core.pair_prompt import PairEncoder, pair_max_len, token_types
 from lychee_exp.core.prompt import PromptEncoder
 from lychee_exp.core.resources import resolve_path
 
@@ -57,12 +58,14 @@ class Reranker(nn.Module):
         yes_id: int | None = None,
         no_id: int | None = None,
         score: str = "yes_minus_no",
+        sep_id: int | None = None,
     ):
         super().__init__()
         self.backbone = backbone
         self.kind = kind
         self.yes_id, self.no_id = yes_id, no_id
         self.score = score
+        self.sep_id = sep_id  # text pairs: token_type_ids are derived from the first separator of each row
 
     def forward(
         self,
@@ -93,7 +96,10 @@ class Reranker(nn.Module):
 
     def _score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         if self.kind == "sequence_classification":
-            return self.backbone(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
+            types = (
+                {} if self.sep_id is None else {"token_type_ids": token_types(input_ids, attention_mask, self.sep_id)}
+            )
+            return self.backbone(input_ids=input_ids, attention_mask=attention_mask, **types).logits[:, 0].float()
         # Positions count real tokens only, so a left-padded row is computed exactly as it would be alone.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         out = self.backbone(
@@ -160,7 +166,13 @@ def model_dir(cfg: ModelConfig) -> Path:
 
 
 def build_encoder(cfg: ModelConfig, tokenizer) -> PromptEncoder:
+    if uses_text_pairs(cfg):
+        return PairEncoder(tokenizer, cfg.prompt, padding_side(cfg))
     return PromptEncoder(tokenizer, cfg.prompt, padding_side(cfg))
+
+
+def uses_text_pairs(cfg: ModelConfig) -> bool:
+    return not KINDS[cfg.kind].yes_no and cfg.prompt.text_pair
 
 
 def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int, packing: bool = False) -> Reranker:
@@ -204,7 +216,7 @@ def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int, packing: 
     if cfg.lora.enabled:
         backbone = _add_lora(backbone, cfg)
     yes_id, no_id = answer_token_ids(cfg, encoder)
-    return Reranker(backbone, cfg.kind, yes_id, no_id, cfg.score)
+    return Reranker(backbone, cfg.kind, yes_id, no_id, cfg.score, getattr(encoder, "sep_id", None))
 
 
 def answer_token_ids(cfg: ModelConfig, encoder: PromptEncoder) -> tuple[int | None, int | None]:
@@ -250,6 +262,8 @@ def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path
         reranker.backbone = backbone
     out_dir.mkdir(parents=True, exist_ok=True)
     backbone.save_pretrained(str(out_dir), safe_serialization=True)
+    if uses_text_pairs(cfg):  # where sentence-transformers' CrossEncoder reads the pair's budget
+        tokenizer.model_max_length = pair_max_len(tokenizer, cfg.prompt)
     tokenizer.save_pretrained(str(out_dir))
     info = {"kind": cfg.kind, "score": cfg.score, "prompt": asdict(cfg.prompt)}
     (out_dir / RERANKER_FILE).write_text(json.dumps(info, indent=2) + "\n")
