@@ -11,11 +11,12 @@ import pytest
 from beir_helpers import fruit_dataset
 
 from lychee_exp.core.ir import first_stage
-from lychee_exp.core.ir.config import RerankConfig, register_ir_schemas
+from lychee_exp.core.ir.config import MineConfig, RerankConfig, register_ir_schemas
 from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.pipeline import mined_train_file, open_split
 from lychee_exp.core.ir.training import beir_dev
 from lychee_exp.core.ir.trec import write_run
+from lychee_exp.mine import mine_command
 from lychee_exp.rerank import rerank_command
 from lychee_exp.run import command_config
 
@@ -72,6 +73,27 @@ def test_rerank_writes_the_same_files_cold_and_warm_for_each_first_stage(tmp_pat
     assert cold["queries"] == cold["queries_judged"] == warm["queries_judged"] == 6
     assert cold["queries_scored"] == (3 if stage == "run" else 6)
     assert "pairs_per_s" not in (tmp_path / "cold" / "metrics.json").read_text()
+
+
+@pytest.mark.parametrize("stage", ["bm25", "run"])
+def test_mine_writes_the_same_file_cold_and_warm(tmp_path, ir_cache, monkeypatch, stage):
+    root = fruit_dataset(tmp_path / "fruit")
+    spec = _half_run(tmp_path, open_split(str(root), "train")[1]) if stage == "run" else stage
+    register_ir_schemas()
+    args = [
+        f"dataset={root}",
+        "split=train",
+        f"first_stage={spec}",
+        "range_min=1",
+        "num_negatives=2",
+        "progress_bar=false",
+    ]
+    cold = mine_command(command_config("mine", [*args, f"out={tmp_path / 'cold.jsonl'}"], MineConfig))
+    _no_retrieval(monkeypatch)
+    warm = mine_command(command_config("mine", [*args, f"out={tmp_path / 'warm.jsonl'}"], MineConfig))
+    assert (tmp_path / "cold.jsonl").read_bytes() == (tmp_path / "warm.jsonl").read_bytes()
+    assert cold.split(" (")[0].split(": ", 1)[1] == warm.split(" (")[0].split(": ", 1)[1]  # the summary, not the times
+    assert len((tmp_path / "cold.jsonl").read_text().splitlines()) == (3 if stage == "run" else 6)
 
 
 def test_a_cut_dev_run_cached_by_training_does_not_stand_in_for_the_whole_split(tmp_path, ir_cache, monkeypatch):
