@@ -74,7 +74,7 @@ def _rerank(dataset: str, args) -> float:
 
     rerank_recipe.open_split = first_queries
     result = rerank_recipe.rerank_on_rank(cfg, DistEnv())
-    return result["metrics"]["pairs_per_s"]
+    return result["timing"]["pairs_per_s"]
 
 
 def _in_loop_same_pairs(dataset: str, args) -> float:

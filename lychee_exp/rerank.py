@@ -2,9 +2,11 @@
 model=minilm_cross_encoder model.path=<run dir>/model out=<dir> [parallel=ddp gpus=N]`.
 
 Scores a split's first-stage top-k with a trained run's model/ (or any model preset's weights) and writes
-<out>/run.trec (TREC run) and <out>/metrics.json: ndcg@10, mrr@10, recall@<top_k>, map as trec_eval computes
-them on run.trec and the split's qrels, the same keys prefixed first_stage_, and pairs/s. Everything a user can
-get wrong is checked before any rank starts; a mistake is one line, exit 2.
+<out>/run.trec (TREC run); <out>/metrics.json: ndcg@k and recall@k (k = 1, 3, 5, 10, 100 and top_k), map, mrr@10
+as trec_eval -c computes them on run.trec and the split's qrels, the same keys prefixed first_stage_, and the
+queries asked, scored and judged; <out>/per_query.tsv: those figures per query; <out>/timing.json: pairs/s. A split
+without qrels gets run.trec (and timing.json) alone. Everything a user can get wrong is checked before any rank
+starts; a mistake is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from lychee_exp.core.atomic import write_json_atomic
+from lychee_exp.core.atomic import write_json_atomic, write_text_atomic
 from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.core.ir.beir import dataset_dir, split_names
 from lychee_exp.core.ir.config import RerankConfig, check_rerank_config, register_ir_schemas
 from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.pipeline import open_split
@@ -25,35 +28,51 @@ from lychee_exp.run import command_config, fail_as_one_line
 
 log = logging.getLogger("lychee_exp.rerank")
 KEYS = ("ndcg@10", "mrr@10", "map")
+OUTPUTS = ("run.trec", "metrics.json", "per_query.tsv", "timing.json")
 
 
 def rerank_command(cfg: RerankConfig) -> dict:
     check_rerank_config(cfg)
     out = Path(cfg.out)
     # preflight: the data, the first stage (its run cached for the ranks) and the model, before any rank starts
-    corpus, split = open_split(cfg.dataset, cfg.split)
+    corpus, split = open_split(cfg.dataset, cfg.split, need_qrels=False)
+    if not split.qrels:
+        log.warning(
+            "split=%s: no qrels/%s.tsv in %s (splits with qrels: %s): reranking all %d queries of queries.jsonl, "
+            "run.trec only, no metrics",
+            cfg.split,
+            cfg.split,
+            cfg.dataset,
+            ", ".join(split_names(dataset_dir(cfg.dataset))) or "none",
+            len(split.query_ids),
+        )
     retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense_model)
     model_dir(cfg.model)
     build_encoder(cfg.model, load_tokenizer(cfg.model))
     plan = plan_devices(cfg.parallel.strategy, cfg.gpus, cpu_threads_per_rank=cfg.parallel.cpu_threads_per_rank)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("run.trec", "metrics.json"):  # a stale result must not pass for this run's
+    for stale in OUTPUTS:  # a stale result must not pass for this run's
         (out / stale).unlink(missing_ok=True)
     result = launch_rerank(cfg, plan, out)
-    metrics = {**result["metrics"], "first_stage": cfg.first_stage, "split": cfg.split, "model_path": cfg.model.path}
+    counts, timing = result["counts"], result["timing"]
     write_run(out / "run.trec", result["run"], cfg.tag)
-    write_json_atomic(out / "metrics.json", metrics)
-    recall = f"recall@{cfg.top_k}"
-    shown = ", ".join(f"{k} {metrics[k]:.4f} (first stage {metrics['first_stage_' + k]:.4f})" for k in (*KEYS, recall))
-    log.info(
-        "%s: %s; %d pairs on %d rank(s), %.1f pairs/s",
-        out,
-        shown,
-        metrics["pairs"],
-        metrics["ranks"],
-        metrics["pairs_per_s"],
-    )
-    return metrics
+    # timing apart: metrics.json is the same file whenever the same command runs again
+    write_json_atomic(out / "timing.json", timing)
+    metrics = {**result["metrics"], **counts, "first_stage": cfg.first_stage, "split": cfg.split}
+    metrics["model_path"] = cfg.model.path
+    scored = f"{counts['queries_scored']} of {counts['queries']} queries with candidates"
+    speed = f"{counts['pairs']} pairs on {counts['ranks']} rank(s), {timing['pairs_per_s']:.1f} pairs/s"
+    if result["metrics"]:
+        write_text_atomic(out / "per_query.tsv", result["per_query"])
+        write_json_atomic(out / "metrics.json", metrics)
+        shown = ", ".join(
+            f"{k} {metrics[k]:.4f} (first stage {metrics['first_stage_' + k]:.4f})"
+            for k in (*KEYS, f"recall@{cfg.top_k}")
+        )
+        log.info("%s: %s over %d judged queries (%s); %s", out, shown, counts["queries_judged"], scored, speed)
+    else:
+        log.info("%s: run.trec, no metrics (no qrels); %s; %s", out, scored, speed)
+    return {**metrics, **timing}
 
 
 def main(argv: list[str] | None = None) -> None:

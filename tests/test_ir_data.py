@@ -146,7 +146,7 @@ def test_bm25_ranks_the_relevant_documents_first_and_skips_the_querys_own_id(tmp
     for qid, docs in run.items():
         word = qid[2:]
         assert max(docs, key=docs.get) == f"{word}-a"
-    assert (ir_cache / "bm25").is_dir() and list((ir_cache / "runs").glob("*.trec"))
+    assert (ir_cache / "bm25").is_dir() and list((ir_cache / "runs").glob("*.json"))
     # a document whose id is the query's is never a candidate (BEIR's ignore_identical_ids)
     docs = {**{d: corpus.text(d) for d in corpus.ids}, "q-apple": "how does the apple grow apple apple"}
     queries = {q: split.queries[q] for q in split.query_ids} | {"q-apple": "how does the apple grow"}

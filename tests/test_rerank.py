@@ -60,7 +60,6 @@ def test_two_ranks_write_the_run_file_one_rank_writes_and_metrics_equal_pytrec_e
     [
         (["model.path=/nonexistent/model"], "model.path=/nonexistent/model: /nonexistent/model does not exist"),
         (["top_k=0"], "top_k must be >= 1, got 0"),
-        (["split=valid"], "split=valid: no "),
         (["first_stage=run:/no/such.trec"], "first_stage=run:/no/such.trec: /no/such.trec does not exist"),
         (["topk=5"], "topk"),
     ],

@@ -86,5 +86,5 @@ def _inputs_key(cfg: RunConfig) -> str:
             files.append([spec, None])
     settings = [data.max_train_queries, data.max_dev_queries, data.train_group_size, data.random_negatives]
     settings += [data.dataset, data.train_split, data.dev_split, data.first_stage, data.rerank_top_k]
-    files.append(dataset_files(data.dataset))
+    files.append(dataset_files(data.dataset, data.first_stage))
     return json.dumps([dataclasses.asdict(cfg.model), settings, cfg.loss.distill_weight > 0, files], default=str)

@@ -1,6 +1,7 @@
 """Reranking a BEIR split on one rank of a run: the split's first-stage top-k (cached by the command's
 preflight), scored with a trained model or any preset, batched by length and sharded over the ranks
-(core.evaluate.score_sharded); rank 0 returns the reranked run, the metrics and the throughput."""
+(core.evaluate.score_sharded); rank 0 returns the reranked run, the metrics and per-query figures of it and of
+the first stage (none for a split without qrels), the counts and the throughput."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from lychee_exp.core.evaluate import score_sharded
 from lychee_exp.core.ir.candidates import build_rerank_pairs
 from lychee_exp.core.ir.config import RerankConfig
 from lychee_exp.core.ir.first_stage import retrieve
-from lychee_exp.core.ir.metrics import trec_metrics
+from lychee_exp.core.ir.metrics import mean_metrics, per_query_metrics, per_query_tsv
 from lychee_exp.core.ir.pipeline import open_split
 from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
 from lychee_exp.core.seeding import seed_everything
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
-    corpus, split = open_split(cfg.dataset, cfg.split)
+    corpus, split = open_split(cfg.dataset, cfg.split, need_qrels=False)
     first = retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense_model)
     tokenizer = load_tokenizer(cfg.model)
     encoder = build_encoder(cfg.model, tokenizer)
@@ -61,14 +62,20 @@ def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
     if not env.is_main:
         return {}
     run = pairs.run_of(scores)
-    metrics = trec_metrics(run, split.qrels, cfg.top_k)
-    metrics.update(trec_metrics(first, split.qrels, cfg.top_k, prefix="first_stage_"))
-    metrics.update(
-        pairs=len(scores),
-        queries=len(split.query_ids),
-        ranks=env.world_size,
-        scoring_s=seconds,
-        pairs_per_s=len(scores) / seconds if seconds > 0 else 0.0,
-        protocol=f"rerank the {cfg.first_stage} top-{cfg.top_k}, trec_eval metrics over every judged document",
-    )
-    return {"run": run, "metrics": metrics}
+    tables = {
+        "": per_query_metrics(run, split.qrels, cfg.top_k),
+        "first_stage_": per_query_metrics(first, split.qrels, cfg.top_k),
+    }
+    metrics = {**mean_metrics(tables[""]), **mean_metrics(tables["first_stage_"], "first_stage_")}
+    counts = {
+        "pairs": len(scores),
+        "ranks": env.world_size,
+        "queries": len(split.query_ids),  # asked
+        "queries_scored": sum(1 for docs in first.values() if docs),  # with at least one candidate
+        "queries_judged": len(tables[""]),  # averaged over: a query without candidates counts 0
+        "queries_without_relevant": sum(1 for q in tables[""] if not any(r > 0 for r in split.qrels[q].values())),
+        "protocol": f"rerank the {cfg.first_stage} top-{cfg.top_k}, trec_eval -c metrics over every judged query",
+    }
+    timing = {"scoring_s": seconds, "pairs_per_s": len(scores) / seconds if seconds > 0 else 0.0}
+    per_query = per_query_tsv(tables) if metrics else ""
+    return {"run": run, "metrics": metrics, "counts": counts, "timing": timing, "per_query": per_query}

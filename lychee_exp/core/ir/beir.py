@@ -1,5 +1,7 @@
 """BEIR datasets: `corpus.jsonl` ({"_id", "title", "text"}), `queries.jsonl` ({"_id", "text"}) and
 `qrels/<split>.tsv` (a header row, then `query-id corpus-id score`), as beir-cellar/beir's loader reads them.
+A split's queries are every query its qrels judge, those judged only not relevant included (BEIR evaluates them:
+they score 0); a split without a qrels file, where the caller allows it (rerank), is every query of queries.jsonl.
 
 Every problem is one UserError naming the file and line, or the id. The corpus is parsed once and cached
 (core.ir.cache): later runs, and every DDP rank, load the pickle instead of the JSONL.
@@ -7,6 +9,7 @@ Every problem is one UserError naming the file and line, or the id. The corpus i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 from dataclasses import dataclass, field
@@ -39,13 +42,20 @@ class Corpus:
 
 @dataclass
 class Split:
-    """One split's queries (those with at least one relevant judgement, sorted by id) and all its judgements."""
+    """One split's queries (sorted by id) and all its judgements ({} for a split without qrels)."""
 
     name: str
     query_ids: list[str]
     queries: dict[str, str]
     qrels: Qrels
     key: list = field(default_factory=list)  # the queries and qrels files it came from
+
+    def head(self, n: int) -> Split:
+        """The first n queries (by id) and their judgements alone."""
+        ids = self.query_ids[:n]
+        return dataclasses.replace(
+            self, query_ids=ids, queries={q: self.queries[q] for q in ids}, qrels=_judged(self.qrels, ids)
+        )
 
 
 def dataset_dir(spec: str, key: str = "dataset") -> Path:
@@ -90,12 +100,15 @@ def load_queries(directory: Path) -> dict[str, str]:
     return queries
 
 
-def load_split(directory: Path, split: str, corpus: Corpus, key: str = "split") -> Split:
+def load_split(directory: Path, split: str, corpus: Corpus, key: str = "split", need_qrels: bool = True) -> Split:
+    """need_qrels=False (rerank): without qrels/<split>.tsv, every query of queries.jsonl and no judgements."""
     path = directory / "qrels" / f"{split}.tsv"
-    if not path.is_file():
-        have = sorted(p.stem for p in (directory / "qrels").glob("*.tsv"))
-        raise UserError(f"{key}={split}: no {path}; splits here: {', '.join(have) or 'none'}")
     queries = load_queries(directory)
+    if not path.is_file():
+        if need_qrels:
+            raise UserError(f"{key}={split}: no {path}; splits here: {', '.join(split_names(directory)) or 'none'}")
+        ids = sorted(queries)
+        return Split(split, ids, queries, {}, [file_key(directory / "queries.jsonl")])
     qrels = read_beir_qrels(path)
     for qid, judged in qrels.items():
         if qid not in queries:
@@ -103,11 +116,14 @@ def load_split(directory: Path, split: str, corpus: Corpus, key: str = "split") 
         missing = next((doc for doc in judged if doc not in corpus.row), None)
         if missing is not None:
             raise UserError(f"{path}: document id {missing!r} (query {qid!r}) is not in {directory / 'corpus.jsonl'}")
-    query_ids = sorted(qid for qid, judged in qrels.items() if any(rel > 0 for rel in judged.values()))
-    if not query_ids:
+    without_relevant = sum(not any(rel > 0 for rel in judged.values()) for judged in qrels.values())
+    if without_relevant == len(qrels):
         raise UserError(f"{key}={split}: {path} judges no document relevant (an empty split)")
-    if len(query_ids) < len(qrels):
-        log.info("%s: %d queries without a relevant document left out", path, len(qrels) - len(query_ids))
+    if without_relevant:
+        log.info(
+            "%s: %d queries judged without a relevant document, kept: they score 0, as in BEIR", path, without_relevant
+        )
+    query_ids = sorted(qrels)
     return Split(
         split,
         query_ids,
@@ -115,6 +131,14 @@ def load_split(directory: Path, split: str, corpus: Corpus, key: str = "split") 
         qrels,
         [file_key(path), file_key(directory / "queries.jsonl")],
     )
+
+
+def split_names(directory: Path) -> list[str]:
+    return sorted(p.stem for p in (directory / "qrels").glob("*.tsv"))
+
+
+def _judged(qrels: Qrels, query_ids: list[str]) -> Qrels:
+    return {q: qrels[q] for q in query_ids if q in qrels}
 
 
 def read_beir_qrels(path: Path) -> Qrels:

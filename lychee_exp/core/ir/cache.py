@@ -1,6 +1,7 @@
 """One on-disk cache for what is derived from a dataset (the parsed corpus, BM25 indexes, dense embeddings,
-first-stage runs, mined training files): keyed by the files it was read from (path, size, mtime), so an edited
-file is read again and an unchanged one never is. `LYCHEE_CACHE_DIR` moves it (tests use a temporary one)."""
+first-stage runs, mined training files): each entry is keyed by everything that decides its content (the files it
+was read from by path, size, times and inode, the queries asked, the settings), so an edited file is read again and
+an unchanged one never is. `LYCHEE_CACHE_DIR` moves it (tests use a temporary one)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import json
 import os
 from pathlib import Path
 
+# Part of every key: bumped when what an entry holds, or the code that computes it, changes its result
+FORMAT = 2
+
 
 def cache_root() -> Path:
     root = os.environ.get("LYCHEE_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "lychee_exp"
@@ -16,13 +20,21 @@ def cache_root() -> Path:
 
 
 def file_key(path: Path) -> list:
+    """A file's identity: rewritten, or replaced by a copy with the same size and mtime, it is another file."""
     stat = path.stat()
-    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+
+
+def directory_key(path: Path) -> list:
+    """Every file below a directory (a model's weights, config and tokenizer), by file_key."""
+    if path.is_file():
+        return [file_key(path)]
+    return [file_key(p) for p in sorted(path.rglob("*")) if p.is_file()]
 
 
 def cache_path(kind: str, *parts: object) -> Path:
-    """<root>/<kind>/<digest of parts>: parts are JSON-able (file keys, settings)."""
-    digest = hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    """<root>/<kind>/<digest of parts>: parts are JSON-able (file keys, settings, the queries asked)."""
+    digest = hashlib.sha1(json.dumps([FORMAT, parts], sort_keys=True, default=str).encode()).hexdigest()[:20]
     path = cache_root() / kind / digest
     path.parent.mkdir(parents=True, exist_ok=True)
     return path

@@ -44,7 +44,7 @@ def build_rerank_pairs(
             pairs.qids.append(qid)
             pairs.doc_ids.append(doc)
             pairs.query_index.append(qi)
-            pairs.labels.append(max(split.qrels[qid].get(doc, 0), 0))
+            pairs.labels.append(max(split.qrels.get(qid, {}).get(doc, 0), 0))
             pairs.texts.append((query, text))
             prompts.append((instruction, query, text))
     pairs.token_ids = encoder.encode_many(prompts)

@@ -1,26 +1,32 @@
 """First-stage retrieval, a split's top-k per query: `bm25` (bm25s, Lucene's variant, English stopwords; the
 index cached per corpus), `dense` (a Hugging Face encoder, mean pooling, cosine; core.ir.dense) or `run:<file>` (the
 user's own TREC run). A document whose id equals the query's is skipped, as BEIR's evaluation does. Runs are cached
-per corpus, split, stage and depth, so DDP ranks and later runs read them instead of retrieving again."""
+by all that decides them (the corpus, the queries asked and their texts, the stage and its settings, the depth), so
+DDP ranks and later runs read them instead of retrieving again, and read back every query asked: one without
+candidates stays in the run with none (it scores 0)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
 
+from lychee_exp.core.atomic import write_text_atomic
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.beir import Corpus, Split
-from lychee_exp.core.ir.cache import cache_path, file_key
+from lychee_exp.core.ir.cache import cache_path, directory_key, file_key
 from lychee_exp.core.ir.dense import DEFAULT_ENCODER, corpus_embeddings, embed
-from lychee_exp.core.ir.trec import Run, as_written, ranked, read_run, write_run
+from lychee_exp.core.ir.trec import Run, as_written, ranked, read_run
 from lychee_exp.core.resources import resolve_path
 
 log = logging.getLogger(__name__)
 RUN_PREFIX = "run:"
+BM25_SETTINGS = {"method": "lucene", "stopwords": "en"}  # bm25s' defaults and English stopwords, as _bm25 indexes
 
 
 def check_stage(spec: str, key: str = "first_stage") -> None:
@@ -38,26 +44,51 @@ def stage_name(spec: str) -> str:
     return "run" if spec.startswith(RUN_PREFIX) else spec
 
 
+def stage_key(spec: str, dense_model: str = DEFAULT_ENCODER) -> list:
+    """What decides a first stage's scores besides the corpus and the queries: BM25's library and settings, the
+    encoder's files (a model replaced at the same path retrieves again), the run file."""
+    if spec == "bm25":
+        return ["bm25", BM25_SETTINGS, version("bm25s")]
+    if spec == "dense":
+        return ["dense", dense_model, directory_key(resolve_path(dense_model, "dense_model"))]
+    if spec.startswith(RUN_PREFIX):
+        return ["run", file_key(Path(spec[len(RUN_PREFIX) :]).expanduser())]
+    return [spec]
+
+
 def retrieve(
     spec: str, corpus: Corpus, split: Split, top_k: int, dense_model: str = DEFAULT_ENCODER, key: str = "first_stage"
 ) -> Run:
-    """Each query's top_k documents and their first-stage scores (as a run file would hold them)."""
+    """Each query's top_k documents and their first-stage scores (as a run file would hold them), every query of
+    split.query_ids in that order, those without candidates with none."""
     check_stage(spec, key)
-    extra = file_key(Path(spec[len(RUN_PREFIX) :]).expanduser()) if spec.startswith(RUN_PREFIX) else []
-    # the encoder by its files too: a model replaced at the same path retrieves again
-    model = [dense_model, file_key(resolve_path(dense_model, "dense_model") / "config.json")] if spec == "dense" else ""
-    cached = cache_path("runs", corpus.key, split.key, split.name, spec, extra, model, top_k).with_suffix(".trec")
-    if cached.exists():
-        return read_run(cached, "cached run")
+    asked = [[qid, split.queries[qid]] for qid in split.query_ids]
+    cached = cache_path("runs", corpus.key, asked, stage_key(spec, dense_model), top_k).with_suffix(".json")
+    run = _read_cached(cached, split.query_ids)
+    if run is not None:
+        return run
     if spec == "bm25":
         run = _bm25(corpus, split, top_k)
     elif spec == "dense":
         run = _dense(corpus, split, top_k, dense_model)
     else:
         run = _user_run(Path(spec[len(RUN_PREFIX) :]).expanduser(), corpus, split, top_k)
-    run = as_written(run)
-    write_run(cached, run, stage_name(spec))
+    # the order a cached read gives back: the queries as asked, each one's documents ranked
+    run = {qid: dict(ranked(docs)) for qid, docs in as_written(run).items()}
+    run = {qid: run.get(qid, {}) for qid in split.query_ids}
+    write_text_atomic(cached, json.dumps({"queries": split.query_ids, "run": run}))
     return run
+
+
+def _read_cached(path: Path, query_ids: list[str]) -> Run | None:
+    """The cached run, or None when there is none (or it is not whole: then it is computed again)."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stored, dict) or stored.get("queries") != query_ids or list(stored.get("run", {})) != query_ids:
+        return None
+    return stored["run"]
 
 
 def _keep_top(qid: str, docs: list[tuple[str, float]], top_k: int) -> dict[str, float]:
@@ -68,7 +99,7 @@ def _bm25(corpus: Corpus, split: Split, top_k: int) -> Run:
     import bm25s
 
     logging.getLogger("bm25s").setLevel(logging.WARNING)
-    index_dir = cache_path("bm25", corpus.key)
+    index_dir = cache_path("bm25", corpus.key, BM25_SETTINGS, version("bm25s"))
     if (index_dir / "params.index.json").exists():
         retriever = bm25s.BM25.load(str(index_dir))
     else:

@@ -59,6 +59,9 @@ def mine(
     for qid in progress(split.query_ids):
         judged = split.qrels[qid]
         positives = sorted((doc for doc, rel in judged.items() if rel > 0), key=lambda d: (-judged[d], d))
+        if not positives:  # judged, but nothing relevant: evaluation keeps it, a training line needs a positive
+            summary.skipped["without a relevant document"] += 1
+            continue
         window = ranked(run.get(qid, {}))[settings.range_min : settings.range_max]
         candidates = [doc for doc, _ in window if judged.get(doc, 0) <= 0 and doc != qid]
         if not candidates:

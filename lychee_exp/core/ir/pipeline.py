@@ -11,16 +11,16 @@ from lychee_exp.core.atomic import write_text_atomic
 from lychee_exp.core.ir.beir import Corpus, Split, dataset_dir, load_corpus, load_split
 from lychee_exp.core.ir.cache import cache_path
 from lychee_exp.core.ir.dense import SCALE, corpus_embeddings, embed
-from lychee_exp.core.ir.first_stage import retrieve
+from lychee_exp.core.ir.first_stage import retrieve, stage_key
 from lychee_exp.core.ir.mining import MineSettings, MineSummary, Teacher, mine
 
 
 def open_split(
-    dataset: str, split: str, dataset_key: str = "dataset", split_key: str = "split"
+    dataset: str, split: str, dataset_key: str = "dataset", split_key: str = "split", need_qrels: bool = True
 ) -> tuple[Corpus, Split]:
     directory = dataset_dir(dataset, dataset_key)
     corpus = load_corpus(directory)
-    return corpus, load_split(directory, split, corpus, split_key)
+    return corpus, load_split(directory, split, corpus, split_key, need_qrels)
 
 
 def dense_teacher(corpus: Corpus, split: Split, model: str) -> Teacher:
@@ -81,7 +81,8 @@ def mined_train_file(corpus: Corpus, split: Split, first_stage: str, dense_model
     """Training's first use of a split without data.train_file: mined with mine's defaults (the bi-encoder as
     teacher) once, then reused."""
     settings = MineSettings()
-    path = cache_path("mined", corpus.key, split.key, split.name, first_stage, dense_model, vars(settings))
+    teacher = stage_key("dense", dense_model)  # the bi-encoder teacher's files
+    path = cache_path("mined", corpus.key, split.key, stage_key(first_stage, dense_model), teacher, vars(settings))
     path = path.with_suffix(".jsonl")
     if not path.exists():
         mine_to_file(corpus, split, first_stage, settings, path, "dense", dense_model)

@@ -10,7 +10,7 @@ from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.beir import Corpus, Split
 from lychee_exp.core.ir.cache import file_key
 from lychee_exp.core.ir.dense import DEFAULT_ENCODER
-from lychee_exp.core.ir.first_stage import retrieve, stage_name
+from lychee_exp.core.ir.first_stage import retrieve, stage_key, stage_name
 from lychee_exp.core.ir.pipeline import mined_train_file, open_split
 from lychee_exp.core.ir.trec import Run
 from lychee_exp.core.resources import resolve_path
@@ -29,8 +29,8 @@ class BeirDev:
 
 def beir_dev(data) -> BeirDev:
     corpus, split = open_split(data.dataset, data.dev_split, "data.dataset", "data.dev_split")
-    if data.max_dev_queries:
-        split.query_ids = split.query_ids[: data.max_dev_queries]
+    if data.max_dev_queries:  # cut before retrieval: the run (and its cache entry) is of these queries alone
+        split = split.head(data.max_dev_queries)
     run = retrieve(data.first_stage, corpus, split, data.rerank_top_k, DEFAULT_ENCODER, "data.first_stage")
     return BeirDev(corpus, split, run, stage_name(data.first_stage), data.rerank_top_k)
 
@@ -49,12 +49,13 @@ def dev_rerank_pairs(dev: BeirDev, encoder, instruction: str):
     return build_rerank_pairs(dev.corpus, dev.split, dev.run, encoder, instruction, dev.stage, dev.top_k)
 
 
-def dataset_files(spec: str) -> list:
-    """What a BEIR directory's contents are keyed by (path, size, mtime of each file): [] without one."""
+def dataset_files(spec: str, first_stage: str = "bm25") -> list:
+    """What a BEIR directory's contents (each file's path, size, times, inode) and the first stage's settings and
+    files (a run file outside the dataset) are keyed by: [] without a dataset."""
     if not spec:
         return []
     try:
         root = resolve_path(spec, "data.dataset")
-        return [file_key(p) for p in sorted(root.rglob("*")) if p.is_file()]
+        return [file_key(p) for p in sorted(root.rglob("*")) if p.is_file()] + [stage_key(first_stage)]
     except (OSError, UserError):  # load_inputs names the problem, in one line
-        return [spec, None]
+        return [spec, first_stage, None]
