@@ -32,7 +32,7 @@ def rerank_command(cfg: RerankConfig) -> dict:
     out = Path(cfg.out)
     # preflight: the data, the first stage (its run cached for the ranks) and the model, before any rank starts
     corpus, split = open_split(cfg.dataset, cfg.split)
-    retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense_model)
+    retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense, stemmer=cfg.bm25_stemmer)
     model_dir(cfg.model)
     build_encoder(cfg.model, load_tokenizer(cfg.model))
     plan = plan_devices(cfg.parallel.strategy, cfg.gpus, cpu_threads_per_rank=cfg.parallel.cpu_threads_per_rank)

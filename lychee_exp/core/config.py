@@ -33,11 +33,13 @@ from lychee_exp.core.choices import (  # noqa: F401  (Choice: re-exported, the b
     Precision,
     Schedule,
     Score,
+    Stemmer,
     Strategy,
 )
 from lychee_exp.core.chunks import forward_chunk_count
 from lychee_exp.core.devices import parse_gpus
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.ir.dense import DenseConfig
 
 
 def at_least(low: float, default: Any) -> Any:
@@ -140,6 +142,8 @@ class DataConfig:
     train_split: str = "train"
     dev_split: str = "dev"
     first_stage: str = "bm25"  # bm25 | dense | run:<TREC run file>
+    dense: DenseConfig = field(default_factory=DenseConfig)  # first_stage=dense's encoder, and mining's teacher
+    bm25_stemmer: Stemmer = Stemmer.porter  # first_stage=bm25's stemmer (porter = Lucene's English analyzer)
     rerank_top_k: int = at_least(1, 100)
 
 

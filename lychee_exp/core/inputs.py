@@ -86,5 +86,6 @@ def _inputs_key(cfg: RunConfig) -> str:
             files.append([spec, None])
     settings = [data.max_train_queries, data.max_dev_queries, data.train_group_size, data.random_negatives]
     settings += [data.dataset, data.train_split, data.dev_split, data.first_stage, data.rerank_top_k]
+    settings += [dataclasses.asdict(data.dense), data.bm25_stemmer]
     files.append(dataset_files(data.dataset))
     return json.dumps([dataclasses.asdict(cfg.model), settings, cfg.loss.distill_weight > 0, files], default=str)

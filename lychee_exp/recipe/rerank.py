@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
     corpus, split = open_split(cfg.dataset, cfg.split)
-    first = retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense_model)
+    first = retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense, stemmer=cfg.bm25_stemmer)
     tokenizer = load_tokenizer(cfg.model)
     encoder = build_encoder(cfg.model, tokenizer)
     instruction = cfg.instruction or cfg.model.prompt.default_instruction

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.beir import Corpus, Split
 from lychee_exp.core.ir.cache import file_key
-from lychee_exp.core.ir.dense import DEFAULT_ENCODER
 from lychee_exp.core.ir.first_stage import retrieve, stage_name
 from lychee_exp.core.ir.pipeline import mined_train_file, open_split
 from lychee_exp.core.ir.trec import Run
@@ -31,14 +30,16 @@ def beir_dev(data) -> BeirDev:
     corpus, split = open_split(data.dataset, data.dev_split, "data.dataset", "data.dev_split")
     if data.max_dev_queries:
         split.query_ids = split.query_ids[: data.max_dev_queries]
-    run = retrieve(data.first_stage, corpus, split, data.rerank_top_k, DEFAULT_ENCODER, "data.first_stage")
+    run = retrieve(
+        data.first_stage, corpus, split, data.rerank_top_k, data.dense, "data.first_stage", stemmer=data.bm25_stemmer
+    )
     return BeirDev(corpus, split, run, stage_name(data.first_stage), data.rerank_top_k)
 
 
 def beir_train_file(data) -> str:
     """data.train_file when given; else the train split mined with the defaults (cached after the first use)."""
     corpus, split = open_split(data.dataset, data.train_split, "data.dataset", "data.train_split")
-    path = mined_train_file(corpus, split, data.first_stage, DEFAULT_ENCODER)
+    path = mined_train_file(corpus, split, data.first_stage, data.dense, data.bm25_stemmer)
     log.info("data.train_file: %s (split %s mined with first_stage=%s)", path, split.name, data.first_stage)
     return str(path)
 
