@@ -96,6 +96,8 @@ def test_the_command_writes_jsonl_that_training_reads(tmp_path, ir_cache):
         (["split=train", "sampling=best"], "sampling"),
         (["split=train", "dense.pooling=max"], "dense.pooling"),
         (["split=train", "bm25_stemmer=lancaster"], "bm25_stemmer"),
+        (["split=train", "dense_model=/no/encoder"], "dense_model=/no/encoder: /no/encoder does not exist"),
+        (["split=train", "dense.model=/"], "dense.model=/: / is not a Hugging Face model directory"),
         (["split=train", "range_min=-1"], "range_min must be >= 0"),
         (["split=train", "teacher=none", "range_min=50", "range_max=60"], "no query has a negative to write"),
         (["split=train", "first_stage=splade"], "first_stage=splade: expected bm25, dense or run:"),

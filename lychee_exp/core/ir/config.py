@@ -15,6 +15,7 @@ from lychee_exp.core.config import ModelConfig, ParallelConfig, _check_bounds, a
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.dense import DEFAULT_ENCODER, DenseConfig
 from lychee_exp.core.ir.first_stage import check_stage
+from lychee_exp.core.resources import resolve_path
 
 TEACHERS = ("none", "dense", "reranker")
 
@@ -103,6 +104,7 @@ def _dense_alias(cfg) -> None:
         return
     if cfg.dense.model not in (DEFAULT_ENCODER, cfg.dense_model):
         raise UserError("dense_model is an alias of dense.model: set one of them")
+    resolve_path(cfg.dense_model, "dense_model")  # a wrong path named by the key the user wrote
     cfg.dense.model = cfg.dense_model
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from lychee_exp.core.atomic import write_bytes_atomic
 from lychee_exp.core.choices import Pooling
+from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.beir import Corpus
 from lychee_exp.core.ir.cache import cache_path, file_key
 from lychee_exp.core.resources import resolve_path
@@ -40,6 +41,8 @@ def dense_key(dense: DenseConfig, key: str = "dense.model", queries: bool = True
     """What decides dense embeddings (of the queries too, or of passages only): the settings and the encoder's
     files (a model replaced at the same path encodes again)."""
     root = resolve_path(dense.model, key)
+    if not (root / "config.json").is_file():
+        raise UserError(f"{key}={dense.model}: {root} is not a Hugging Face model directory (no config.json)")
     files = [file_key(p) for p in sorted(root.iterdir()) if p.suffix in (".json", ".safetensors", ".bin")]
     settings = asdict(dense)
     if not queries:
