@@ -17,7 +17,7 @@ if [ -z "$python" ]; then
   if [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python3; fi
 fi
 # (only where lychee_exp's own dependencies are missing: a set-up venv has them, and other wheels of .whl/ are cp312)
-if compgen -G ".whl/*.whl" >/dev/null && ! "$python" -c "import hydra, omegaconf, optuna, bm25s" 2>/dev/null; then
+if compgen -G ".whl/*.whl" >/dev/null && ! "$python" -c "import hydra, omegaconf, optuna, bm25s, Stemmer" 2>/dev/null; then
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lychee_site .whl/*.whl
   export PYTHONPATH="/tmp/lychee_site${PYTHONPATH:+:$PYTHONPATH}"
 fi

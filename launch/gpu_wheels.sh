@@ -14,7 +14,7 @@ platform=(--only-binary=:all: --python-version 3.12 --implementation cp --platfo
 "$pip" download -q --no-deps "${platform[@]}" -d .whl hydra-core==1.3.8 omegaconf==2.3.1 bm25s==0.3.16 \
   optuna==5.0.0 alembic==1.20.1 colorlog==6.12.0 Mako==1.4.3 cmaes==0.13.1 liger-kernel==0.8.5
 # compiled: the GPU machine's CPython 3.12 on x86-64
-"$pip" download -q --no-deps "${platform[@]}" -d .whl SQLAlchemy==2.1.9 greenlet
+"$pip" download -q --no-deps "${platform[@]}" -d .whl SQLAlchemy==2.1.9 greenlet PyStemmer==3.1.0
 # omegaconf's parser runtime is an sdist only: built into a pure-Python wheel here
 "$pip" wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 du -sh .whl && ls .whl

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 from tqdm import tqdm
@@ -27,7 +28,8 @@ def mine_command(cfg: MineConfig) -> str:
     check_mine_config(cfg)
     start = time.perf_counter()
     corpus, split = open_split(cfg.dataset, cfg.split)
-    settings = MineSettings(cfg.range_min, cfg.range_max, cfg.num_negatives, cfg.margin, cfg.seed)
+    # MineSettings' fields are MineConfig keys of the same names
+    settings = MineSettings(**{f.name: getattr(cfg, f.name) for f in fields(MineSettings)})
     show = cfg.progress_bar and sys.stderr.isatty()
 
     def progress(items):
@@ -42,10 +44,11 @@ def mine_command(cfg: MineConfig) -> str:
         settings,
         Path(cfg.out),
         cfg.teacher,
-        cfg.dense_model,
+        cfg.dense,
         progress,
         cfg.model,
         cfg.batch_size,
+        stemmer=cfg.bm25_stemmer,
     )
     seconds = time.perf_counter() - start
     line = f"{cfg.out}: {summary.line()} ({len(split.query_ids) / seconds:.1f} queries/s, {seconds:.1f} s)"

@@ -20,7 +20,7 @@ from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.ir.beir import dataset_dir, split_names
 from lychee_exp.core.ir.config import RerankConfig, check_rerank_config, register_ir_schemas
 from lychee_exp.core.ir.first_stage import retrieve
-from lychee_exp.core.ir.pipeline import open_split
+from lychee_exp.core.ir.pipeline import dense_teacher, open_split
 from lychee_exp.core.ir.trec import write_run
 from lychee_exp.core.model import build_encoder, load_tokenizer, model_dir
 from lychee_exp.launch.scoring import launch_rerank
@@ -28,7 +28,7 @@ from lychee_exp.run import command_config, fail_as_one_line
 
 log = logging.getLogger("lychee_exp.rerank")
 KEYS = ("ndcg@10", "mrr@10", "map")
-OUTPUTS = ("run.trec", "metrics.json", "per_query.tsv", "timing.json")
+OUTPUTS = ("run.trec", "run.model.trec", "metrics.json", "per_query.tsv", "timing.json")
 
 
 def rerank_command(cfg: RerankConfig) -> dict:
@@ -46,7 +46,11 @@ def rerank_command(cfg: RerankConfig) -> dict:
             ", ".join(split_names(dataset_dir(cfg.dataset))) or "none",
             len(split.query_ids),
         )
-    retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense_model)
+    retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense, stemmer=cfg.bm25_stemmer)
+    if cfg.teacher_weight is None:
+        cfg.teacher_weight = 0.0
+    if cfg.teacher_weight:
+        dense_teacher(corpus, split, cfg.dense, "dense.model")  # the corpus embeddings, cached for rank 0
     model_dir(cfg.model)
     build_encoder(cfg.model, load_tokenizer(cfg.model))
     plan = plan_devices(cfg.parallel.strategy, cfg.gpus, cpu_threads_per_rank=cfg.parallel.cpu_threads_per_rank)
@@ -56,10 +60,12 @@ def rerank_command(cfg: RerankConfig) -> dict:
     result = launch_rerank(cfg, plan, out)
     counts, timing = result["counts"], result["timing"]
     write_run(out / "run.trec", result["run"], cfg.tag)
+    if result["model_run"] is not None:  # teacher_weight > 0: the model's own scores too
+        write_run(out / "run.model.trec", result["model_run"], cfg.tag)
     # timing apart: metrics.json is the same file whenever the same command runs again
     write_json_atomic(out / "timing.json", timing)
     metrics = {**result["metrics"], **counts, "first_stage": cfg.first_stage, "split": cfg.split}
-    metrics["model_path"] = cfg.model.path
+    metrics.update(model_path=cfg.model.path, teacher_weight=cfg.teacher_weight)
     scored = f"{counts['queries_scored']} of {counts['queries']} queries with candidates"
     speed = f"{counts['pairs']} pairs on {counts['ranks']} rank(s), {timing['pairs_per_s']:.1f} pairs/s"
     if result["metrics"]:
@@ -70,6 +76,9 @@ def rerank_command(cfg: RerankConfig) -> dict:
             for k in (*KEYS, f"recall@{cfg.top_k}")
         )
         log.info("%s: %s over %d judged queries (%s); %s", out, shown, counts["queries_judged"], scored, speed)
+        if cfg.teacher_weight:
+            alone = ", ".join(f"{who} alone {metrics[who + '_ndcg@10']:.4f}" for who in ("model", "teacher"))
+            log.info("ndcg@10 mixes the model with the teacher at weight %s: %s", cfg.teacher_weight, alone)
     else:
         log.info("%s: run.trec, no metrics (no qrels); %s; %s", out, scored, speed)
     return {**metrics, **timing}

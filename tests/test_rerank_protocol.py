@@ -13,8 +13,10 @@ import pytest
 import pytrec_eval
 from beir_helpers import fruit_dataset
 
+from lychee_exp.core.choices import Stemmer
 from lychee_exp.core.ir.candidates import build_rerank_pairs
 from lychee_exp.core.ir.config import RerankConfig, register_ir_schemas
+from lychee_exp.core.ir.dense import DenseConfig
 from lychee_exp.core.ir.metrics import trec_metrics
 from lychee_exp.core.ir.mining import MineSettings, mine
 from lychee_exp.core.ir.pipeline import open_split
@@ -124,6 +126,7 @@ def test_a_query_judged_without_a_relevant_document_or_without_candidates_counts
 def test_zero_only_queries_are_evaluated_in_training_and_skipped_by_mining(tmp_path, ir_cache):
     root = _dataset(tmp_path)
     data = SimpleNamespace(dataset=str(root), dev_split="test", max_dev_queries=0, first_stage="bm25", rerank_top_k=4)
+    data.dense, data.bm25_stemmer, data.teacher_weight = DenseConfig(), Stemmer.porter, 0.0
     dev = beir_dev(data)
     assert ZERO_ONLY in dev.split.query_ids and len(dev.split.query_ids) == 7
     encoder = SimpleNamespace(encode_many=lambda prompts: [[1]] * len(prompts))

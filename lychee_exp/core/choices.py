@@ -86,3 +86,27 @@ class LoggerMode(Choice):
 
 # the names hold "@", so the functional form; module and qualname let ranks unpickle its members
 Metric = Choice("Metric", {"ndcg@10": "ndcg@10", "mrr@10": "mrr@10"}, module=__name__, qualname="Metric")
+
+
+class Pooling(Choice):
+    mean = "mean"  # the mean of the token embeddings (sentence-transformers' MiniLM, E5)
+    cls = "cls"  # the first token's embedding (BGE)
+    last = "last"  # the last non-padding token's embedding (Qwen3-Embedding and other decoder encoders)
+
+
+class Sampling(Choice):
+    random = "random"  # a seeded sample of the candidates left (FlagEmbedding's hn_mine)
+    top = "top"  # the highest-ranked candidates left (sentence-transformers' sampling_strategy="top")
+
+
+class RankBy(Choice):
+    first_stage = "first_stage"  # the rank range is over the first stage's ranking
+    teacher = "teacher"  # over the teacher's ranking of the first stage's top range_max
+
+
+class Stemmer(Choice):
+    # Porter's stemmer, as Lucene's EnglishAnalyzer (Anserini/pyserini) and Elasticsearch's "english" analyzer
+    # (BEIR's BM25 runs) stem; both via PyStemmer
+    porter = "porter"
+    english = "english"  # Snowball's English (Porter 2) stemmer
+    none = "none"  # words as they are, lowercased

@@ -33,11 +33,13 @@ from lychee_exp.core.choices import (  # noqa: F401  (Choice: re-exported, the b
     Precision,
     Schedule,
     Score,
+    Stemmer,
     Strategy,
 )
 from lychee_exp.core.chunks import forward_chunk_count
 from lychee_exp.core.devices import parse_gpus
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.ir.dense import DenseConfig
 
 
 def at_least(low: float, default: Any) -> Any:
@@ -144,6 +146,11 @@ class DataConfig:
     train_split: str = "train"
     dev_split: str = "dev"
     first_stage: str = "bm25"  # bm25 | dense | run:<TREC run file>
+    dense: DenseConfig = field(default_factory=DenseConfig)  # first_stage=dense's encoder, and mining's teacher
+    bm25_stemmer: Stemmer = Stemmer.porter  # first_stage=bm25's stemmer (porter = Lucene's English analyzer)
+    # the dev ranking mixes the model's scores with the teacher's, per query standardised (core.ir.fusion): the dev
+    # file's pos_scores/neg_scores, or with data=beir data.dense's bi-encoder; 0 = the model alone (logged as model_*)
+    teacher_weight: float = field(default=0.0, metadata={"min": 0, "max": 1})
     rerank_top_k: int = at_least(1, 100)
 
 
@@ -327,12 +334,16 @@ def _check_bounds(node: Any, prefix: str) -> None:
         value, key = getattr(node, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             _check_bounds(value, f"{key}.")
+        elif value is None:  # an optional key left unset
+            continue
         elif "min" in f.metadata and not value >= f.metadata["min"]:
             raise UserError(f"{key} must be >= {f.metadata['min']}, got {value}")
         elif "above" in f.metadata and not value > f.metadata["above"]:
             raise UserError(f"{key} must be > {f.metadata['above']}, got {value}")
         elif "below" in f.metadata and not value < f.metadata["below"]:
             raise UserError(f"{key} must be < {f.metadata['below']}, got {value}")
+        elif "max" in f.metadata and not value <= f.metadata["max"]:
+            raise UserError(f"{key} must be <= {f.metadata['max']}, got {value}")
 
 
 def _check_template(template: str) -> None:

@@ -25,6 +25,7 @@ from torchmetrics.functional.retrieval import retrieval_normalized_dcg, retrieva
 from lychee_exp.core.data.groups import DevPairs
 from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.ir.candidates import RerankPairs
+from lychee_exp.core.ir.fusion import interpolate
 from lychee_exp.core.ir.metrics import trec_metrics
 from lychee_exp.core.prompt import PromptEncoder
 
@@ -77,6 +78,8 @@ def reference_metrics(pairs: DevPairs) -> dict[str, float]:
     if isinstance(pairs, RerankPairs):
         if not refs:
             refs.update(trec_metrics(pairs.first_stage, pairs.qrels, pairs.recall_at, prefix=f"{pairs.stage}_"))
+            if pairs.teacher_scores is not None:
+                refs.update(metrics_of(pairs, pairs.teacher_scores, prefix="teacher_"))
         log.info("dev protocol: %s; first stage: %s", pairs.protocol, _brief(refs))
         return dict(refs)
     log.info("dev protocol: fixed candidates (each dev line's pos + neg, positives always among them)")
@@ -149,14 +152,25 @@ def evaluate(
     device: torch.device,
     env: DistEnv | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    teacher_weight: float = 0.0,
 ) -> dict[str, float]:
     """Dev metrics of the model's scores, sharded across ranks (score_sharded): the fixed-candidate protocol's
-    NDCG@10/MRR@10, or, for a BEIR split's first-stage candidates (RerankPairs), trec_eval's metrics."""
+    NDCG@10/MRR@10, or, for a BEIR split's first-stage candidates (RerankPairs), trec_eval's metrics. With
+    teacher_weight > 0 (and teacher scores): of the model's scores mixed with the teacher's (core.ir.fusion), the
+    model's own beside them as model_*."""
     env = env or DistEnv(device=device)
     scores = score_sharded(model, encoder, pairs.token_ids, batch_size, device, env, autocast)
+    if teacher_weight > 0 and pairs.teacher_scores is not None:
+        mixed = interpolate(scores, pairs.teacher_scores, pairs.query_index, teacher_weight)
+        return {**metrics_of(pairs, mixed), **metrics_of(pairs, scores, prefix="model_")}
+    return metrics_of(pairs, scores)
+
+
+def metrics_of(pairs: DevPairs, scores: Sequence[float], prefix: str = "") -> dict[str, float]:
+    """The dev protocol's metrics of one score per pair: trec_eval's for a BEIR split, else fixed candidates'."""
     if isinstance(pairs, RerankPairs):
-        return trec_metrics(pairs.run_of(scores), pairs.qrels, pairs.recall_at)
-    return ranking_metrics(scores, pairs.labels, pairs.query_index)
+        return trec_metrics(pairs.run_of(scores), pairs.qrels, pairs.recall_at, prefix=prefix)
+    return ranking_metrics(scores, pairs.labels, pairs.query_index, prefix=prefix)
 
 
 def _brief(metrics: dict[str, float]) -> str:

@@ -63,6 +63,12 @@ def load_inputs(cfg: RunConfig, warn_unknown: bool = True) -> RunInputs:
     if cfg.loss.distill_weight > 0:
         check_teacher_scores(train, "data.train_file")
     dev = [] if dev_rerank else load_queries(data.dev_file, "data.dev_file", data.max_dev_queries, warn_unknown)
+    unscored = next((q for q in dev if not q.has_teacher_scores), None) if data.teacher_weight > 0 else None
+    if unscored is not None:
+        raise UserError(
+            f"data.teacher_weight={data.teacher_weight} mixes the dev file's teacher scores into its ranking, but "
+            f"{data.dev_file} query {unscored.qid!r} has no pos_scores/neg_scores (add them, or data.teacher_weight=0)"
+        )
     tokenizer = load_tokenizer(cfg.model)
     encoder = build_encoder(cfg.model, tokenizer)
     answer_token_ids(cfg.model, encoder)  # yes/no must each be one token: one line naming the key, else
@@ -86,5 +92,6 @@ def _inputs_key(cfg: RunConfig) -> str:
             files.append([spec, None])
     settings = [data.max_train_queries, data.max_dev_queries, data.train_group_size, data.random_negatives]
     settings += [data.dataset, data.train_split, data.dev_split, data.first_stage, data.rerank_top_k]
-    files.append(dataset_files(data.dataset, data.first_stage))
+    settings += [dataclasses.asdict(data.dense), data.bm25_stemmer, data.teacher_weight > 0]
+    files.append(dataset_files(data))
     return json.dumps([dataclasses.asdict(cfg.model), settings, cfg.loss.distill_weight > 0, files], default=str)

@@ -36,7 +36,12 @@ def write_results(run_cfg: RunConfig, plan: DevicePlan, metrics: dict, output_di
         write_json_atomic(metrics_path, metrics)
         if "ndcg@10" in metrics:
             # the references this run measured: untrained (eval_before_training), BM25, the dev file's teacher
-            names = {"initial_ndcg@10": "untrained", "bm25_ndcg@10": "BM25", "teacher_ndcg@10": "teacher"}
+            names = {
+                "model_ndcg@10": "model alone",  # data.teacher_weight > 0: ndcg@10 is of the mix with the teacher
+                "initial_ndcg@10": "untrained",
+                "bm25_ndcg@10": "BM25",
+                "teacher_ndcg@10": "teacher",
+            }
             refs = ", ".join(f"{name} {metrics[key]:.4f}" for key, name in names.items() if key in metrics)
             log.info("dev ndcg@10 %.4f (%s), mrr@10 %.4f", metrics["ndcg@10"], refs, metrics["mrr@10"])
         speedup_note = (

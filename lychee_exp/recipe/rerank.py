@@ -18,8 +18,9 @@ from lychee_exp.core.evaluate import score_sharded
 from lychee_exp.core.ir.candidates import build_rerank_pairs
 from lychee_exp.core.ir.config import RerankConfig
 from lychee_exp.core.ir.first_stage import retrieve
+from lychee_exp.core.ir.fusion import interpolate
 from lychee_exp.core.ir.metrics import mean_metrics, per_query_metrics, per_query_tsv
-from lychee_exp.core.ir.pipeline import open_split
+from lychee_exp.core.ir.pipeline import dense_teacher, open_split
 from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
 from lychee_exp.core.seeding import seed_everything
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
     corpus, split = open_split(cfg.dataset, cfg.split, need_qrels=False)
-    first = retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense_model)
+    first = retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense, stemmer=cfg.bm25_stemmer)
     tokenizer = load_tokenizer(cfg.model)
     encoder = build_encoder(cfg.model, tokenizer)
     instruction = cfg.instruction or cfg.model.prompt.default_instruction
@@ -61,12 +62,14 @@ def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
     bar.close()
     if not env.is_main:
         return {}
-    run = pairs.run_of(scores)
-    tables = {
-        "": per_query_metrics(run, split.qrels, cfg.top_k),
-        "first_stage_": per_query_metrics(first, split.qrels, cfg.top_k),
-    }
-    metrics = {**mean_metrics(tables[""]), **mean_metrics(tables["first_stage_"], "first_stage_")}
+    runs = {"": pairs.run_of(scores), "first_stage_": first}
+    if cfg.teacher_weight:  # the run is the model's scores mixed with the teacher's; both alone beside it
+        teacher = dense_teacher(corpus, split, cfg.dense, "dense.model")(list(zip(pairs.qids, pairs.doc_ids)))
+        runs.update(model_=runs[""], teacher_=pairs.run_of(teacher))
+        runs[""] = pairs.run_of(interpolate(scores, teacher, pairs.qids, cfg.teacher_weight))
+    tables = {prefix: per_query_metrics(run, split.qrels, cfg.top_k) for prefix, run in runs.items()}
+    metrics = {k: v for prefix, table in tables.items() for k, v in mean_metrics(table, prefix).items()}
+    run = runs[""]
     counts = {
         "pairs": len(scores),
         "ranks": env.world_size,
@@ -78,4 +81,5 @@ def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
     }
     timing = {"scoring_s": seconds, "pairs_per_s": len(scores) / seconds if seconds > 0 else 0.0}
     per_query = per_query_tsv(tables) if metrics else ""
-    return {"run": run, "metrics": metrics, "counts": counts, "timing": timing, "per_query": per_query}
+    result = {"run": run, "metrics": metrics, "counts": counts, "timing": timing, "per_query": per_query}
+    return {**result, "model_run": runs.get("model_")}

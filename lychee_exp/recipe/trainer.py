@@ -162,7 +162,9 @@ class Trainer:
         start = time.perf_counter()
         scorer = self.train_model if self.plan.strategy == "dp" else self.model  # DP: score on every GPU
         batch = self.cfg.data.eval_batch_size
-        metrics = ev.evaluate(scorer, self.encoder, self.dev_pairs, batch, self.device, self.env, self.step.autocast)
+        mixed = self.cfg.data.teacher_weight  # > 0: the model's scores mixed with the teacher's, own as model_*
+        args = (self.dev_pairs, batch, self.device, self.env, self.step.autocast, mixed)
+        metrics = ev.evaluate(scorer, self.encoder, *args)
         self.eval_time_s += time.perf_counter() - start
         return metrics
 

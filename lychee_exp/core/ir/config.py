@@ -10,10 +10,12 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from lychee_exp.core.config import ModelConfig, ParallelConfig, at_least
+from lychee_exp.core.choices import RankBy, Sampling, Stemmer
+from lychee_exp.core.config import ModelConfig, ParallelConfig, _check_bounds, at_least
 from lychee_exp.core.errors import UserError
-from lychee_exp.core.ir.dense import DEFAULT_ENCODER
+from lychee_exp.core.ir.dense import DEFAULT_ENCODER, DenseConfig
 from lychee_exp.core.ir.first_stage import check_stage
+from lychee_exp.core.resources import resolve_path
 
 TEACHERS = ("none", "dense", "reranker")
 
@@ -23,18 +25,29 @@ class MineConfig:
     dataset: str = MISSING  # a BEIR directory (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)
     split: str = "train"
     first_stage: str = "bm25"  # bm25 | dense | run:<TREC run file>
-    dense_model: str = DEFAULT_ENCODER  # the encoder of first_stage=dense and teacher=dense
+    dense: DenseConfig = field(default_factory=DenseConfig)  # the encoder of first_stage=dense and teacher=dense
+    dense_model: Optional[str] = None  # alias of dense.model (older commands)
+    bm25_stemmer: Stemmer = Stemmer.porter  # first_stage=bm25's stemmer (porter = Lucene's English analyzer)
     out: str = MISSING  # the JSONL to write
-    range_min: int = at_least(0, 10)  # negatives from first-stage ranks [range_min, range_max), 0-based
+    range_min: int = at_least(0, 10)  # negatives from ranks [range_min, range_max) of rank_by's ranking, 0-based
     range_max: int = at_least(1, 210)
     num_negatives: int = at_least(1, 15)
+    # first_stage: the first stage's ranking; teacher: the teacher's ranking of the first stage's top range_max
+    rank_by: RankBy = RankBy.first_stage
+    sampling: Sampling = Sampling.random  # random: a seeded sample of the candidates left; top: the best ranked
     # dense: the bi-encoder's scores as pos_scores/neg_scores (cosine x 20) for loss=listwise_distill (the default
     # experiment's loss); none: no teacher scores (then train with loss=listwise or pointwise)
     # reranker: a trained reranker's relevance logits (model=<preset> model.path=<run dir>/model)
     teacher: str = "dense"
     model: ModelConfig = field(default_factory=ModelConfig)  # teacher=reranker's model
     batch_size: int = at_least(1, 64)  # teacher=reranker: pairs per forward pass
-    margin: Optional[float] = None  # with a teacher: drop candidates above the lowest positive's score - margin
+    # with a teacher, against the query's lowest positive score p (sentence-transformers' definitions, in the
+    # teacher's scores as written): keep a candidate scoring s <= p - absolute_margin, s <= p * (1 -
+    # relative_margin), s <= max_score; null = no such guard
+    absolute_margin: Optional[float] = None
+    margin: Optional[float] = None  # alias of absolute_margin (older commands)
+    relative_margin: Optional[float] = None
+    max_score: Optional[float] = None
     seed: int = 42
     progress_bar: bool = True
 
@@ -44,7 +57,9 @@ class RerankConfig:
     dataset: str = MISSING
     split: str = "test"
     first_stage: str = "bm25"
-    dense_model: str = DEFAULT_ENCODER
+    dense: DenseConfig = field(default_factory=DenseConfig)  # first_stage=dense's encoder
+    dense_model: Optional[str] = None  # alias of dense.model (older commands)
+    bm25_stemmer: Stemmer = Stemmer.porter  # first_stage=bm25's stemmer
     top_k: int = at_least(1, 100)  # first-stage candidates reranked per query
     out: str = MISSING  # directory for run.trec and metrics.json
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -55,6 +70,9 @@ class RerankConfig:
     seed: int = 42
     progress_bar: bool = True
     tag: str = "lychee_exp"  # the run file's tag column
+    # run.trec ranks by the model's scores mixed with the teacher's (dense.model's bi-encoder), each standardised
+    # per query (core.ir.fusion): 0 = the model alone; null = the weight the model directory was trained with
+    teacher_weight: Optional[float] = field(default=None, metadata={"min": 0, "max": 1})
 
 
 def register_ir_schemas() -> None:
@@ -64,13 +82,33 @@ def register_ir_schemas() -> None:
 
 
 def check_mine_config(cfg: MineConfig) -> None:
+    _check_bounds(cfg, "")
+    _dense_alias(cfg)
     if cfg.range_max <= cfg.range_min:
         raise UserError(f"range_max must be > range_min, got {cfg.range_min}-{cfg.range_max}")
     if cfg.teacher not in TEACHERS:
         raise UserError(f"teacher={cfg.teacher}: expected one of {', '.join(TEACHERS)}")
-    if cfg.margin is not None and cfg.teacher == "none":
-        raise UserError("margin needs a teacher to score candidates: set teacher=dense, or margin=null")
+    if cfg.margin is not None:
+        if cfg.absolute_margin is not None and cfg.absolute_margin != cfg.margin:
+            raise UserError("margin is an alias of absolute_margin: set one of them")
+        cfg.absolute_margin = cfg.margin
+    scored = {"margin" if cfg.margin is not None else "absolute_margin": cfg.absolute_margin}
+    scored |= {"relative_margin": cfg.relative_margin, "max_score": cfg.max_score}
+    scored["rank_by"] = cfg.rank_by if cfg.rank_by == RankBy.teacher else None
+    for key, value in scored.items():
+        if value is not None and cfg.teacher == "none":
+            raise UserError(f"{key}={value} needs a teacher's scores: set teacher=dense or teacher=reranker")
     check_stage(cfg.first_stage)
+
+
+def _dense_alias(cfg) -> None:
+    """dense_model=<path>, the key before dense.model, still names the encoder."""
+    if cfg.dense_model is None:
+        return
+    if cfg.dense.model not in (DEFAULT_ENCODER, cfg.dense_model):
+        raise UserError("dense_model is an alias of dense.model: set one of them")
+    resolve_path(cfg.dense_model, "dense_model")  # a wrong path named by the key the user wrote
+    cfg.dense.model = cfg.dense_model
 
 
 def rerank_config_from(payload: dict) -> RerankConfig:
@@ -81,7 +119,6 @@ def rerank_config_from(payload: dict) -> RerankConfig:
 
 
 def check_rerank_config(cfg: RerankConfig) -> None:
-    from lychee_exp.core.config import _check_bounds
-
     _check_bounds(cfg, "")
+    _dense_alias(cfg)
     check_stage(cfg.first_stage)

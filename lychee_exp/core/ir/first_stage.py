@@ -1,9 +1,9 @@
-"""First-stage retrieval, a split's top-k per query: `bm25` (bm25s, Lucene's variant, English stopwords; the
-index cached per corpus), `dense` (a Hugging Face encoder, mean pooling, cosine; core.ir.dense) or `run:<file>` (the
-user's own TREC run). A document whose id equals the query's is skipped, as BEIR's evaluation does. Runs are cached
-by all that decides them (the corpus, the queries asked and their texts, the stage and its settings, the depth), so
-DDP ranks and later runs read them instead of retrieving again, and read back every query asked: one without
-candidates stays in the run with none (it scores 0)."""
+"""First-stage retrieval, a split's top-k per query: `bm25` (bm25s, Lucene's variant, English stopwords, Porter
+stemming by default; the index cached per corpus and stemmer), `dense` (a Hugging Face encoder, cosine;
+core.ir.dense) or `run:<file>` (the user's own TREC run). A document whose id equals the query's is skipped, as
+BEIR's evaluation does. Runs are cached by all that decides them (the corpus, the queries asked and their texts,
+the stage and its settings, the depth), so DDP ranks and later runs read them instead of retrieving again, and read
+back every query asked: one without candidates stays in the run with none (it scores 0)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,13 @@ import shutil
 from importlib.metadata import version
 from pathlib import Path
 
-import numpy as np
-
 from lychee_exp.core.atomic import write_text_atomic
+from lychee_exp.core.choices import Stemmer
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.beir import Corpus, Split
-from lychee_exp.core.ir.cache import cache_path, directory_key, file_key
-from lychee_exp.core.ir.dense import DEFAULT_ENCODER, corpus_embeddings, embed
+from lychee_exp.core.ir.cache import cache_path, file_key
+from lychee_exp.core.ir.dense import DenseConfig, corpus_embeddings, dense_key, embed, top_k_by_blocks
 from lychee_exp.core.ir.trec import Run, as_written, ranked, read_run
-from lychee_exp.core.resources import resolve_path
 
 log = logging.getLogger(__name__)
 RUN_PREFIX = "run:"
@@ -44,33 +42,43 @@ def stage_name(spec: str) -> str:
     return "run" if spec.startswith(RUN_PREFIX) else spec
 
 
-def stage_key(spec: str, dense_model: str = DEFAULT_ENCODER) -> list:
-    """What decides a first stage's scores besides the corpus and the queries: BM25's library and settings, the
-    encoder's files (a model replaced at the same path retrieves again), the run file."""
+def stage_key(
+    spec: str, dense: DenseConfig | None = None, stemmer: Stemmer = Stemmer.porter, key: str = "first_stage"
+) -> list:
+    """What decides a first stage's scores besides the corpus and the queries: BM25's library, settings and
+    stemmer, the encoder's settings and files (a model replaced at the same path retrieves again), the run file."""
     if spec == "bm25":
-        return ["bm25", BM25_SETTINGS, version("bm25s")]
+        return ["bm25", BM25_SETTINGS, str(stemmer), version("bm25s")]
     if spec == "dense":
-        return ["dense", dense_model, directory_key(resolve_path(dense_model, "dense_model"))]
+        return ["dense", dense_key(dense or DenseConfig(), key.replace("first_stage", "dense.model"))]
     if spec.startswith(RUN_PREFIX):
         return ["run", file_key(Path(spec[len(RUN_PREFIX) :]).expanduser())]
     return [spec]
 
 
 def retrieve(
-    spec: str, corpus: Corpus, split: Split, top_k: int, dense_model: str = DEFAULT_ENCODER, key: str = "first_stage"
+    spec: str,
+    corpus: Corpus,
+    split: Split,
+    top_k: int,
+    dense: DenseConfig | None = None,
+    key: str = "first_stage",
+    stemmer: Stemmer = Stemmer.porter,
 ) -> Run:
     """Each query's top_k documents and their first-stage scores (as a run file would hold them), every query of
-    split.query_ids in that order, those without candidates with none."""
+    split.query_ids in that order, those without candidates with none. dense: the encoder of `dense` (default
+    all-MiniLM-L6-v2); stemmer: `bm25`'s."""
     check_stage(spec, key)
+    dense = dense or DenseConfig()
     asked = [[qid, split.queries[qid]] for qid in split.query_ids]
-    cached = cache_path("runs", corpus.key, asked, stage_key(spec, dense_model), top_k).with_suffix(".json")
+    cached = cache_path("runs", corpus.key, asked, stage_key(spec, dense, stemmer, key), top_k).with_suffix(".json")
     run = _read_cached(cached, split.query_ids)
     if run is not None:
         return run
     if spec == "bm25":
-        run = _bm25(corpus, split, top_k)
+        run = _bm25(corpus, split, top_k, stemmer)
     elif spec == "dense":
-        run = _dense(corpus, split, top_k, dense_model)
+        run = _dense(corpus, split, top_k, dense, key.replace("first_stage", "dense.model"))
     else:
         run = _user_run(Path(spec[len(RUN_PREFIX) :]).expanduser(), corpus, split, top_k)
     # the order a cached read gives back: the queries as asked, each one's documents ranked
@@ -95,16 +103,17 @@ def _keep_top(qid: str, docs: list[tuple[str, float]], top_k: int) -> dict[str, 
     return dict([(doc, score) for doc, score in docs if doc != qid][:top_k])
 
 
-def _bm25(corpus: Corpus, split: Split, top_k: int) -> Run:
+def _bm25(corpus: Corpus, split: Split, top_k: int, stemmer: Stemmer) -> Run:
     import bm25s
 
     logging.getLogger("bm25s").setLevel(logging.WARNING)
-    index_dir = cache_path("bm25", corpus.key, BM25_SETTINGS, version("bm25s"))
+    stem = None if stemmer == Stemmer.none else _stemmer(stemmer)
+    index_dir = cache_path("bm25", corpus.key, BM25_SETTINGS, str(stemmer), version("bm25s"))
     if (index_dir / "params.index.json").exists():
         retriever = bm25s.BM25.load(str(index_dir))
     else:
         retriever = bm25s.BM25()
-        tokens = bm25s.tokenize(corpus.texts, stopwords="en", show_progress=False)
+        tokens = bm25s.tokenize(corpus.texts, stopwords="en", stemmer=stem, show_progress=False)
         retriever.index(tokens, show_progress=False)
         tmp = index_dir.with_name(f".{index_dir.name}.{os.getpid()}.tmp")
         retriever.save(str(tmp))
@@ -113,7 +122,7 @@ def _bm25(corpus: Corpus, split: Split, top_k: int) -> Run:
         except OSError:  # another process saved it first
             shutil.rmtree(tmp, ignore_errors=True)
     texts = [split.queries[qid] for qid in split.query_ids]
-    tokens = bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
+    tokens = bm25s.tokenize(texts, stopwords="en", stemmer=stem, return_ids=False, show_progress=False)
     k = min(top_k + 1, len(corpus.ids))  # one more: the query's own id may be among them
     run: Run = {}
     for qid, query_tokens in zip(split.query_ids, tokens):
@@ -126,15 +135,20 @@ def _bm25(corpus: Corpus, split: Split, top_k: int) -> Run:
     return run
 
 
-def _dense(corpus: Corpus, split: Split, top_k: int, dense_model: str) -> Run:
-    docs = corpus_embeddings(corpus, dense_model)
-    queries = embed([split.queries[q] for q in split.query_ids], dense_model)
-    run: Run = {}
-    k = min(top_k + 1, len(corpus.ids))
-    for qid, scores in zip(split.query_ids, queries @ docs.T):
-        top = np.argsort(-scores, kind="stable")[:k]
-        run[qid] = _keep_top(qid, [(corpus.ids[i], float(scores[i])) for i in top], top_k)
-    return run
+def _stemmer(stemmer: Stemmer):
+    import Stemmer as pystemmer  # PyStemmer: Snowball's C stemmers
+
+    return pystemmer.Stemmer(str(stemmer))  # bm25s stems each distinct word once, with its stemWords
+
+
+def _dense(corpus: Corpus, split: Split, top_k: int, dense: DenseConfig, key: str) -> Run:
+    docs = corpus_embeddings(corpus, dense, key)
+    queries = embed([split.queries[q] for q in split.query_ids], dense, dense.query_prompt, key)
+    scores, rows = top_k_by_blocks(queries, docs, top_k + 1)  # one more: the query's own id may be among them
+    return {
+        qid: _keep_top(qid, [(corpus.ids[r], float(s)) for r, s in zip(rows[i], scores[i])], top_k)
+        for i, qid in enumerate(split.query_ids)
+    }
 
 
 def _user_run(path: Path, corpus: Corpus, split: Split, top_k: int) -> Run:

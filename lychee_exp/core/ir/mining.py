@@ -1,10 +1,15 @@
-"""Hard-negative mining for a split, written as FlagEmbedding's reranker JSONL.
+"""Hard-negative mining for a split, written as FlagEmbedding's reranker JSONL, with sentence-transformers'
+`mine_hard_negatives` options.
 
-Positives come from the qrels (relevance > 0, their grades kept as `pos_labels`). Negatives are sampled from the
-first stage's ranks [range_min, range_max) (0-based, FlagEmbedding's `range_for_sampling` 10-210), never a judged
-positive nor the query's own id. With a teacher (a bi-encoder, or a trained reranker) its scores are written as
-`pos_scores`/`neg_scores` for distillation, and `margin` guards against false negatives: a candidate the teacher
-scores above (the query's lowest positive score - margin) is dropped (sentence-transformers' absolute_margin).
+Positives come from the qrels (relevance > 0, their grades kept as `pos_labels`). Negatives come from the rank
+range [range_min, range_max) (0-based, FlagEmbedding's `range_for_sampling` 10-210) of a ranking of the first
+stage's top range_max: the first stage's own (`rank_by=first_stage`) or the teacher's (`rank_by=teacher`), never a
+judged positive nor the query's own id. With a teacher (a bi-encoder, or a trained reranker) its scores are written
+as `pos_scores`/`neg_scores` for distillation, and three guards against false negatives drop candidates by those
+scores, as sentence-transformers defines them against the query's lowest positive score p: `absolute_margin` m
+keeps a score s <= p - m, `relative_margin` r keeps s <= p * (1 - r), `max_score` keeps s <= max_score. Of what
+is left, `sampling=random` writes a seeded sample of num_negatives, `sampling=top` the num_negatives best ranked
+(NV-Retriever's TopK-PercPos is relative_margin=0.05 with sampling=top).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
+from lychee_exp.core.choices import RankBy, Sampling
 from lychee_exp.core.ir.beir import Corpus, Split
 from lychee_exp.core.ir.trec import Run, ranked
 
@@ -26,8 +32,28 @@ class MineSettings:
     range_min: int = 10
     range_max: int = 210
     num_negatives: int = 15
-    margin: Optional[float] = None  # teacher-score margin below the lowest positive; None = no guard
+    absolute_margin: Optional[float] = None  # None = no guard (each of the three)
+    relative_margin: Optional[float] = None
+    max_score: Optional[float] = None
+    sampling: Sampling = Sampling.random
+    rank_by: RankBy = RankBy.first_stage
     seed: int = 42
+
+    def guards(self) -> dict[str, Callable[[float, float], bool]]:
+        """name -> keep(score, lowest positive score), for the guards that are set, in sentence-transformers'
+        order (a candidate is counted under the first guard that drops it)."""
+        kept = {}
+        if self.absolute_margin is not None:
+            kept["absolute_margin"] = lambda s, p, m=self.absolute_margin: s <= p - m
+        if self.relative_margin is not None:
+            kept["relative_margin"] = lambda s, p, r=self.relative_margin: s <= p * (1 - r)
+        if self.max_score is not None:
+            kept["max_score"] = lambda s, p, top=self.max_score: s <= top
+        return kept
+
+    def scores_decide(self) -> bool:
+        """Whether the teacher's scores decide which candidates are written (so it scores them all first)."""
+        return bool(self.guards()) or self.rank_by == RankBy.teacher
 
 
 @dataclass
@@ -35,15 +61,13 @@ class MineSummary:
     written: int = 0
     skipped: Counter = field(default_factory=Counter)  # reason -> queries
     negatives: int = 0
-    false_negatives_dropped: int = 0
+    dropped: Counter = field(default_factory=Counter)  # guard -> candidates it dropped
 
     def line(self) -> str:
         mean = self.negatives / self.written if self.written else 0.0
         skipped = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
-        guard = (
-            f", {self.false_negatives_dropped} candidates dropped by the margin" if self.false_negatives_dropped else ""
-        )
-        return f"{self.written} queries written, skipped: {skipped}; {mean:.2f} negatives per query{guard}"
+        guards = "".join(f", {n} candidates dropped by {name}" for name, n in sorted(self.dropped.items()))
+        return f"{self.written} queries written, skipped: {skipped}; {mean:.2f} negatives per query{guards}"
 
 
 def mine(
@@ -54,55 +78,72 @@ def mine(
     teacher: Teacher | None = None,
     progress: Callable[[Iterable], Iterable] = lambda items: items,
 ) -> tuple[list[dict], MineSummary]:
+    if teacher is None and settings.scores_decide():
+        raise ValueError("the margins, max_score and rank_by=teacher need a teacher")
     summary, plans = MineSummary(), []
-    guard = teacher is not None and settings.margin is not None
+    ranks = f"ranks {settings.range_min}-{settings.range_max}"
     for qid in progress(split.query_ids):
         judged = split.qrels[qid]
         positives = sorted((doc for doc, rel in judged.items() if rel > 0), key=lambda d: (-judged[d], d))
         if not positives:  # judged, but nothing relevant: evaluation keeps it, a training line needs a positive
             summary.skipped["without a relevant document"] += 1
             continue
-        window = ranked(run.get(qid, {}))[settings.range_min : settings.range_max]
-        candidates = [doc for doc, _ in window if judged.get(doc, 0) <= 0 and doc != qid]
-        if not candidates:
-            summary.skipped[f"without negatives in ranks {settings.range_min}-{settings.range_max}"] += 1
-            continue
-        if not guard:  # sample now: a teacher then scores only what is written
-            candidates = _sample(candidates, settings, qid)
-        plans.append((qid, positives, candidates))
+        pool = [doc for doc, _ in ranked(run.get(qid, {}))[: settings.range_max] if doc != qid]
+        if settings.rank_by == RankBy.first_stage:
+            pool = _negatives_in_range(pool, judged, settings)
+            if not pool:
+                summary.skipped[f"without negatives in {ranks}"] += 1
+                continue
+            if not settings.scores_decide():  # choose now: a teacher then scores only what is written
+                pool = _choose(pool, settings, qid)
+        plans.append((qid, positives, pool))
     scores = _teacher_scores(plans, teacher)
     lines = []
     for qid, positives, candidates in plans:
-        if guard:
-            bar = min(scores[qid, d] for d in positives) - settings.margin
-            kept = [d for d in candidates if scores[qid, d] <= bar]
-            summary.false_negatives_dropped += len(candidates) - len(kept)
-            candidates = kept
+        if settings.rank_by == RankBy.teacher:  # best first; equal scores keep the first stage's order
+            candidates = sorted(candidates, key=lambda d: -scores[qid, d])
+            candidates = _negatives_in_range(candidates, split.qrels[qid], settings)
             if not candidates:
-                summary.skipped["whose negatives the margin all dropped"] += 1
+                summary.skipped[f"without negatives in the teacher's {ranks}"] += 1
                 continue
-            candidates = _sample(candidates, settings, qid)
-        negatives = candidates
+        if settings.scores_decide():
+            lowest = min(scores[qid, d] for d in positives)
+            for name, keep in settings.guards().items():
+                kept = [d for d in candidates if keep(scores[qid, d], lowest)]
+                summary.dropped[name] += len(candidates) - len(kept)
+                candidates = kept
+            if not candidates:
+                summary.skipped["whose candidates the margins or max_score all dropped"] += 1
+                continue
+            candidates = _choose(candidates, settings, qid)
         line = {
             "qid": qid,
             "query": split.queries[qid],
             "pos": [corpus.text(d) for d in positives],
-            "neg": [corpus.text(d) for d in negatives],
+            "neg": [corpus.text(d) for d in candidates],
             "pos_labels": [split.qrels[qid][d] for d in positives],
             "pos_ids": positives,
-            "neg_ids": negatives,
+            "neg_ids": candidates,
         }
         if teacher is not None:
             line["pos_scores"] = [round(scores[qid, d], 4) for d in positives]
-            line["neg_scores"] = [round(scores[qid, d], 4) for d in negatives]
+            line["neg_scores"] = [round(scores[qid, d], 4) for d in candidates]
         lines.append(line)
         summary.written += 1
-        summary.negatives += len(negatives)
+        summary.negatives += len(candidates)
     return lines, summary
 
 
-def _sample(candidates: list[str], settings: MineSettings, qid: str) -> list[str]:
-    """Seeded per query: the same query gets the same negatives whatever else the split holds."""
+def _negatives_in_range(ranking: list[str], judged: dict[str, int], settings: MineSettings) -> list[str]:
+    """The documents at ranks [range_min, range_max) of a ranking that are not judged relevant."""
+    return [doc for doc in ranking[settings.range_min : settings.range_max] if judged.get(doc, 0) <= 0]
+
+
+def _choose(candidates: list[str], settings: MineSettings, qid: str) -> list[str]:
+    """sampling=top: the first num_negatives (best ranked first); random: seeded per query, so the same query gets
+    the same negatives whatever else the split holds."""
+    if settings.sampling == Sampling.top:
+        return candidates[: settings.num_negatives]
     rng = random.Random(f"{settings.seed}:{qid}")
     return rng.sample(candidates, min(settings.num_negatives, len(candidates)))
 
@@ -111,5 +152,6 @@ def _teacher_scores(plans: list, teacher: Teacher | None) -> dict[tuple[str, str
     """One batch of every pair the teacher is asked about (positives and candidates), so it can sort by length."""
     if teacher is None:
         return {}
-    pairs = [(qid, doc) for qid, positives, candidates in plans for doc in positives + candidates]
+    # each pair once: with rank_by=teacher the candidates hold the positives the first stage found
+    pairs = list(dict.fromkeys((qid, doc) for qid, positives, candidates in plans for doc in positives + candidates))
     return dict(zip(pairs, teacher(pairs)))

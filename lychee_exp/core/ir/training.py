@@ -4,14 +4,13 @@ and cached) and the dev split's first-stage top-k, which the dev evaluation rera
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.beir import Corpus, Split
 from lychee_exp.core.ir.cache import file_key
-from lychee_exp.core.ir.dense import DEFAULT_ENCODER
 from lychee_exp.core.ir.first_stage import retrieve, stage_key, stage_name
-from lychee_exp.core.ir.pipeline import mined_train_file, open_split
+from lychee_exp.core.ir.pipeline import dense_teacher, mined_train_file, open_split
 from lychee_exp.core.ir.trec import Run
 from lychee_exp.core.resources import resolve_path
 
@@ -25,20 +24,28 @@ class BeirDev:
     run: Run  # the first stage's top-k of each dev query
     stage: str  # bm25 | dense | run
     top_k: int
+    # (query id, document id) -> the bi-encoder teacher's score, for data.teacher_weight > 0 (core.ir.fusion)
+    teacher: dict = field(default_factory=dict)
 
 
 def beir_dev(data) -> BeirDev:
     corpus, split = open_split(data.dataset, data.dev_split, "data.dataset", "data.dev_split")
     if data.max_dev_queries:  # cut before retrieval: the run (and its cache entry) is of these queries alone
         split = split.head(data.max_dev_queries)
-    run = retrieve(data.first_stage, corpus, split, data.rerank_top_k, DEFAULT_ENCODER, "data.first_stage")
-    return BeirDev(corpus, split, run, stage_name(data.first_stage), data.rerank_top_k)
+    run = retrieve(
+        data.first_stage, corpus, split, data.rerank_top_k, data.dense, "data.first_stage", stemmer=data.bm25_stemmer
+    )
+    dev = BeirDev(corpus, split, run, stage_name(data.first_stage), data.rerank_top_k)
+    if data.teacher_weight > 0:  # once per process: the corpus embeddings come from the cache
+        pairs = [(qid, doc) for qid in split.query_ids for doc in run.get(qid, {})]
+        dev.teacher = dict(zip(pairs, dense_teacher(corpus, split, data.dense, "data.dense.model")(pairs)))
+    return dev
 
 
 def beir_train_file(data) -> str:
     """data.train_file when given; else the train split mined with the defaults (cached after the first use)."""
     corpus, split = open_split(data.dataset, data.train_split, "data.dataset", "data.train_split")
-    path = mined_train_file(corpus, split, data.first_stage, DEFAULT_ENCODER)
+    path = mined_train_file(corpus, split, data.first_stage, data.dense, data.bm25_stemmer)
     log.info("data.train_file: %s (split %s mined with first_stage=%s)", path, split.name, data.first_stage)
     return str(path)
 
@@ -46,16 +53,20 @@ def beir_train_file(data) -> str:
 def dev_rerank_pairs(dev: BeirDev, encoder, instruction: str):
     from lychee_exp.core.ir.candidates import build_rerank_pairs
 
-    return build_rerank_pairs(dev.corpus, dev.split, dev.run, encoder, instruction, dev.stage, dev.top_k)
+    pairs = build_rerank_pairs(dev.corpus, dev.split, dev.run, encoder, instruction, dev.stage, dev.top_k)
+    if dev.teacher:
+        pairs.teacher_scores = [dev.teacher[q, d] for q, d in zip(pairs.qids, pairs.doc_ids)]
+    return pairs
 
 
-def dataset_files(spec: str, first_stage: str = "bm25") -> list:
-    """What a BEIR directory's contents (each file's path, size, times, inode) and the first stage's settings and
-    files (a run file outside the dataset) are keyed by: [] without a dataset."""
-    if not spec:
+def dataset_files(data) -> list:
+    """What data=beir's inputs are keyed by: the BEIR directory's contents (each file's path, size, times, inode)
+    and the first stage's settings and files (a run file outside the dataset, the encoder); [] without a dataset."""
+    if not data.dataset:
         return []
     try:
-        root = resolve_path(spec, "data.dataset")
-        return [file_key(p) for p in sorted(root.rglob("*")) if p.is_file()] + [stage_key(first_stage)]
+        root = resolve_path(data.dataset, "data.dataset")
+        stage = stage_key(data.first_stage, data.dense, data.bm25_stemmer, "data.first_stage")
+        return [file_key(p) for p in sorted(root.rglob("*")) if p.is_file()] + [stage]
     except (OSError, UserError):  # load_inputs names the problem, in one line
-        return [spec, first_stage, None]
+        return [data.dataset, data.first_stage, None]
