@@ -20,6 +20,7 @@ from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.pipeline import open_split
 from lychee_exp.core.ir.trec import write_run
 from lychee_exp.core.model import build_encoder, load_tokenizer, model_dir
+from lychee_exp.core.model_card import check_trained_head
 from lychee_exp.launch.scoring import launch_rerank
 from lychee_exp.run import command_config, fail_as_one_line
 
@@ -34,6 +35,7 @@ def rerank_command(cfg: RerankConfig) -> dict:
     corpus, split = open_split(cfg.dataset, cfg.split)
     retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense_model)
     model_dir(cfg.model)
+    check_trained_head(cfg.model)  # never a freshly initialised head
     build_encoder(cfg.model, load_tokenizer(cfg.model))
     plan = plan_devices(cfg.parallel.strategy, cfg.gpus, cpu_threads_per_rank=cfg.parallel.cpu_threads_per_rank)
     out.mkdir(parents=True, exist_ok=True)
