@@ -34,8 +34,10 @@ from lychee_exp.core.resources import resolve_path
 CARD_FILE = "lychee_reranker.json"
 FORMAT_VERSION = 1
 ADAPTER_DIR = "adapter"  # a LoRA run's peft adapter, beside the merged model
-# what a card describes; the rest (path, random_init) belongs to the command that loads it
-_DESCRIBED = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("name", "path", "random_init")]
+# what a card describes; the rest belongs to the command that loads it (path, random_init) or to the machine
+# that trained it (kernels and attention implementations another machine may lack)
+_NOT_DESCRIBED = ("name", "path", "random_init", "attn_implementation", "compile_layers", "liger_kernel")
+_DESCRIBED = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in _NOT_DESCRIBED]
 _ARCHITECTURE_KINDS = {"ForSequenceClassification": "sequence_classification", "ForCausalLM": "causal_lm"}
 # a cross-encoder from elsewhere: its own tokenizer's maximum, the pair as its authors feed it
 _PAIR_PROMPT = {"text_pair": True, "query_template": "{query}", "max_len": 0}
