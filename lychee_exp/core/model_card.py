@@ -98,8 +98,8 @@ def read_card(path: Path) -> dict | None:
             raise ValueError("no kind")
     except ValueError as err:
         raise UserError(f"model.path: {file} is not a model card ({err})") from None
-    if "format_version" not in card and "text_pair" not in card.get("prompt", {}):
-        card["prompt"]["text_pair"] = False  # written before text pairs: one templated string
+    if "format_version" not in card:  # written before text pairs: one templated string
+        card.setdefault("prompt", {}).setdefault("text_pair", False)
     return card
 
 
