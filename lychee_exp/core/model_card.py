@@ -85,10 +85,11 @@ def write_card(cfg: ModelConfig, out_dir: Path, base: str | None, adapter: bool)
         "base_model": base,  # the weights training started from (None: random initialisation)
         "adapter": ADAPTER_DIR if adapter else None,
     }
-    (out_dir / CARD_FILE).write_text(json.dumps(json.loads(json.dumps(card, default=str)), indent=2) + "\n")
+    (out_dir / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")  # choices are str: their values
 
 
 def read_card(path: Path) -> dict | None:
+    """The card of a model directory, or None (a model from elsewhere); an unreadable one is one line."""
     file = path / CARD_FILE
     if not file.is_file():
         return None
@@ -199,7 +200,7 @@ def resolve_model(composed: dict, given: ModelChoice) -> dict:
     if path is None:
         return composed
     card = read_card(path)
-    resolved = composed
+    resolved = composed = copy.deepcopy(composed)
     if card is not None:
         _check_agrees(composed, card, given, path / CARD_FILE)
         if given.preset is None:
@@ -215,7 +216,6 @@ def resolve_model(composed: dict, given: ModelChoice) -> dict:
         if given.preset is None and kind is not None:
             resolved = {"name": path.name, "kind": kind, "prompt": dict(_PAIR_PROMPT) if kind != "causal_lm" else {}}
     if resolved is not composed:
-        resolved = copy.deepcopy(resolved)
         for key in given.keys:
             try:
                 _set(resolved, key, _get(composed, key))
@@ -235,11 +235,13 @@ def check_trained_head(cfg: ModelConfig) -> None:
         return
     card = read_card(path)
     kind, architectures = architecture_kind(path)
-    if (card["kind"] if card else kind) != cfg.kind:
+    described = card["kind"] if card else kind
+    if described != cfg.kind:
         what = f"its {CARD_FILE} says kind={card['kind']}" if card else f"its architectures are {architectures}"
+        hint = " (or leave out model= to read it as it is)" if described else ""
         raise UserError(
             f"model.path={cfg.path}: {what}, so as model.kind={cfg.kind} its scoring head would be freshly "
-            "initialised; give a trained reranker's model/ directory (or leave out model= to read it as it is)"
+            f"initialised; give a trained reranker's model/ directory{hint}"
         )
 
 
