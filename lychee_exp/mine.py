@@ -19,6 +19,7 @@ from lychee_exp.core.ir.config import MineConfig, check_mine_config, register_ir
 from lychee_exp.core.ir.mining import MineSettings
 from lychee_exp.core.ir.pipeline import mine_to_file, open_split
 from lychee_exp.core.model import model_dir
+from lychee_exp.core.model_card import check_trained_head
 from lychee_exp.run import command_config, fail_as_one_line
 
 log = logging.getLogger("lychee_exp.mine")
@@ -37,6 +38,7 @@ def mine_command(cfg: MineConfig) -> str:
 
     if cfg.teacher == "reranker":  # before any scoring: a wrong path or model is one line
         model_dir(cfg.model)
+        check_trained_head(cfg.model)
     summary = mine_to_file(
         corpus,
         split,

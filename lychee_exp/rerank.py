@@ -23,6 +23,7 @@ from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.pipeline import dense_teacher, open_split
 from lychee_exp.core.ir.trec import write_run
 from lychee_exp.core.model import build_encoder, load_tokenizer, model_dir
+from lychee_exp.core.model_card import check_trained_head
 from lychee_exp.launch.scoring import launch_rerank
 from lychee_exp.run import command_config, fail_as_one_line
 
@@ -52,6 +53,7 @@ def rerank_command(cfg: RerankConfig) -> dict:
     if cfg.teacher_weight:
         dense_teacher(corpus, split, cfg.dense, "dense.model")  # the corpus embeddings, cached for rank 0
     model_dir(cfg.model)
+    check_trained_head(cfg.model)  # never a freshly initialised head
     build_encoder(cfg.model, load_tokenizer(cfg.model))
     plan = plan_devices(cfg.parallel.strategy, cfg.gpus, cpu_threads_per_rank=cfg.parallel.cpu_threads_per_rank)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lychee_exp.core.config import register_schema
 from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.core.model_card import model_choice, resolve_model
 from lychee_exp.job.training_job import in_sweep, run_stamp, train_job
 
 log = logging.getLogger("lychee_exp")
@@ -57,8 +58,9 @@ def main() -> None:
 
 def command_config(config_name: str, argv: list[str] | None, schema: type):
     """The typed config of a command other than training (mine, rerank): conf/<config_name>.yaml composed with
-    the command line's key=value overrides (config groups such as model= included), as a plain dataclass. A
-    misspelt key or a wrong type: one line naming the key, exit 2."""
+    the command line's key=value overrides (config groups such as model= included), as a plain dataclass; the
+    model as core.model_card.resolve_model reads it (a model.path's card, without model=). A misspelt key, a
+    wrong type or a preset that contradicts the model directory: one line naming the key, exit 2."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -66,12 +68,18 @@ def command_config(config_name: str, argv: list[str] | None, schema: type):
     GlobalHydra.instance().clear()  # a process that composed before (a test, a notebook)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
+        overrides = list(sys.argv[1:] if argv is None else argv)
         with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
-            cfg = compose(config_name, overrides=list(sys.argv[1:] if argv is None else argv))
-        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.to_container(cfg, resolve=True))
+            cfg = compose(config_name, overrides=overrides)
+        container = OmegaConf.to_container(cfg, resolve=True)
+        if "model" in container:  # a model directory's own description (its card) wins over the default preset
+            container["model"] = resolve_model(container["model"], model_choice(overrides))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), container)
         return OmegaConf.to_object(merged)
     except (ConfigCompositionException, OverrideParseException) as err:
         print(f"error: {composition_error(err)}", file=sys.stderr)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
     except OmegaConfBaseException as err:
         print(f"error: {err.full_key or 'config'}: {str(err).splitlines()[0]}", file=sys.stderr)
     sys.exit(2)

@@ -111,9 +111,10 @@ def test_length_chunks_split_by_length_into_equal_groups():
 
 @pytest.mark.parametrize("model", ["tiny_lychee", "minilm_cross_encoder"])  # left- and right-padded kinds
 def test_length_chunks_give_one_passs_logits_and_gradients(model, compose_cfg, tmp_path):
-    cfg = to_run_config(compose_cfg([f"model={model}", "model.dropout=0.0"], tmp_path))
+    # max_len 0: the whole pair (MiniLM's 96-token pair budget cuts every sample pair to one length)
+    cfg = to_run_config(compose_cfg([f"model={model}", "model.dropout=0.0", "model.prompt.max_len=0"], tmp_path))
     encoder = load_inputs(cfg).encoder
-    reranker = load_reranker(cfg.model, encoder, cfg.seed).eval()  # eval: dropout off; gradients still flow
+    reranker = load_reranker(cfg.model, encoder, cfg.seed, training=True).eval()  # eval: no dropout; gradients flow
     queries = load_queries(SAMPLE, "data.train_file", 6)
     batch = encoder.pad([encoder.encode("Find the docs", q.query, d) for q in queries for d in [*q.pos, *q.neg][:3]])
     ids, mask = batch["input_ids"], batch["attention_mask"]

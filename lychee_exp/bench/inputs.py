@@ -49,7 +49,7 @@ def build_steps(overrides: list[str], out: Path, count: int):
             for doc in docs
         ]
         steps.append(Step(inputs["input_ids"], inputs["attention_mask"], labels, pairs))
-    model = load_reranker(cfg.model, encoder, cfg.seed)
+    model = load_reranker(cfg.model, encoder, cfg.seed, training=True)  # the peers train it
     return cfg, encoder, model, steps
 
 

@@ -57,6 +57,15 @@ LYCHEE = [
     "trainer.progress_bar=false",
     "logger=none",
     "speedup.calibrate=false",
+    # the prompt every peer reads (one templated string, the MiniLM preset's before it took text pairs), so that
+    # docs/benchmarks_own_batching.md's figures stay comparable
+    "model.prompt.text_pair=false",
+    "model.prompt.prefix=''",
+    "model.prompt.separator=''",
+    "model.prompt.template='Query: {query} Document: {document}'",
+    "model.prompt.max_len=0",
+    "model.prompt.query_max_len=24",
+    "model.prompt.doc_max_len=64",
 ]
 
 

@@ -8,9 +8,8 @@ one logit that plays the same role. Losses and rankings use this logit; `probabi
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 from lychee_exp.core.choices import ModelKind
 from lychee_exp.core.config import ModelConfig
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.model_card import ADAPTER_DIR, CARD_FILE, has_weights, new_head_allowed, write_card
 from lychee_exp.core.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX, packed_attention
 from lychee_exp.core.pair_prompt import PairEncoder, pair_max_len, token_types
 from lychee_exp.core.prompt import PromptEncoder
@@ -26,7 +26,7 @@ from lychee_exp.core.resources import resolve_path
 
 log = logging.getLogger(__name__)
 
-RERANKER_FILE = "lychee_reranker.json"
+RERANKER_FILE = CARD_FILE  # the model directory's description (core.model_card)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -175,12 +175,16 @@ def uses_text_pairs(cfg: ModelConfig) -> bool:
     return not KINDS[cfg.kind].yes_no and cfg.prompt.text_pair
 
 
-def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int, packing: bool = False) -> Reranker:
+def load_reranker(
+    cfg: ModelConfig, encoder: PromptEncoder, seed: int, packing: bool = False, training: bool = False
+) -> Reranker:
     """Loads (or, with random_init, freshly initialises) the backbone and wraps it; LoRA when enabled.
-    `packing`: attention that also takes packed rows (core.packing); padded batches score as before."""
+    `packing`: attention that also takes packed rows (core.packing); padded batches score as before.
+    Weights the directory lacks are an error, unless `training` starts from a base model that is not a
+    reranker of this kind (core.model_card.new_head_allowed): then its new head is trained."""
     import transformers
 
-    transformers.logging.set_verbosity_error()  # the "newly initialised head" report is expected here
+    transformers.logging.set_verbosity_error()  # the loading report is read below instead of printed
     transformers.logging.disable_progress_bar()
     path = str(model_dir(cfg))
     kind = KINDS[cfg.kind]
@@ -199,13 +203,13 @@ def load_reranker(cfg: ModelConfig, encoder: PromptEncoder, seed: int, packing: 
     if cfg.random_init:
         backbone = auto_cls.from_config(config, **kwargs)
     else:
-        has_weights = any(Path(path).glob("*.safetensors")) or any(Path(path).glob("*.bin"))
-        if not has_weights:
+        if not has_weights(Path(path)):
             raise UserError(
                 f"model.path={cfg.path}: no weights in {path} (set model.random_init=true to "
                 "initialise this architecture from scratch)"
             )
-        backbone = auto_cls.from_pretrained(path, config=config, **kwargs)
+        backbone, report = auto_cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
+        _check_loaded(cfg, report, training)
     if packing and set(getattr(backbone.config, "layer_types", None) or []) - {"full_attention"}:
         raise UserError(f"data.packing: model.path={cfg.path} has sliding-window layers, which packing does not handle")
     if backbone.config.pad_token_id is None:
@@ -252,18 +256,34 @@ def count_parameters(module: nn.Module) -> tuple[int, int]:
     return total, trainable
 
 
+def _check_loaded(cfg: ModelConfig, report: dict, training: bool) -> None:
+    fresh = list(report.get("missing_keys", [])) + [str(k[0]) for k in report.get("mismatched_keys", [])]
+    if fresh and not new_head_allowed(cfg, training):
+        shown = ", ".join(sorted(fresh)[:3]) + (", ..." if len(fresh) > 3 else "")
+        raise UserError(
+            f"model.path={cfg.path}: loaded as model.kind={cfg.kind}, {len(fresh)} weight(s) would be freshly "
+            f"initialised ({shown}); give a directory holding a trained reranker of this kind"
+        )
+
+
 def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path) -> None:
-    """Saves a plain transformers model (LoRA merged in) plus tokenizer, loadable with model.path=out_dir."""
+    """Saves a plain transformers model (LoRA merged in) plus tokenizer and the model card (core.model_card),
+    loadable with model.path=out_dir; a LoRA run also keeps its peft adapter in out_dir/adapter, whose
+    base_model_name_or_path is the directory training started from."""
     from peft import PeftModel
 
+    out_dir.mkdir(parents=True, exist_ok=True)
     backbone = reranker.backbone
-    if isinstance(backbone, PeftModel):
+    base = None if cfg.random_init else str(model_dir(cfg).resolve())
+    adapter = isinstance(backbone, PeftModel)
+    if adapter:
+        for peft_config in backbone.peft_config.values():
+            peft_config.base_model_name_or_path = base or peft_config.base_model_name_or_path
+        backbone.save_pretrained(str(out_dir / ADAPTER_DIR))
         backbone = backbone.merge_and_unload()
         reranker.backbone = backbone
-    out_dir.mkdir(parents=True, exist_ok=True)
     backbone.save_pretrained(str(out_dir), safe_serialization=True)
     if uses_text_pairs(cfg):  # where sentence-transformers' CrossEncoder reads the pair's budget
         tokenizer.model_max_length = pair_max_len(tokenizer, cfg.prompt)
     tokenizer.save_pretrained(str(out_dir))
-    info = {"kind": cfg.kind, "score": cfg.score, "prompt": asdict(cfg.prompt)}
-    (out_dir / RERANKER_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    write_card(cfg, out_dir, base, adapter)

@@ -22,6 +22,7 @@ from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.inputs import RunInputs, load_inputs
 from lychee_exp.core.losses import LOSSES
+from lychee_exp.core.model_card import model_choice, resolve_model
 from lychee_exp.core.optim import OPTIMIZERS, with_global_batch
 from lychee_exp.job.results import write_results
 from lychee_exp.launch.cluster import is_main_process, job_devices, launched_externally, local_ranks, under_torchrun
@@ -71,7 +72,7 @@ def job_log_file() -> str | None:
 def train_job(cfg: DictConfig) -> float:
     """Runs one training job from a composed config and returns its optimized metric."""
     try:
-        run_cfg = to_run_config(cfg)
+        run_cfg = to_run_config(with_model_resolved(cfg))
     except OmegaConfBaseException as err:
         raise UserError(f"{err.full_key or 'config'}: {str(err).splitlines()[0]}") from None
     if under_torchrun() and in_sweep():
@@ -111,6 +112,31 @@ def train_job(cfg: DictConfig) -> float:
         run_cfg = dataclasses.replace(run_cfg, speedup=speedup)
     metrics = launch(run_cfg, plan, output_dir, job_log_file(), inputs, keep_ranks=trials_run_here())
     return write_results(run_cfg, plan, metrics, output_dir, is_main)
+
+
+def with_model_resolved(cfg: DictConfig) -> DictConfig | dict:
+    """The job's config with its model as core.model_card.resolve_model reads it: the card of a model.path given
+    on the command line wins over the default preset, unless a preset was chosen (model=, or an experiment's)."""
+    if not HydraConfig.initialized():
+        return cfg
+    hydra_cfg = HydraConfig.get()
+    chosen = hydra_cfg.runtime.choices.get("model")
+    choice = model_choice(hydra_cfg.overrides.task, chosen if chosen != _default_preset(hydra_cfg) else None)
+    if not choice.gave("path"):
+        return cfg
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container["model"] = resolve_model(container["model"], choice)
+    return container
+
+
+def _default_preset(hydra_cfg) -> str | None:
+    """The model preset the primary config's defaults list picks (conf/config.yaml)."""
+    main = next((s.path for s in hydra_cfg.runtime.config_sources if s.provider == "main"), None)
+    if not main or hydra_cfg.job.config_name is None:
+        return None
+    primary = Path(main) / f"{hydra_cfg.job.config_name}.yaml"
+    entries = OmegaConf.load(primary).get("defaults", []) if primary.is_file() else []
+    return next((entry["model"] for entry in entries if isinstance(entry, DictConfig) and "model" in entry), None)
 
 
 def in_sweep() -> bool:

@@ -110,7 +110,8 @@ class Trainer:
     def _setup_model(self, inputs: RunInputs) -> None:
         self.tokenizer, self.encoder = inputs.tokenizer, inputs.encoder
         model_cfg = resolved_model_config(self.cfg, self.encoder, self.device)  # gradient_checkpointing: auto
-        model = load_reranker(model_cfg, self.encoder, self.cfg.seed, packing=self.cfg.data.packing)
+        packing = self.cfg.data.packing
+        model = load_reranker(model_cfg, self.encoder, self.cfg.seed, packing=packing, training=True)
         self.model = model.to(self.device)
         self.precision = resolve_precision(self.cfg.trainer.precision, self.device)
         apply_levers(self.model, model_cfg, self.precision, self.device)
