@@ -19,11 +19,12 @@ from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.ir.beir import dataset_dir, split_names
 from lychee_exp.core.ir.config import RerankConfig, check_rerank_config, register_ir_schemas
+from lychee_exp.core.ir.dense import DenseConfig
 from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.pipeline import dense_teacher, open_split
 from lychee_exp.core.ir.trec import write_run
 from lychee_exp.core.model import build_encoder, load_tokenizer, model_dir
-from lychee_exp.core.model_card import check_trained_head
+from lychee_exp.core.model_card import card_ranking, check_trained_head
 from lychee_exp.launch.scoring import launch_rerank
 from lychee_exp.run import command_config, fail_as_one_line
 
@@ -48,8 +49,11 @@ def rerank_command(cfg: RerankConfig) -> dict:
             len(split.query_ids),
         )
     retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense, stemmer=cfg.bm25_stemmer)
-    if cfg.teacher_weight is None:
-        cfg.teacher_weight = 0.0
+    if cfg.teacher_weight is None:  # the recipe the model was trained with (its card), else the model alone
+        ranking = card_ranking(cfg.model.path)
+        cfg.teacher_weight = ranking["teacher_weight"]
+        if cfg.teacher_weight and cfg.dense == DenseConfig() and ranking.get("teacher"):
+            cfg.dense = DenseConfig(**ranking["teacher"])
     if cfg.teacher_weight:
         dense_teacher(corpus, split, cfg.dense, "dense.model")  # the corpus embeddings, cached for rank 0
     model_dir(cfg.model)

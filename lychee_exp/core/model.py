@@ -266,10 +266,11 @@ def _check_loaded(cfg: ModelConfig, report: dict, training: bool) -> None:
         )
 
 
-def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path) -> None:
+def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path, ranking: dict | None = None) -> None:
     """Saves a plain transformers model (LoRA merged in) plus tokenizer and the model card (core.model_card),
     loadable with model.path=out_dir; a LoRA run also keeps its peft adapter in out_dir/adapter, whose
-    base_model_name_or_path is the directory training started from."""
+    base_model_name_or_path is the directory training started from. `ranking`: how the run ranked its dev set
+    beyond the model's own scores (a teacher mix, core.ir.fusion), recorded for rerank."""
     from peft import PeftModel
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -286,4 +287,4 @@ def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path
     if uses_text_pairs(cfg):  # where sentence-transformers' CrossEncoder reads the pair's budget
         tokenizer.model_max_length = pair_max_len(tokenizer, cfg.prompt)
     tokenizer.save_pretrained(str(out_dir))
-    write_card(cfg, out_dir, base, adapter)
+    write_card(cfg, out_dir, base, adapter, ranking)

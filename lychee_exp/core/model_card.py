@@ -70,7 +70,7 @@ def model_choice(overrides: Sequence[str], preset: str | None = None) -> ModelCh
     return ModelChoice(preset, tuple(keys))
 
 
-def write_card(cfg: ModelConfig, out_dir: Path, base: str | None, adapter: bool) -> None:
+def write_card(cfg: ModelConfig, out_dir: Path, base: str | None, adapter: bool, ranking: dict | None = None) -> None:
     described = dataclasses.asdict(cfg)
     card = {
         "format_version": FORMAT_VERSION,
@@ -84,6 +84,9 @@ def write_card(cfg: ModelConfig, out_dir: Path, base: str | None, adapter: bool)
         "settings": {k: described[k] for k in _DESCRIBED if k not in ("kind", "score", "prompt")},
         "base_model": base,  # the weights training started from (None: random initialisation)
         "adapter": ADAPTER_DIR if adapter else None,
+        # the dev ranking the run was tuned on: {"teacher_weight", "teacher": the bi-encoder's settings}; rerank's
+        # teacher_weight=null follows it (core.ir.fusion)
+        "ranking": ranking or {"teacher_weight": 0.0},
     }
     (out_dir / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")  # choices are str: their values
 
@@ -102,6 +105,12 @@ def read_card(path: Path) -> dict | None:
     if "format_version" not in card:  # written before text pairs: one templated string
         card.setdefault("prompt", {}).setdefault("text_pair", False)
     return card
+
+
+def card_ranking(path: str) -> dict:
+    """The ranking recipe a model directory's card records ({"teacher_weight": 0.0} without one)."""
+    card = read_card(resolve_path(path, "model.path")) or {}
+    return card.get("ranking") or {"teacher_weight": 0.0}
 
 
 def card_model(card: dict) -> dict:

@@ -332,7 +332,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ save
     def save(self) -> None:
         if self.env.is_main and self.cfg.trainer.save_model:
-            save_reranker(self.model, self.tokenizer, self.cfg.model, self.output_dir / "model")
+            data = self.cfg.data
+            mix = {"teacher_weight": data.teacher_weight, "teacher": dataclasses.asdict(data.dense)}
+            save_reranker(self.model, self.tokenizer, self.cfg.model, self.output_dir / "model", mix)
 
     def cleanup(self) -> None:
         self.logger.finish()
