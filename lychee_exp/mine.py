@@ -9,14 +9,12 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
 from tqdm import tqdm
 
 from lychee_exp.core.errors import RunFailed, UserError
-from lychee_exp.core.ir.config import MineConfig, check_mine_config, register_ir_schemas
-from lychee_exp.core.ir.mining import MineSettings
+from lychee_exp.core.ir.config import MineConfig, check_mine_config, mine_settings, register_ir_schemas
 from lychee_exp.core.ir.pipeline import mine_to_file, open_split
 from lychee_exp.core.model import model_dir
 from lychee_exp.core.model_card import check_trained_head
@@ -29,8 +27,7 @@ def mine_command(cfg: MineConfig) -> str:
     check_mine_config(cfg)
     start = time.perf_counter()
     corpus, split = open_split(cfg.dataset, cfg.split)
-    # MineSettings' fields are MineConfig keys of the same names
-    settings = MineSettings(**{f.name: getattr(cfg, f.name) for f in fields(MineSettings)})
+    settings = mine_settings(cfg)
     show = cfg.progress_bar and sys.stderr.isatty()
 
     def progress(items):

@@ -4,6 +4,7 @@ the key), and their checks."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -15,9 +16,13 @@ from lychee_exp.core.config import ModelConfig, ParallelConfig, _check_bounds, a
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.dense import DEFAULT_ENCODER, DenseConfig
 from lychee_exp.core.ir.first_stage import check_stage
+from lychee_exp.core.ir.mining import MineSettings
 from lychee_exp.core.resources import resolve_path
 
 TEACHERS = ("none", "dense", "reranker")
+# mine's relative_margin with the bi-encoder teacher unless given: TopK-PercPos's 5% (its cosines are positive,
+# which a relative margin assumes; a reranker's logits are not, so teacher=reranker gets none unless asked)
+DENSE_RELATIVE_MARGIN = 0.05
 
 
 @dataclass
@@ -29,12 +34,15 @@ class MineConfig:
     dense_model: Optional[str] = None  # alias of dense.model (older commands)
     bm25_stemmer: Stemmer = Stemmer.porter  # first_stage=bm25's stemmer (porter = Lucene's English analyzer)
     out: str = MISSING  # the JSONL to write
-    range_min: int = at_least(0, 10)  # negatives from ranks [range_min, range_max) of rank_by's ranking, 0-based
-    range_max: int = at_least(1, 210)
+    # negatives from ranks [range_min, range_max) of rank_by's ranking, 0-based. The defaults with sampling=top and
+    # the dense teacher's relative_margin are NV-Retriever's TopK-PercPos (docs/beir.md "Choosing the recipe";
+    # FlagEmbedding's hn_mine samples 10-210 at random: range_min=10 range_max=210 sampling=random)
+    range_min: int = at_least(0, 0)
+    range_max: int = at_least(1, 100)
     num_negatives: int = at_least(1, 15)
     # first_stage: the first stage's ranking; teacher: the teacher's ranking of the first stage's top range_max
     rank_by: RankBy = RankBy.first_stage
-    sampling: Sampling = Sampling.random  # random: a seeded sample of the candidates left; top: the best ranked
+    sampling: Sampling = Sampling.top  # top: the best ranked candidates left; random: a seeded sample of them
     # dense: the bi-encoder's scores as pos_scores/neg_scores (cosine x 20) for loss=listwise_distill (the default
     # experiment's loss); none: no teacher scores (then train with loss=listwise or pointwise)
     # reranker: a trained reranker's relevance logits (model=<preset> model.path=<run dir>/model)
@@ -43,7 +51,8 @@ class MineConfig:
     batch_size: int = at_least(1, 64)  # teacher=reranker: pairs per forward pass
     # with a teacher, against the query's lowest positive score p (sentence-transformers' definitions, in the
     # teacher's scores as written): keep a candidate scoring s <= p - absolute_margin, s <= p * (1 -
-    # relative_margin), s <= max_score; null = no such guard
+    # relative_margin), s <= max_score; null = no such guard, except relative_margin: null = 0.05 with
+    # teacher=dense (TopK-PercPos: a candidate within 5% of the positive's cosine is likely an unjudged positive)
     absolute_margin: Optional[float] = None
     margin: Optional[float] = None  # alias of absolute_margin (older commands)
     relative_margin: Optional[float] = None
@@ -99,6 +108,15 @@ def check_mine_config(cfg: MineConfig) -> None:
         if value is not None and cfg.teacher == "none":
             raise UserError(f"{key}={value} needs a teacher's scores: set teacher=dense or teacher=reranker")
     check_stage(cfg.first_stage)
+
+
+def mine_settings(cfg: MineConfig) -> MineSettings:
+    """The mining settings of a mine command (MineSettings' fields are MineConfig keys of the same names), the
+    dense teacher's default relative margin applied."""
+    settings = MineSettings(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(MineSettings)})
+    if settings.relative_margin is None and cfg.teacher == "dense":
+        settings.relative_margin = DENSE_RELATIVE_MARGIN
+    return settings
 
 
 def _dense_alias(cfg) -> None:

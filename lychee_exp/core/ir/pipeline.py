@@ -12,6 +12,7 @@ from lychee_exp.core.choices import Stemmer
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.beir import Corpus, Split, dataset_dir, load_corpus, load_split
 from lychee_exp.core.ir.cache import cache_path
+from lychee_exp.core.ir.config import MineConfig, mine_settings
 from lychee_exp.core.ir.dense import SCALE, DenseConfig, corpus_embeddings, embed
 from lychee_exp.core.ir.first_stage import retrieve, stage_key
 from lychee_exp.core.ir.mining import MineSettings, MineSummary, Teacher, mine
@@ -91,7 +92,7 @@ def mined_train_file(
 ) -> Path:
     """Training's first use of a split without data.train_file: mined with mine's defaults (the bi-encoder as
     teacher) once, then reused."""
-    settings = MineSettings()
+    settings = mine_settings(MineConfig(teacher="dense"))
     first = stage_key(first_stage, dense, stemmer, "data.first_stage")
     teacher = stage_key("dense", dense, key="data.first_stage")  # the bi-encoder teacher's settings and files
     path = cache_path("mined", corpus.key, split.key, first, teacher, vars(settings)).with_suffix(".jsonl")
