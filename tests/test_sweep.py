@@ -636,3 +636,26 @@ def test_lr_tokens_is_lr_batch_searching_tokens_per_step(tmp_path):
     assert space.fixed == {"trainer.global_batch_size": "trainer.global_batch_size=null"}
     assert sorted(space.distributions) == ["optimizer.lr", "trainer.global_tokens_per_step"]
     assert space.distributions["trainer.global_tokens_per_step"].choices == (65536, 131072, 262144)
+
+
+def test_the_recipe_search_is_lr_batch_over_the_recipes_keys(tmp_path):
+    """hparams_search=recipe (how the shipped CPU recipe was chosen): lr_batch's settings over the lr, the run's
+    length, distillation and the teacher mix, the default job's effective batch fixed; build_space accepts them."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from lychee_exp.sweep.space import build_space
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        recipe = compose("config", ["hparams_search=recipe"], return_hydra_config=True)
+        batch = compose("config", ["hparams_search=lr_batch"], return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    sweeper = recipe.hydra.sweeper
+    assert sweeper.study_name == "recipe" and sweeper.pruner == batch.hydra.sweeper.pruner
+    space = build_space(sweeper.params, [], recipe, None, OverridesParser.create())
+    assert space.fixed == {"trainer.global_batch_size": "trainer.global_batch_size=8"}
+    searched = ["data.teacher_weight", "loss.distill_temperature", "loss.distill_weight", "optimizer.lr"]
+    assert sorted(space.distributions) == [*searched, "trainer.max_steps"]
+    assert space.distributions["data.teacher_weight"].choices == (0.4, 0.5, 0.6, 0.7, 0.8)
