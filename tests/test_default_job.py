@@ -1,4 +1,5 @@
-"""The built-in default job (MiniLM cross-encoder on the sample data) learns: minutes on CPU."""
+"""The built-in default job (MiniLM cross-encoder on the sample data) learns and ends above its teacher: minutes
+on CPU."""
 
 from __future__ import annotations
 
@@ -33,5 +34,8 @@ def test_default_job_improves_ndcg(tmp_path):
         f"{metrics['steps']} steps in {metrics['train_time_s']:.0f} s, "
         f"{metrics['train_samples_per_s']:.1f} samples/s, world size {metrics.get('world_size')}"
     )
-    assert metrics["ndcg@10"] >= metrics["initial_ndcg@10"] + 0.05
+    # the model itself learns; the shipped ranking (the model mixed with its teacher, data.teacher_weight) ends
+    # above both references the job measures (docs/beir.md "Choosing the recipe")
+    assert metrics["model_ndcg@10"] >= metrics["initial_model_ndcg@10"] + 0.05
+    assert metrics["ndcg@10"] > max(metrics["teacher_ndcg@10"], metrics["bm25_ndcg@10"])
     assert (run_dir / "model" / "config.json").is_file()
