@@ -5,6 +5,7 @@ the key), and their checks."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -13,7 +14,8 @@ from omegaconf import MISSING
 from lychee_exp.core.config import ModelConfig, ParallelConfig, at_least
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.dense import DEFAULT_ENCODER
-from lychee_exp.core.ir.first_stage import check_stage
+from lychee_exp.core.ir.first_stage import RUN_PREFIX, check_stage
+from lychee_exp.core.resources import resolve_path
 
 TEACHERS = ("none", "dense", "reranker")
 
@@ -25,6 +27,7 @@ class MineConfig:
     first_stage: str = "bm25"  # bm25 | dense | run:<TREC run file>
     dense_model: str = DEFAULT_ENCODER  # the encoder of first_stage=dense and teacher=dense
     out: str = MISSING  # the JSONL to write
+    overwrite: bool = False  # replace an existing out= (only once the new file is complete)
     range_min: int = at_least(0, 10)  # negatives from first-stage ranks [range_min, range_max), 0-based
     range_max: int = at_least(1, 210)
     num_negatives: int = at_least(1, 15)
@@ -47,6 +50,7 @@ class RerankConfig:
     dense_model: str = DEFAULT_ENCODER
     top_k: int = at_least(1, 100)  # first-stage candidates reranked per query
     out: str = MISSING  # directory for run.trec and metrics.json
+    overwrite: bool = False  # replace the results in an existing out= (only once the new ones are complete)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     gpus: Any = 1  # ranks (GPUs, or CPU processes without CUDA); parallel=ddp gpus=N
@@ -85,3 +89,27 @@ def check_rerank_config(cfg: RerankConfig) -> None:
 
     _check_bounds(cfg, "")
     check_stage(cfg.first_stage)
+
+
+def command_inputs(cfg: MineConfig | RerankConfig) -> list[tuple[str, str]]:
+    """What a mine or rerank command reads, as (the key that names it, path): out= must not be or hold any of them
+    (core.outputs)."""
+
+    def path(spec: str, key: str) -> Path | None:
+        try:
+            return resolve_path(spec, key, must_exist=False)
+        except UserError:
+            return None  # a pkg:// path whose package is not installed: the command's own checks say so
+
+    found = []
+    root = path(cfg.dataset, "dataset")
+    if root is not None:
+        found.append((f"dataset={cfg.dataset}", str(root)))
+        for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{cfg.split}.tsv"):
+            found.append((f"{name} of dataset={cfg.dataset}", str(root / name)))
+    for key, spec in (("dense_model", cfg.dense_model), ("model.path", cfg.model.path)):
+        if (where := path(spec, key)) is not None:
+            found.append((f"{key}={spec}", str(where)))
+    if cfg.first_stage.startswith(RUN_PREFIX):
+        found.append((f"first_stage={cfg.first_stage}", cfg.first_stage[len(RUN_PREFIX) :]))
+    return found
