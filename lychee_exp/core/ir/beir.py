@@ -126,10 +126,10 @@ def read_beir_qrels(path: Path) -> Qrels:
     judged_on: dict[tuple[str, str], int] = {}
     for number, line in numbered_lines(path):
         cols = line.rstrip("\r\n").split("\t")
-        if not line.strip() or (number == 1 and len(cols) == 3 and not _is_number(cols[2])):  # the header row
+        if not line.strip() or (number == 1 and len(cols) == 3 and not _parses_as(cols[2], float)):  # the header row
             continue
         where = f"{path}:{number}"
-        if len(cols) != 3 or not _is_int(cols[2]):
+        if len(cols) != 3 or not _parses_as(cols[2], int):
             raise UserError(f"{where}: expected 'query-id<TAB>corpus-id<TAB>score' with an integer score")
         first = judged_on.setdefault((cols[0], cols[1]), number)
         if first != number:
@@ -168,17 +168,9 @@ def _no_duplicates(ids: list[str], path: Path) -> None:
         seen.add(doc_id)
 
 
-def _is_int(text: str) -> bool:
+def _parses_as(text: str, kind: type) -> bool:
     try:
-        int(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
+        kind(text)
     except ValueError:
         return False
     return True
