@@ -77,7 +77,11 @@ INPUTS_AS_OUT = {
     "dataset_dir": ("rerank", lambda t, r: [f"out={r}", "overwrite=true"], "(dataset="),
     "dataset_dir_as_file": ("mine", lambda t, r: [f"out={r}"], "would replace"),
     "corpus_via_symlink": ("mine", lambda t, r: [f"out={_link(t, r / 'corpus.jsonl')}"], "would replace"),
-    "run_file": ("mine", lambda t, r: [f"out={t / 'bm25.trec'}", f"first_stage=run:{_run_file(t)}"], "first_stage"),
+    "run_file": (
+        "mine",
+        lambda t, r: [f"out={t / 'bm25.trec'}", f"first_stage=run:{_run_file(t)}"],
+        "would replace {t}/bm25.trec, an input of this command (first_stage=run:",
+    ),
     "run_file_inside_out": (  # overwrite=true would replace the earlier run.trec, the input of this one
         "rerank",
         lambda t, r: [f"out={_earlier_results(t / 'p')}", f"first_stage=run:{t / 'p' / 'run.trec'}", "overwrite=true"],
@@ -108,8 +112,9 @@ def test_an_out_that_is_or_holds_an_input_is_refused(tmp_path, ir_cache, capsys,
     root = fruit_dataset(tmp_path / "fruit")
     args = extra(tmp_path, root)
     before = _user_files(tmp_path)
-    code, lines = _run(which, _command(which, root, tmp_path / "unused", *args), capsys, caplog)
-    assert code == 2 and len(lines) == 1 and expected in lines[0] and "error: " in lines[0], lines
+    # the case's own out= comes after this placeholder, and the last value of a key wins
+    code, lines = _run(which, _command(which, root, tmp_path / "placeholder", *args), capsys, caplog)
+    assert code == 2 and len(lines) == 1 and expected.format(t=tmp_path) in lines[0] and "error: " in lines[0], lines
     assert _user_files(tmp_path) == before and _no_temporaries(tmp_path)
 
 
