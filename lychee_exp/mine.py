@@ -21,7 +21,7 @@ from lychee_exp.core.ir.mining import MineSettings, MineSummary
 from lychee_exp.core.ir.pipeline import mine_to_file, open_split
 from lychee_exp.core.model import model_dir
 from lychee_exp.core.outputs import interrupted_line, staged_output
-from lychee_exp.run import command_config, fail_as_one_line, stop_interrupted
+from lychee_exp.run import command_config, ctrl_c_raises, fail_as_one_line, stop_interrupted
 
 log = logging.getLogger("lychee_exp.mine")
 
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     register_ir_schemas()
     cfg = command_config("mine", argv, MineConfig)
     try:
+        ctrl_c_raises()
         mine_command(cfg)
     except (UserError, RunFailed) as err:
         fail_as_one_line(err)

@@ -23,7 +23,7 @@ from lychee_exp.core.ir.trec import write_run
 from lychee_exp.core.model import build_encoder, load_tokenizer, model_dir
 from lychee_exp.core.outputs import interrupted_line, staged_output
 from lychee_exp.launch.scoring import launch_rerank
-from lychee_exp.run import command_config, fail_as_one_line, stop_interrupted
+from lychee_exp.run import command_config, ctrl_c_raises, fail_as_one_line, stop_interrupted
 
 log = logging.getLogger("lychee_exp.rerank")
 KEYS = ("ndcg@10", "mrr@10", "map")
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     register_ir_schemas()
     cfg = command_config("rerank", argv, RerankConfig)
     try:
+        ctrl_c_raises()
         rerank_command(cfg)
     except (UserError, RunFailed) as err:
         fail_as_one_line(err)

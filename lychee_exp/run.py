@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def main() -> None:
     Hydra would print several lines, so it is asked to raise instead of printing (HYDRA_FULL_ERROR)."""
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
+        ctrl_c_raises()
         hydra_main()
     except (ConfigCompositionException, OverrideParseException) as err:
         print(f"error: {composition_error(err)}", file=sys.stderr)
@@ -85,6 +87,12 @@ def fail_as_one_line(err: Exception) -> None:
     """A command's user mistake (exit 2) or failed run (exit 1), as one line."""
     log.error("error: %s", err)
     sys.exit(2 if isinstance(err, UserError) else 1)
+
+
+def ctrl_c_raises() -> None:
+    """From here on Ctrl-C raises KeyboardInterrupt, which the command turns into its one line after cleaning up
+    (until now lychee_exp/__init__ ended the process at once: nothing was written yet)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def stop_interrupted(line: str) -> None:

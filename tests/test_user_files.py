@@ -355,6 +355,24 @@ def test_training_interrupted_is_one_line_and_exit_130(tmp_path, monkeypatch, ca
     assert exit_.value.code == 130 and lines == ["interrupted (Ctrl-C)"]
 
 
+def test_ctrl_c_while_a_command_still_imports_is_one_line(tmp_path):
+    """Seconds go by importing torch before main() runs: lychee_exp/__init__ covers them for the commands."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lychee_exp.mine", f"out={tmp_path / 'out.jsonl'}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    maps = Path(f"/proc/{proc.pid}/maps")
+    deadline = time.monotonic() + 60
+    while "libtorch" not in maps.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)  # importing torch: lychee_exp/__init__ has run, main() has not
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and output == "interrupted (Ctrl-C) while starting; nothing written\n", output
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_rank_that_the_launcher_starts_ends_silently_on_ctrl_c(tmp_path):
     """`import lychee_exp` with the variable launch.launcher.run_ranks sets for its ranks: exit 130, nothing
     printed (without it: a KeyboardInterrupt traceback)."""
