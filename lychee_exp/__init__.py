@@ -3,3 +3,41 @@
 Layers, lower to higher (a module imports its own layer or lower ones only; tests/test_layering.py checks it):
 core < tracking < sweep < recipe < launch < job < the entry points (run, report, dashboard) < testing < bench.
 """
+
+import os as _os
+import signal as _signal
+import sys as _sys
+
+_COMMANDS = ("run", "mine", "rerank")  # the entry points a user starts: python -m lychee_exp.<name>, lychee-<name>
+
+
+def _started_as_command() -> bool:
+    argv = getattr(_sys, "orig_argv", [])
+    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    return module in {f"lychee_exp.{c}" for c in _COMMANDS} or _os.path.basename(_sys.argv[0]) in {
+        f"lychee-{c}" for c in _COMMANDS
+    }
+
+
+def _interrupted_while_starting(signum, frame) -> None:
+    _sys.stderr.write("interrupted (Ctrl-C) while starting; nothing written\n")
+    _os._exit(128 + _signal.SIGINT)
+
+
+# Ctrl-C, one line and exit 130, never a traceback:
+# - a command (run, mine, rerank) spends seconds importing torch and transformers before its main() can catch
+#   KeyboardInterrupt: until main() hands Ctrl-C back (signal.default_int_handler), it ends the process here.
+# - a DDP rank that launch.launcher.run_ranks is starting (it sets the variable): Ctrl-C reaches every process of
+#   the terminal's group, and the launcher forwards it too. The rank ends at once, silently, also while it imports;
+#   the launcher stops the others and says the one line.
+if _os.environ.get("LYCHEE_RANK_QUIET_CTRL_C") == "1":
+    _signal.signal(_signal.SIGINT, lambda signum, frame: _os._exit(128 + _signal.SIGINT))
+    # tqdm's default lock is a multiprocessing semaphore, which a rank ended by a signal leaves to the resource
+    # tracker (a "leaked semaphore" warning after the one line); a rank's bars need a thread lock only
+    import threading as _threading
+
+    from tqdm import tqdm as _tqdm
+
+    _tqdm.set_lock(_threading.RLock())
+elif _started_as_command() and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    _signal.signal(_signal.SIGINT, _interrupted_while_starting)

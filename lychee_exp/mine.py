@@ -2,6 +2,8 @@
 
 Writes a BEIR split as FlagEmbedding reranker JSONL with hard negatives from the first stage's ranks
 (core.ir.mining; keys in core.ir.config.MineConfig), then one summary line. A user mistake is one line, exit 2.
+out= is written as core.outputs says: whole or not at all, never over an input (the corpus, a run file), an
+existing file only with overwrite=true; Ctrl-C leaves it as it was.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lychee_exp.core.errors import RunFailed, UserError
-from lychee_exp.core.ir.config import MineConfig, check_mine_config, mine_settings, register_ir_schemas
+from lychee_exp.core.ir.config import MineConfig, check_mine_config, command_inputs, mine_settings, register_ir_schemas
+from lychee_exp.core.ir.mining import MineSummary
 from lychee_exp.core.ir.pipeline import mine_to_file, open_split
 from lychee_exp.core.model import model_dir
 from lychee_exp.core.model_card import check_trained_head
-from lychee_exp.run import command_config, fail_as_one_line
+from lychee_exp.core.outputs import interrupted_line, staged_output
+from lychee_exp.run import command_config, ctrl_c_raises, fail_as_one_line, stop_interrupted
 
 log = logging.getLogger("lychee_exp.mine")
 
@@ -26,6 +30,17 @@ log = logging.getLogger("lychee_exp.mine")
 def mine_command(cfg: MineConfig) -> str:
     check_mine_config(cfg)
     start = time.perf_counter()
+    # out= is checked and locked first; the JSONL goes to a fresh file that replaces out= only when complete
+    with staged_output(cfg.out, directory=False, overwrite=cfg.overwrite, inputs=command_inputs(cfg)) as staged:
+        summary = _mine_into(cfg, staged)
+    seconds = time.perf_counter() - start
+    queries = summary.written + sum(summary.skipped.values())
+    line = f"{cfg.out}: {summary.line()} ({queries / seconds:.1f} queries/s, {seconds:.1f} s)"
+    log.info(line)
+    return line
+
+
+def _mine_into(cfg: MineConfig, out: Path) -> MineSummary:
     corpus, split = open_split(cfg.dataset, cfg.split)
     settings = mine_settings(cfg)
     show = cfg.progress_bar and sys.stderr.isatty()
@@ -36,12 +51,12 @@ def mine_command(cfg: MineConfig) -> str:
     if cfg.teacher == "reranker":  # before any scoring: a wrong path or model is one line
         model_dir(cfg.model)
         check_trained_head(cfg.model)
-    summary = mine_to_file(
+    return mine_to_file(
         corpus,
         split,
         cfg.first_stage,
         settings,
-        Path(cfg.out),
+        out,
         cfg.teacher,
         cfg.dense,
         progress,
@@ -49,19 +64,18 @@ def mine_command(cfg: MineConfig) -> str:
         cfg.batch_size,
         stemmer=cfg.bm25_stemmer,
     )
-    seconds = time.perf_counter() - start
-    line = f"{cfg.out}: {summary.line()} ({len(split.query_ids) / seconds:.1f} queries/s, {seconds:.1f} s)"
-    log.info(line)
-    return line
 
 
 def main(argv: list[str] | None = None) -> None:
     register_ir_schemas()
     cfg = command_config("mine", argv, MineConfig)
     try:
+        ctrl_c_raises()
         mine_command(cfg)
     except (UserError, RunFailed) as err:
         fail_as_one_line(err)
+    except KeyboardInterrupt:
+        stop_interrupted(interrupted_line(cfg.out))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,11 @@ Scores a split's first-stage top-k with a trained run's model/ (or any model pre
 <out>/run.trec (TREC run); <out>/metrics.json: ndcg@k and recall@k (k = 1, 3, 5, 10, 100 and top_k), map, mrr@10
 as trec_eval -c computes them on run.trec and the split's qrels, the same keys prefixed first_stage_, and the
 queries asked, scored and judged; <out>/per_query.tsv: those figures per query; <out>/timing.json: pairs/s. A split
-without qrels gets run.trec (and timing.json) alone. Everything a user can get wrong is checked before any rank
-starts; a mistake is one line, exit 2.
+without qrels gets run.trec (and timing.json) alone. With teacher_weight > 0 (or a model card that records one)
+run.trec ranks by the model mixed with its teacher (core.ir.fusion), run.model.trec by the model alone. Everything
+a user can get wrong is checked before any rank starts; a mistake is one line, exit 2. out= is written as
+core.outputs says: whole or not at all, never over an input, an earlier result only with overwrite=true; Ctrl-C
+leaves it as it was.
 """
 
 from __future__ import annotations
@@ -18,24 +21,46 @@ from lychee_exp.core.atomic import write_json_atomic, write_text_atomic
 from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.ir.beir import dataset_dir, split_names
-from lychee_exp.core.ir.config import RerankConfig, check_rerank_config, register_ir_schemas
+from lychee_exp.core.ir.config import RerankConfig, check_rerank_config, command_inputs, register_ir_schemas
 from lychee_exp.core.ir.dense import DenseConfig
 from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.pipeline import dense_teacher, open_split
 from lychee_exp.core.ir.trec import write_run
 from lychee_exp.core.model import build_encoder, load_tokenizer, model_dir
 from lychee_exp.core.model_card import card_ranking, check_trained_head
+from lychee_exp.core.outputs import interrupted_line, staged_output
 from lychee_exp.launch.scoring import launch_rerank
-from lychee_exp.run import command_config, fail_as_one_line
+from lychee_exp.run import command_config, ctrl_c_raises, fail_as_one_line, stop_interrupted
 
 log = logging.getLogger("lychee_exp.rerank")
 KEYS = ("ndcg@10", "mrr@10", "map")
-OUTPUTS = ("run.trec", "run.model.trec", "metrics.json", "per_query.tsv", "timing.json")
+# what a rerank writes into out= (logs: the ranks' of parallel=ddp)
+RESULTS = ("run.trec", "run.model.trec", "metrics.json", "per_query.tsv", "timing.json", "logs")
 
 
 def rerank_command(cfg: RerankConfig) -> dict:
     check_rerank_config(cfg)
-    out = Path(cfg.out)
+    # out= is checked and locked first; the results go to a fresh directory that replaces out= only when complete
+    with staged_output(
+        cfg.out, directory=True, overwrite=cfg.overwrite, inputs=command_inputs(cfg), results=RESULTS
+    ) as staging:
+        metrics, timing = _rerank_into(cfg, staging)
+    scored = f"{metrics['queries_scored']} of {metrics['queries']} queries with candidates"
+    speed = f"{metrics['pairs']} pairs on {metrics['ranks']} rank(s), {timing['pairs_per_s']:.1f} pairs/s"
+    if "ndcg@10" not in metrics:
+        log.info("%s: run.trec, no metrics (no qrels); %s; %s", cfg.out, scored, speed)
+        return {**metrics, **timing}
+    shown = ", ".join(
+        f"{k} {metrics[k]:.4f} (first stage {metrics['first_stage_' + k]:.4f})" for k in (*KEYS, f"recall@{cfg.top_k}")
+    )
+    log.info("%s: %s over %d judged queries (%s); %s", cfg.out, shown, metrics["queries_judged"], scored, speed)
+    if cfg.teacher_weight:
+        alone = ", ".join(f"{who} alone {metrics[who + '_ndcg@10']:.4f}" for who in ("model", "teacher"))
+        log.info("ndcg@10 mixes the model with the teacher at weight %s: %s", cfg.teacher_weight, alone)
+    return {**metrics, **timing}
+
+
+def _rerank_into(cfg: RerankConfig, out: Path) -> tuple[dict, dict]:
     # preflight: the data, the first stage (its run cached for the ranks) and the model, before any rank starts
     corpus, split = open_split(cfg.dataset, cfg.split, need_qrels=False)
     if not split.qrels:
@@ -60,9 +85,6 @@ def rerank_command(cfg: RerankConfig) -> dict:
     check_trained_head(cfg.model)  # never a freshly initialised head
     build_encoder(cfg.model, load_tokenizer(cfg.model))
     plan = plan_devices(cfg.parallel.strategy, cfg.gpus, cpu_threads_per_rank=cfg.parallel.cpu_threads_per_rank)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in OUTPUTS:  # a stale result must not pass for this run's
-        (out / stale).unlink(missing_ok=True)
     result = launch_rerank(cfg, plan, out)
     counts, timing = result["counts"], result["timing"]
     write_run(out / "run.trec", result["run"], cfg.tag)
@@ -72,31 +94,22 @@ def rerank_command(cfg: RerankConfig) -> dict:
     write_json_atomic(out / "timing.json", timing)
     metrics = {**result["metrics"], **counts, "first_stage": cfg.first_stage, "split": cfg.split}
     metrics.update(model_path=cfg.model.path, teacher_weight=cfg.teacher_weight)
-    scored = f"{counts['queries_scored']} of {counts['queries']} queries with candidates"
-    speed = f"{counts['pairs']} pairs on {counts['ranks']} rank(s), {timing['pairs_per_s']:.1f} pairs/s"
     if result["metrics"]:
         write_text_atomic(out / "per_query.tsv", result["per_query"])
         write_json_atomic(out / "metrics.json", metrics)
-        shown = ", ".join(
-            f"{k} {metrics[k]:.4f} (first stage {metrics['first_stage_' + k]:.4f})"
-            for k in (*KEYS, f"recall@{cfg.top_k}")
-        )
-        log.info("%s: %s over %d judged queries (%s); %s", out, shown, counts["queries_judged"], scored, speed)
-        if cfg.teacher_weight:
-            alone = ", ".join(f"{who} alone {metrics[who + '_ndcg@10']:.4f}" for who in ("model", "teacher"))
-            log.info("ndcg@10 mixes the model with the teacher at weight %s: %s", cfg.teacher_weight, alone)
-    else:
-        log.info("%s: run.trec, no metrics (no qrels); %s; %s", out, scored, speed)
-    return {**metrics, **timing}
+    return metrics, timing
 
 
 def main(argv: list[str] | None = None) -> None:
     register_ir_schemas()
     cfg = command_config("rerank", argv, RerankConfig)
     try:
+        ctrl_c_raises()
         rerank_command(cfg)
     except (UserError, RunFailed) as err:
         fail_as_one_line(err)
+    except KeyboardInterrupt:
+        stop_interrupted(interrupted_line(cfg.out))
 
 
 if __name__ == "__main__":

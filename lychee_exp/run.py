@@ -3,13 +3,14 @@
 The story of a run: Hydra composes the config groups (conf/), the job checks the config and its inputs, plans
 the devices, launches the ranks (lychee_exp.launch), which train with the recipe (lychee_exp.recipe), writes
 metrics.json from rank 0's results, and returns the optimized metric to whichever sweeper asked. A user mistake
-ends here as one line and exit code 2, a failed run as one line and exit code 1.
+ends here as one line and exit code 2, a failed run as one line and exit code 1, Ctrl-C as one line and 130.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -27,6 +28,7 @@ log = logging.getLogger("lychee_exp")
 
 # absolute: `lychee-run` imports this module by name, and Hydra would read a relative path as a python package
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+INTERRUPTED, INTERRUPTED_EXIT = "interrupted (Ctrl-C)", 130  # 128 + SIGINT, as a shell reports it
 
 register_schema()
 OmegaConf.register_new_resolver("lychee_stamp", run_stamp, use_cache=True, replace=True)
@@ -50,10 +52,14 @@ def main() -> None:
     Hydra would print several lines, so it is asked to raise instead of printing (HYDRA_FULL_ERROR)."""
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
+        ctrl_c_raises()
         hydra_main()
     except (ConfigCompositionException, OverrideParseException) as err:
         print(f"error: {composition_error(err)}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # the ranks are stopped already (launch.launcher); a run's directory keeps its files
+        print(INTERRUPTED, file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT)
 
 
 def command_config(config_name: str, argv: list[str] | None, schema: type):
@@ -89,6 +95,18 @@ def fail_as_one_line(err: Exception) -> None:
     """A command's user mistake (exit 2) or failed run (exit 1), as one line."""
     log.error("error: %s", err)
     sys.exit(2 if isinstance(err, UserError) else 1)
+
+
+def ctrl_c_raises() -> None:
+    """From here on Ctrl-C raises KeyboardInterrupt, which the command turns into its one line after cleaning up
+    (until now lychee_exp/__init__ ended the process at once: nothing was written yet)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def stop_interrupted(line: str) -> None:
+    """Ctrl-C in a command: one line saying what it left, and the shell's exit code for SIGINT, no traceback."""
+    log.error("%s", line)
+    sys.exit(INTERRUPTED_EXIT)
 
 
 def composition_error(err: Exception) -> str:

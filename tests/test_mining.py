@@ -141,6 +141,8 @@ def test_a_trained_reranker_as_teacher_writes_its_own_scores(tmp_path, ir_cache)
         prompts = [(instruction, line["query"], doc) for doc in line["pos"] + line["neg"]]
         expected = score_token_ids(model, encoder, encoder.encode_many(prompts), 64, torch.device("cpu"))
         assert line["pos_scores"] + line["neg_scores"] == pytest.approx([round(s, 4) for s in expected], abs=2e-4)
-    wrong = command_config("mine", [*args, "model=tiny_lychee", "model.path=/no/model"], MineConfig)
+    written = out.read_bytes()
+    wrong = command_config("mine", [*args, "model=tiny_lychee", "model.path=/no/model", "overwrite=true"], MineConfig)
     with pytest.raises(UserError, match="model.path=/no/model: /no/model does not exist"):
         mine_command(wrong)
+    assert out.read_bytes() == written  # a failed command replaces nothing, even with overwrite=true

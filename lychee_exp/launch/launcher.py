@@ -43,6 +43,7 @@ from lychee_exp.launch.warm_ranks import RankSetup, RanksFailed, close_warm_rank
 from lychee_exp.recipe.on_rank import train_on_rank
 
 log = logging.getLogger(__name__)
+QUIET_CTRL_C_ENV = "LYCHEE_RANK_QUIET_CTRL_C"  # ranks started with it end silently on Ctrl-C (lychee_exp/__init__)
 
 
 def launch(
@@ -136,6 +137,9 @@ def run_ranks(
     shutil.rmtree(output_dir / FAILURE_NOTES, ignore_errors=True)  # notes of an earlier attempt in this dir
     # The agent logs each failure with a full dump; the one line below (with the rank's log) replaces it.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # its own level (WARNING): "Received 2 death signal, shutting down workers" would add a line to Ctrl-C's one
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+    os.environ[QUIET_CTRL_C_ENV] = "1"  # the ranks end silently on Ctrl-C: this process says the one line
     try:
         return elastic_launch(config, entrypoint)(*args)
     except SignalException as err:
@@ -147,6 +151,8 @@ def run_ranks(
         if nodes and collateral(message):
             raise RunFailed(lost_nodes(nodes, output_dir / FAILURE_NOTES, rank, message) + where, "crashed") from None
         raise RunFailed(f"rank {rank} failed: {message}{where}", failure_kind(message)) from None
+    finally:
+        os.environ.pop(QUIET_CTRL_C_ENV, None)
 
 
 def _stop_on_signal(err: SignalException) -> None:

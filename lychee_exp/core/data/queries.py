@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.resources import resolve_path
+from lychee_exp.core.textlines import numbered_lines
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,12 @@ def load_queries(spec: str, key: str, limit: int = 0, warn_unknown: bool = True)
         raise UserError(f"{key}={spec}: {path} is a directory, not a JSONL file")
     queries: list[RankingQuery] = []
     unknown: dict[str, int] = {}  # key -> first line it appears on
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            queries.append(_parse_line(line, f"{path}:{number}", len(queries), unknown, number))
-            if limit and len(queries) >= limit:
-                break
+    for number, line in numbered_lines(path):
+        if not line.strip():
+            continue
+        queries.append(_parse_line(line, f"{path}:{number}", len(queries), unknown, number))
+        if limit and len(queries) >= limit:
+            break
     if not queries:
         raise UserError(f"{key}={spec}: {path} holds no queries")
     if unknown and warn_unknown:

@@ -20,6 +20,7 @@ from lychee_exp.core.data.queries import json_object
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.cache import cache_path, file_key
 from lychee_exp.core.resources import resolve_path
+from lychee_exp.core.textlines import numbered_lines
 
 log = logging.getLogger(__name__)
 
@@ -142,27 +143,36 @@ def _judged(qrels: Qrels, query_ids: list[str]) -> Qrels:
 
 
 def read_beir_qrels(path: Path) -> Qrels:
+    """BEIR's qrels: tab-separated `query-id corpus-id score`. Line 1 is the header when its score column is not a
+    number (BEIR's files all have one); a file without a header keeps its first judgement. A (query, document)
+    judged twice is an error naming both lines: which grade counts would otherwise be a silent guess."""
     qrels: Qrels = {}
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            cols = line.rstrip("\n").split("\t")
-            if not line.strip() or (number == 1 and not _is_int(cols[-1])):  # the header row
-                continue
-            if len(cols) != 3 or not _is_int(cols[2]):
-                raise UserError(f"{path}:{number}: expected 'query-id<TAB>corpus-id<TAB>score' with an integer score")
-            qrels.setdefault(cols[0], {})[cols[1]] = int(cols[2])
+    judged_on: dict[tuple[str, str], int] = {}
+    for number, line in numbered_lines(path):
+        cols = line.rstrip("\r\n").split("\t")
+        if not line.strip() or (number == 1 and len(cols) == 3 and not _parses_as(cols[2], float)):  # the header row
+            continue
+        where = f"{path}:{number}"
+        if len(cols) != 3 or not _parses_as(cols[2], int):
+            raise UserError(f"{where}: expected 'query-id<TAB>corpus-id<TAB>score' with an integer score")
+        first = judged_on.setdefault((cols[0], cols[1]), number)
+        if first != number:
+            raise UserError(
+                f"{path}: query {cols[0]!r}, document {cols[1]!r} is judged twice (lines {first} and {number}); "
+                "keep one grade"
+            )
+        qrels.setdefault(cols[0], {})[cols[1]] = int(cols[2])
     if not qrels:
         raise UserError(f"{path}: no judgements (an empty split)")
     return qrels
 
 
 def _jsonl(path: Path):
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            yield where, json_object(line, where, "_id and text")
+    for number, line in numbered_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        yield where, json_object(line, where, "_id and text")
 
 
 def _string(record: dict, name: str, where: str) -> str:
@@ -182,9 +192,9 @@ def _no_duplicates(ids: list[str], path: Path) -> None:
         seen.add(doc_id)
 
 
-def _is_int(text: str) -> bool:
+def _parses_as(text: str, kind: type) -> bool:
     try:
-        int(text)
+        kind(text)
     except ValueError:
         return False
     return True

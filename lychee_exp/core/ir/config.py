@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -15,7 +16,7 @@ from lychee_exp.core.choices import RankBy, Sampling, Stemmer
 from lychee_exp.core.config import ModelConfig, ParallelConfig, _check_bounds, at_least
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.dense import DEFAULT_ENCODER, DenseConfig
-from lychee_exp.core.ir.first_stage import check_stage
+from lychee_exp.core.ir.first_stage import RUN_PREFIX, check_stage
 from lychee_exp.core.ir.mining import MineSettings
 from lychee_exp.core.resources import resolve_path
 
@@ -34,6 +35,7 @@ class MineConfig:
     dense_model: Optional[str] = None  # alias of dense.model (older commands)
     bm25_stemmer: Stemmer = Stemmer.porter  # first_stage=bm25's stemmer (porter = Lucene's English analyzer)
     out: str = MISSING  # the JSONL to write
+    overwrite: bool = False  # replace an existing out= (only once the new file is complete)
     # negatives from ranks [range_min, range_max) of rank_by's ranking, 0-based. The defaults with sampling=top and
     # the dense teacher's relative_margin are NV-Retriever's TopK-PercPos (docs/beir.md "Choosing the recipe";
     # FlagEmbedding's hn_mine samples 10-210 at random: range_min=10 range_max=210 sampling=random)
@@ -71,6 +73,7 @@ class RerankConfig:
     bm25_stemmer: Stemmer = Stemmer.porter  # first_stage=bm25's stemmer
     top_k: int = at_least(1, 100)  # first-stage candidates reranked per query
     out: str = MISSING  # directory for run.trec and metrics.json
+    overwrite: bool = False  # replace the results in an existing out= (only once the new ones are complete)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     gpus: Any = 1  # ranks (GPUs, or CPU processes without CUDA); parallel=ddp gpus=N
@@ -140,3 +143,27 @@ def check_rerank_config(cfg: RerankConfig) -> None:
     _check_bounds(cfg, "")
     _dense_alias(cfg)
     check_stage(cfg.first_stage)
+
+
+def command_inputs(cfg: MineConfig | RerankConfig) -> list[tuple[str, str]]:
+    """What a mine or rerank command reads, as (the key that names it, path): out= must not be or hold any of them
+    (core.outputs)."""
+
+    def path(spec: str, key: str) -> Path | None:
+        try:
+            return resolve_path(spec, key, must_exist=False)
+        except UserError:
+            return None  # a pkg:// path whose package is not installed: the command's own checks say so
+
+    found = []
+    root = path(cfg.dataset, "dataset")
+    if root is not None:
+        found.append((f"dataset={cfg.dataset}", str(root)))
+        for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{cfg.split}.tsv"):
+            found.append((f"{name} of dataset={cfg.dataset}", str(root / name)))
+    for key, spec in (("dense.model", cfg.dense.model), ("model.path", cfg.model.path)):
+        if (where := path(spec, key)) is not None:
+            found.append((f"{key}={spec}", str(where)))
+    if cfg.first_stage.startswith(RUN_PREFIX):
+        found.append((f"first_stage={cfg.first_stage}", cfg.first_stage[len(RUN_PREFIX) :]))
+    return found

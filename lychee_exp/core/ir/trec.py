@@ -1,5 +1,5 @@
 """TREC files: qrels (`qid 0 docid rel`) and runs (`qid Q0 docid rank score tag`), read with one UserError per
-malformed line (file:line), written whole or not at all (core.atomic)."""
+malformed line or byte that is not UTF-8 (file:line), written whole or not at all (core.atomic)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 from lychee_exp.core.atomic import write_text_atomic
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.textlines import numbered_lines
 
 Run = dict[str, dict[str, float]]  # query id -> document id -> score (higher = more relevant)
 SCORE_FORMAT = "{:.6f}"  # what a run file keeps of a score; metrics are computed on the scores as written
@@ -64,10 +65,9 @@ def _lines(path: Path, key: str):
     if not path.is_file():
         raise UserError(f"{key}: {path} does not exist")
     found = False
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if line.strip():
-                found = True
-                yield f"{path}:{number}", line.split()
+    for number, line in numbered_lines(path):
+        if line.strip():
+            found = True
+            yield f"{path}:{number}", line.split()
     if not found:
         raise UserError(f"{key}: {path} is empty")
