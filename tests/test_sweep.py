@@ -618,17 +618,11 @@ def test_params_grammar_to_distributions():
 def test_lr_tokens_is_lr_batch_searching_tokens_per_step(tmp_path):
     """hparams_search=lr_tokens (for token budgets): lr_batch's settings, its global batch fixed to null by a
     null param, the step size searched in tokens; both keys exist in the schema, so build_space accepts them."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from lychee_exp.sweep.space import build_space
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        tokens = compose("config", ["hparams_search=lr_tokens"], return_hydra_config=True)
-        batch = compose("config", ["hparams_search=lr_batch"], return_hydra_config=True)
-    GlobalHydra.instance().clear()
+    tokens, batch = _search_and_lr_batch("lr_tokens")
     sweeper = tokens.hydra.sweeper
     assert sweeper.study_name == "lr_tokens" and sweeper.pruner == batch.hydra.sweeper.pruner
     assert sweeper.n_trials == batch.hydra.sweeper.n_trials and sweeper.oom_retry is True
@@ -641,17 +635,11 @@ def test_lr_tokens_is_lr_batch_searching_tokens_per_step(tmp_path):
 def test_the_recipe_search_is_lr_batch_over_the_recipes_keys(tmp_path):
     """hparams_search=recipe (how the shipped CPU recipe was chosen): lr_batch's settings over the lr, the run's
     length, distillation and the teacher mix, the default job's effective batch fixed; build_space accepts them."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from lychee_exp.sweep.space import build_space
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        recipe = compose("config", ["hparams_search=recipe"], return_hydra_config=True)
-        batch = compose("config", ["hparams_search=lr_batch"], return_hydra_config=True)
-    GlobalHydra.instance().clear()
+    recipe, batch = _search_and_lr_batch("recipe")
     sweeper = recipe.hydra.sweeper
     assert sweeper.study_name == "recipe" and sweeper.pruner == batch.hydra.sweeper.pruner
     space = build_space(sweeper.params, [], recipe, None, OverridesParser.create())
@@ -659,3 +647,16 @@ def test_the_recipe_search_is_lr_batch_over_the_recipes_keys(tmp_path):
     searched = ["data.teacher_weight", "loss.distill_temperature", "loss.distill_weight", "optimizer.lr"]
     assert sorted(space.distributions) == [*searched, "trainer.max_steps"]
     assert space.distributions["data.teacher_weight"].choices == (0.4, 0.5, 0.6, 0.7, 0.8)
+
+
+def _search_and_lr_batch(name: str):
+    """conf/config.yaml composed with hparams_search=<name>, and with lr_batch (what the others inherit)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        search = compose("config", [f"hparams_search={name}"], return_hydra_config=True)
+        batch = compose("config", ["hparams_search=lr_batch"], return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    return search, batch
