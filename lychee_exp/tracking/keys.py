@@ -15,6 +15,9 @@ HISTORY = {
     "epoch": "epoch",
     "dev_ndcg": "dev/ndcg@10",
     "dev_mrr": "dev/mrr@10",
+    # data.teacher_weight > 0: dev/ndcg@10 is the mix with the teacher; the model alone beside it (core/ir/fusion.py)
+    "dev_model_ndcg": "dev/model_ndcg@10",
+    "dev_model_mrr": "dev/model_mrr@10",
     # rank 0's GPU at each logged step (CUDA only; utilisation where NVML, the nvidia-ml-py package, is available)
     "gpu_memory_allocated": "gpu/memory_allocated_mb",
     "gpu_memory_reserved": "gpu/memory_reserved_mb",
