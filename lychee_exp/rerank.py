@@ -22,9 +22,9 @@ from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.ir.beir import dataset_dir, split_names
 from lychee_exp.core.ir.config import RerankConfig, check_rerank_config, command_inputs, register_ir_schemas
-from lychee_exp.core.ir.dense import DenseConfig
+from lychee_exp.core.ir.dense import DenseConfig, corpus_embeddings
 from lychee_exp.core.ir.first_stage import retrieve
-from lychee_exp.core.ir.pipeline import dense_teacher, open_split
+from lychee_exp.core.ir.pipeline import open_split
 from lychee_exp.core.ir.trec import write_run
 from lychee_exp.core.model import build_encoder, load_tokenizer, model_dir
 from lychee_exp.core.model_card import card_ranking, check_trained_head
@@ -80,7 +80,7 @@ def _rerank_into(cfg: RerankConfig, out: Path) -> tuple[dict, dict]:
         if cfg.teacher_weight and cfg.dense == DenseConfig() and ranking.get("teacher"):
             cfg.dense = DenseConfig(**ranking["teacher"])
     if cfg.teacher_weight:
-        dense_teacher(corpus, split, cfg.dense, "dense.model")  # the corpus embeddings, cached for rank 0
+        corpus_embeddings(corpus, cfg.dense, "dense.model")  # cached for rank 0's teacher scores
     model_dir(cfg.model)
     check_trained_head(cfg.model)  # never a freshly initialised head
     build_encoder(cfg.model, load_tokenizer(cfg.model))

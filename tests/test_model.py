@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lychee_exp.core.config import to_run_config
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.model import (
-    RERANKER_FILE,
     Reranker,
     build_encoder,
     count_parameters,
@@ -20,6 +19,7 @@ from lychee_exp.core.model import (
     load_tokenizer,
     save_reranker,
 )
+from lychee_exp.core.model_card import CARD_FILE
 
 DOCS = [
     "lychee",
@@ -199,7 +199,7 @@ def test_save_and_reload_scores_identically(lora, tmp_path):
 
     out = tmp_path / "saved"
     save_reranker(reranker, tokenizer, cfg, out)
-    assert json.loads((out / RERANKER_FILE).read_text())["kind"] == "causal_lm"
+    assert json.loads((out / CARD_FILE).read_text())["kind"] == "causal_lm"
     assert not (out / "adapter_config.json").exists()  # a plain model, LoRA merged in
 
     cfg2, _, encoder2, reloaded = tiny_reranker(tmp_path, f"model.path={out}", "model.random_init=false")

@@ -18,7 +18,7 @@ from torch import nn
 from lychee_exp.core.choices import ModelKind
 from lychee_exp.core.config import ModelConfig
 from lychee_exp.core.errors import UserError
-from lychee_exp.core.model_card import ADAPTER_DIR, CARD_FILE, has_weights, new_head_allowed, write_card
+from lychee_exp.core.model_card import ADAPTER_DIR, has_weights, new_head_allowed, write_card
 from lychee_exp.core.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX, packed_attention
 from lychee_exp.core.pair_prompt import PairEncoder, pair_max_len, token_types
 from lychee_exp.core.prompt import PromptEncoder
@@ -26,7 +26,6 @@ from lychee_exp.core.resources import resolve_path
 
 log = logging.getLogger(__name__)
 
-RERANKER_FILE = CARD_FILE  # the model directory's description (core.model_card)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -53,12 +53,11 @@ class PairEncoder(PromptEncoder):
         self.template_len = tokenizer.num_special_tokens_to_add(pair=True)
         if self.template_len >= self.max_len:
             raise UserError(f"model.prompt.max_len={self.max_len} leaves no room for the query and the document")
-        for name in ("{document}",):
-            if name in prompt.query_template:
-                raise UserError(
-                    f"model.prompt.query_template={prompt.query_template!r}: the document is the pair's "
-                    "second text and cannot be in the query side"
-                )
+        if "{document}" in prompt.query_template:
+            raise UserError(
+                f"model.prompt.query_template={prompt.query_template!r}: the document is the pair's "
+                "second text and cannot be in the query side"
+            )
         self.sep_id = self._check_token_types()
 
     def _check_token_types(self) -> int | None:
