@@ -41,9 +41,9 @@ def test_peers_get_lychee_exps_batches_and_the_same_gradient(tmp_path):
     cfg = to_run_config(compose_job([*overrides, "trainer.max_steps=3"], tmp_path))
     trainer = Trainer(cfg, DistEnv(), plan_devices("single", 1, cuda_count=0, cpu_threads_per_rank=1), tmp_path)
     trainer.setup()
-    trainer.sampler.set_epoch(0)
-    trainer.train_set.set_epoch(0)
-    batches = [batch for batch, _ in zip(trainer.loader, steps)]
+    trainer.data.sampler.set_epoch(0)
+    trainer.data.train_set.set_epoch(0)
+    batches = [batch for batch, _ in zip(trainer.data.loader, steps)]
     assert len(batches) == 3
     for step, batch in zip(steps, batches):
         assert torch.equal(step.input_ids, batch["input_ids"])

@@ -277,7 +277,7 @@ def test_hf_times_the_rows_of_lychee_exps_window(tmp_path):
     trainer = Trainer(cfg, DistEnv(), plan_devices("single", 1, cpu_threads_per_rank=1), tmp_path / "ours")
     trainer.setup()
     try:
-        loader = iter(trainer.loader)
+        loader = iter(trainer.data.loader)
         batches = [next(loader) for _ in range(5)]
     finally:
         trainer.cleanup()

@@ -302,8 +302,8 @@ def test_trainer_gradient_is_autograd_of_the_plain_mean_loss(tmp_path):
     )
     trainer = Trainer(cfg, DistEnv(), plan_devices("single", 1, cuda_count=0, cpu_threads_per_rank=1), tmp_path)
     trainer.setup()
-    trainer.sampler.set_epoch(0)
-    loader = iter(trainer.loader)
+    trainer.data.sampler.set_epoch(0)
+    loader = iter(trainer.data.loader)
     batches = [next(loader), next(loader)]
     group = cfg.data.train_group_size
     queries = sum(len(b["input_ids"]) for b in batches) // group

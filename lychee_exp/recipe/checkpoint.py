@@ -14,7 +14,9 @@ import logging
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +29,18 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint saves and restores besides the progress: the model and its optimizer, learning-rate
+    scheduler and gradient scaler, and the rank's DistEnv (the collectives and the world size to match)."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    env: Any  # core.distributed.DistEnv
 
 
 def checkpoint_root(output_dir: Path) -> Path:
@@ -117,23 +131,25 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> dict:
     return state
 
 
-def save_training_state(
-    output_dir: Path, model: torch.nn.Module, optimizer, scheduler, scaler, env, progress: Progress, keep: int
-) -> Path | None:
-    """Collective (every rank's RNG state is gathered, so dropout continues as it would have); rank 0 writes."""
+def save_training_state(output_dir: Path, training: TrainingState, progress: Progress, keep: int) -> Path | None:
+    """Collective (every rank's RNG state is gathered, so dropout continues as it would have); rank 0 writes
+    and logs the checkpoint's path."""
+    env = training.env
     rngs = env.gather_objects(rng_state())
     if not env.is_main:
         return None
     state = {
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
+        "optimizer": training.optimizer.state_dict(),
+        "scheduler": training.scheduler.state_dict(),
+        "scaler": training.scaler.state_dict(),
         **{k: getattr(progress, k) for k in ("step", "epoch", "batch", "evaluated_at")},
         "summary": json.dumps(progress.summary),
         "rng": rngs,
         "world_size": env.world_size,
     }
-    return save_checkpoint(output_dir, progress.step, model, state, keep)
+    path = save_checkpoint(output_dir, progress.step, training.model, state, keep)
+    log.info("checkpoint: %s", path)
+    return path
 
 
 def load_readable(path: Path, model: torch.nn.Module, fall_back: bool, report: bool) -> tuple[Path, dict]:
@@ -160,19 +176,31 @@ def load_readable(path: Path, model: torch.nn.Module, fall_back: bool, report: b
     raise AssertionError("unreachable")
 
 
-def restore_training_state(path: Path, model: torch.nn.Module, optimizer, scheduler, scaler, env) -> Progress:
+def resume_path(resume: str, output_dir: Path) -> Path | None:
+    """trainer.resume: "never", "auto" (the run's newest checkpoint, if any) or a checkpoint's path."""
+    if resume == "never":
+        return None
+    return latest_checkpoint(output_dir) if resume == "auto" else Path(resume)
+
+
+def restore_training_state(path: Path, training: TrainingState) -> Progress:
     """Loads a checkpoint on every rank (with resume=auto, the newest readable one); returns the progress to
     continue from, with the checkpoint it came from as its source."""
     in_a_run = path.parent.name == CHECKPOINT_DIR  # a step directory of a run: its older ones may stand in
-    path, state = load_readable(path, model, fall_back=in_a_run, report=env.is_main)
+    env = training.env
+    path, state = load_readable(path, training.model, fall_back=in_a_run, report=env.is_main)
     if state["world_size"] != env.world_size:
         raise ValueError(
             f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
             f"{env.world_size}; resume with the same gpus"
         )
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
+    training.optimizer.load_state_dict(state["optimizer"])
+    training.scheduler.load_state_dict(state["scheduler"])
+    training.scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"][env.rank])
     fields = {k: state[k] for k in ("step", "epoch", "batch", "evaluated_at")}
-    return Progress(**fields, summary=json.loads(state["summary"]), source=path)
+    progress = Progress(**fields, summary=json.loads(state["summary"]), source=path)
+    if env.is_main:
+        at = progress
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", at.source, at.step, at.epoch, at.batch)
+    return progress

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -22,8 +21,6 @@ from tqdm import tqdm
 from lychee_exp.core import evaluate as ev
 from lychee_exp.core.chunks import forward_chunk_count
 from lychee_exp.core.config import RunConfig
-from lychee_exp.core.data.groups import TrainGroups
-from lychee_exp.core.data.loader import train_loader
 from lychee_exp.core.devices import DevicePlan, resolve_precision
 from lychee_exp.core.distributed import DistEnv, wrap_for_training
 from lychee_exp.core.inputs import RunInputs, load_inputs
@@ -33,11 +30,11 @@ from lychee_exp.core.model import count_parameters, load_reranker, save_reranker
 from lychee_exp.core.optim import build_optimizer, optimizer_step, scaled_lr
 from lychee_exp.core.packing import packed_attention_path_of
 from lychee_exp.core.seeding import seed_everything
-from lychee_exp.core.token_cache import pretokenized
-from lychee_exp.recipe.checkpoint import latest_checkpoint, restore_training_state, save_training_state
+from lychee_exp.recipe.checkpoint import TrainingState, restore_training_state, resume_path, save_training_state
 from lychee_exp.recipe.pending import PendingSteps
 from lychee_exp.recipe.progress import NO_HOOKS, Progress, StepFigures, StepHooks
 from lychee_exp.recipe.step import WindowStep
+from lychee_exp.recipe.train_data import TrainData, build_train_data
 from lychee_exp.tracking.backends import NullLogger, run_logger
 from lychee_exp.tracking.console import log_eval, log_setup, log_train_step
 from lychee_exp.tracking.throughput import StepTimer, gpu_memory, log_hints, setup_facts, speedup_facts, summarize
@@ -70,8 +67,7 @@ class Trainer:
         self.num_devices = plan.num_devices  # devices whose batches make one step (DDP ranks or DP GPUs)
         # built by setup()
         self.tokenizer = self.encoder = self.model = self.train_model = self.precision = None
-        self.train_set = self.dev_pairs = self.sampler = self.loader = self.schedule = None
-        self.num_batches = self.steps_per_epoch = self.total_steps = 0
+        self.data: TrainData | None = None
         self.lr, self.optimizer, self.scheduler, self.warmup_steps, self.scaler = 0.0, None, None, 0, None
         self.forward_chunks = 1
         self.loss_fn = self.resume_from = self.step = None
@@ -91,61 +87,37 @@ class Trainer:
         seed_everything(cfg.seed, cfg.trainer.deterministic)
         inputs = self.inputs or load_inputs(cfg, warn_unknown=False)  # the Hydra process warned already
         self._setup_model(inputs)
-        self._setup_data(inputs)
+        self.data = build_train_data(cfg, self.env, self.plan, inputs)
         self.loss_fn = build_loss(cfg.loss, cfg.data.train_group_size)
         self._setup_optimizer()
-        self.resume_from = self._resume_path()
+        self.resume_from = resume_path(cfg.trainer.resume, self.output_dir)
         self.facts = setup_facts(cfg, self.env, self.plan, self.lr, self.precision, count_parameters(self.model))
         self.facts["forward_chunks"] = self.forward_chunks
         if cfg.data.max_tokens_per_batch:  # steps vary in size: the plan's mean (what the lr was scaled to)
             self.facts.update(
-                effective_batch_size=self.schedule.mean_step_queries(),
+                effective_batch_size=self.data.schedule.mean_step_queries(),
                 max_tokens_per_batch=cfg.data.max_tokens_per_batch,
             )
         self.logger = run_logger(cfg, self.output_dir, self.env.is_main, self.facts)
         if self.env.is_main:
-            schedule = (self.total_steps, self.steps_per_epoch, self.warmup_steps)
-            log_setup(cfg, self.facts, len(self.train_set), self.dev_pairs, *schedule)
+            data = self.data
+            steps = {"total_steps": data.total_steps, "steps_per_epoch": data.steps_per_epoch}
+            log_setup(cfg, self.facts, len(data.train_set), data.dev_pairs, **steps, warmup_steps=self.warmup_steps)
 
     def _setup_model(self, inputs: RunInputs) -> None:
         self.tokenizer, self.encoder = inputs.tokenizer, inputs.encoder
         model_cfg = resolved_model_config(self.cfg, self.encoder, self.device)  # gradient_checkpointing: auto
-        packing = self.cfg.data.packing
-        model = load_reranker(model_cfg, self.encoder, self.cfg.seed, packing=packing, training=True)
+        model = load_reranker(model_cfg, self.encoder, self.cfg.seed, packing=self.cfg.data.packing, training=True)
         self.model = model.to(self.device)
         self.precision = resolve_precision(self.cfg.trainer.precision, self.device)
         apply_levers(self.model, model_cfg, self.precision, self.device)
         self.attention = packed_attention_path_of(self.cfg, self.device, self.precision)  # stops without varlen
         self.train_model = wrap_for_training(self.model, self.env, self.plan, self.cfg.parallel.find_unused_parameters)
 
-    def _setup_data(self, inputs: RunInputs) -> None:
-        cfg, env, data = self.cfg, self.env, self.cfg.data
-        instruction = data.instruction or cfg.model.prompt.default_instruction
-        self.train_set = TrainGroups(
-            inputs.train_queries, data.train_group_size, instruction, cfg.seed, data.random_negatives
-        )
-        self.dev_pairs = inputs.dev_pairs(instruction, cfg.seed)  # built once per process
-        # DataParallel splits one process's batch over its GPUs, so that process loads all of their batches.
-        loader_batch = data.batch_size * (self.num_devices if self.plan.strategy == "dp" else 1)
-        window = loader_batch * env.world_size * cfg.trainer.grad_accum_steps
-        # data.pretokenize: the train prompts' token ids are read once per process, off the step
-        encoder = pretokenized(self.encoder, self.train_set, inputs.token_ids) if data.pretokenize else self.encoder
-        trainer = cfg.trainer
-        where = (env.world_size, env.rank, cfg.seed, self.device, trainer.grad_accum_steps)
-        self.sampler, self.loader, self.schedule = train_loader(
-            self.train_set, encoder, data, loader_batch, window, *where
-        )
-        self.num_batches = self.schedule.num_batches(0)
-        self.steps_per_epoch = math.ceil(self.num_batches / trainer.grad_accum_steps)
-        self.total_steps = trainer.max_steps
-        if trainer.max_steps <= 0:  # a token budget's epochs can differ in length (resampled negatives)
-            epochs = range(trainer.max_epochs)
-            self.total_steps = sum(math.ceil(self.schedule.num_batches(e) / trainer.grad_accum_steps) for e in epochs)
-
     def _setup_optimizer(self) -> None:
-        self.lr = scaled_lr(self.cfg, self.num_devices, self.schedule.mean_step_queries())
+        self.lr = scaled_lr(self.cfg, self.num_devices, self.data.schedule.mean_step_queries())
         self.optimizer, self.scheduler, self.warmup_steps = build_optimizer(
-            self.cfg.optimizer, self.model, self.lr, self.total_steps
+            self.cfg.optimizer, self.model, self.lr, self.data.total_steps
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.forward_chunks = forward_chunk_count(self.cfg.trainer.forward_chunks, self.device.type)
@@ -153,19 +125,12 @@ class Trainer:
             self.train_model, self.loss_fn, self.scaler, self.precision, self.env, self.forward_chunks
         )
 
-    def _resume_path(self) -> Path | None:
-        resume = self.cfg.trainer.resume
-        if resume == "never":
-            return None
-        return latest_checkpoint(self.output_dir) if resume == "auto" else Path(resume)
-
     def evaluate(self) -> dict[str, float]:
         start = time.perf_counter()
         scorer = self.train_model if self.plan.strategy == "dp" else self.model  # DP: score on every GPU
-        batch = self.cfg.data.eval_batch_size
+        pairs, batch = self.data.dev_pairs, self.cfg.data.eval_batch_size
         mixed = self.cfg.data.teacher_weight  # > 0: the model's scores mixed with the teacher's, own as model_*
-        args = (self.dev_pairs, batch, self.device, self.env, self.step.autocast, mixed)
-        metrics = ev.evaluate(scorer, self.encoder, *args)
+        metrics = ev.evaluate(scorer, self.encoder, pairs, batch, self.device, self.env, self.step.autocast, mixed)
         self.eval_time_s += time.perf_counter() - start
         return metrics
 
@@ -174,25 +139,25 @@ class Trainer:
         cfg, env = self.cfg, self.env
         progress = self._restore() if self.resume_from else Progress()
         if progress.step == 0 and cfg.trainer.evaluate:
-            progress.summary.update(ev.reference_metrics(self.dev_pairs) if env.is_main else {})
+            progress.summary.update(ev.reference_metrics(self.data.dev_pairs) if env.is_main else {})
             if cfg.trainer.eval_before_training:
                 initial = self._eval_and_log(0)
                 progress.summary.update({f"initial_{k}": v for k, v in initial.items()}, **initial)
                 progress.evaluated_at = 0
-        timer = self.timer = StepTimer(progress.step, self.total_steps, time.perf_counter() - self.eval_time_s)
+        timer = self.timer = StepTimer(progress.step, self.data.total_steps, time.perf_counter() - self.eval_time_s)
         self.logged = []
         show = env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()
         self.bar = tqdm(
-            total=self.total_steps, initial=progress.step, desc="train", dynamic_ncols=True, disable=not show
+            total=self.data.total_steps, initial=progress.step, desc="train", dynamic_ncols=True, disable=not show
         )
         self.train_model.train()
         train_start, eval_time_before = time.perf_counter(), self.eval_time_s
         accum = cfg.trainer.grad_accum_steps
-        while progress.step < self.total_steps and not self.stopped:
-            self.schedule.seek(progress.epoch, progress.batch)
-            self.train_set.set_epoch(progress.epoch)
-            batches = iter(self.loader)
-            num_batches = self.schedule.num_batches(progress.epoch)
+        while progress.step < self.data.total_steps and not self.stopped:
+            self.data.schedule.seek(progress.epoch, progress.batch)
+            self.data.train_set.set_epoch(progress.epoch)
+            batches = iter(self.data.loader)
+            num_batches = self.data.schedule.num_batches(progress.epoch)
             for first in range(progress.batch, num_batches, accum):
                 micro_steps = min(accum, num_batches - first)
                 self._train_window(batches, first, micro_steps, progress.step + 1)
@@ -205,7 +170,7 @@ class Trainer:
                 if stop:  # preemption: checkpointed, the requeued job resumes
                     self.bar.close()
                     return {**progress.summary, "steps": progress.step, "preempted_at_step": progress.step}
-                if progress.step >= self.total_steps or self.stopped:
+                if progress.step >= self.data.total_steps or self.stopped:
                     break
             progress.epoch, progress.batch = progress.epoch + 1, 0
             if progress.evaluated_at != progress.step and not self.stopped:
@@ -222,7 +187,7 @@ class Trainer:
         start = time.perf_counter()
         # the loss is a mean over every query of the global step, so accumulation and sharding give the
         # gradient of one big batch
-        divisor = self.schedule.loss_divisor(first, micro_steps)
+        divisor = self.data.schedule.loss_divisor(first, micro_steps)
         stats, wait, busy = self.step.accumulate(batches, micro_steps, divisor)
         grad_norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.scaler, self.cfg.optimizer)
         if self.hooks.after_step:
@@ -242,7 +207,7 @@ class Trainer:
         Step figures are read before any of them, so that no diverged state is evaluated or saved."""
         cfg, step = self.cfg, progress.step
         self.bar.update(1)
-        log_due = step % cfg.trainer.log_every == 0 or step == self.total_steps
+        log_due = step % cfg.trainer.log_every == 0 or step == self.data.total_steps
         eval_due = cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0
         checkpoint_due = cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0
         if log_due or eval_due or checkpoint_due:
@@ -266,9 +231,9 @@ class Trainer:
         if self.cfg.loss.distill_weight > 0:
             summary["train_distill_loss"] = sum(f.distill_loss for f in logged) / len(logged)
         lr = self.scheduler.get_last_lr()[0]
-        where = (self.logger, self.env.is_main, progress.step, self.total_steps, progress.epoch)
         gpu = gpu_memory(self.device) if self.env.is_main else {}
-        log_train_step(*where, summary["train_loss"], lr, figures, gpu)
+        at = {"step": progress.step, "total_steps": self.data.total_steps, "epoch": progress.epoch}
+        log_train_step(self.logger, self.env.is_main, **at, loss=summary["train_loss"], lr=lr, figures=figures, gpu=gpu)
         logged.clear()
 
     def _evaluate_into(self, progress: Progress) -> None:
@@ -304,8 +269,7 @@ class Trainer:
         log_eval(self.logger, self.env.is_main, metrics, step)
         # Callbacks decide on the main rank; every rank must then stop at the same step, or DDP would hang.
         votes = [callback(step, metrics) for callback in self.eval_callbacks] if self.env.is_main else []  # all run
-        stop = any(votes)
-        stop = stop and step < self.total_steps  # a run that trained to the end is complete, never pruned
+        stop = any(votes) and step < self.data.total_steps  # a run that trained to the end is complete, never pruned
         self.stopped = self.env.gather_objects(stop)[0]
         if self.stopped and self.env.is_main:
             log.info("stopping after the evaluation at step %d (an evaluation callback asked to)", step)
@@ -315,19 +279,15 @@ class Trainer:
     def _checkpoint(self, progress: Progress, position: tuple[int, int]) -> None:
         """Collective; `position`: the epoch and batch the run continues from."""
         at = dataclasses.replace(progress, epoch=position[0], batch=position[1])
-        parts = (self.model, self.optimizer, self.scheduler, self.scaler, self.env)
-        path = save_training_state(self.output_dir, *parts, at, self.cfg.trainer.keep_checkpoints)
-        if path:
-            log.info("checkpoint: %s", path)
+        save_training_state(self.output_dir, self._training_state(), at, self.cfg.trainer.keep_checkpoints)
 
     def _restore(self) -> Progress:
-        parts = (self.model, self.optimizer, self.scheduler, self.scaler, self.env)
-        progress = restore_training_state(self.resume_from, *parts)
-        if self.env.is_main:
-            where = (progress.source, progress.step, progress.epoch, progress.batch)
-            log.info("resumed from %s at step %d (epoch %d, batch %d)", *where)
+        progress = restore_training_state(self.resume_from, self._training_state())
         self.logger.truncate(progress.step)
         return progress
+
+    def _training_state(self) -> TrainingState:
+        return TrainingState(self.model, self.optimizer, self.scheduler, self.scaler, self.env)
 
     # ------------------------------------------------------------------------------------------------ save
     def save(self) -> None:

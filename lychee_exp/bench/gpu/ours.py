@@ -150,7 +150,7 @@ def run(spec: dict, out: Path) -> dict:
     started_from = starting_point(trainer.model)
     chunks = getattr(trainer, "forward_chunks", cfg.trainer.forward_chunks)  # resolved (auto) by setup
     log = BatchLog(chunks if isinstance(chunks, int) else 1)
-    trainer.loader = RecordingLoader(trainer.loader, log)
+    trainer.data.loader = RecordingLoader(trainer.data.loader, log)
     losses: list[torch.Tensor] = []
     step = getattr(trainer, "step", None)
     loss_fn = getattr(step, "loss_fn", None)
