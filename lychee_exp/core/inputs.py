@@ -1,7 +1,7 @@
 """What a run reads before it trains: the train and dev queries, and the tokenizer with its prompt encoder.
 
-Read once per process: `run.preflight` loads and checks them in the Hydra process before any rank starts, and
-the paths that train in that same process (single, dp, the speedup calibration, a torchrun rank) hand that
+Read once per process: `job.training_job.preflight` loads and checks them in the Hydra process before any rank
+starts, and the paths that train in that same process (single, dp, the speedup calibration, a torchrun rank) hand that
 object to the Trainer. Spawned DDP ranks load their own. A process that runs several jobs (a sweep worker, a
 warm rank) keeps the last inputs it read and reuses them while the settings and files they come from are the
 same: they are read-only to training.

@@ -13,7 +13,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from lychee_exp.core.choices import RankBy, Sampling, Stemmer
-from lychee_exp.core.config import ModelConfig, ParallelConfig, _check_bounds, at_least
+from lychee_exp.core.config import ModelConfig, ParallelConfig
+from lychee_exp.core.config_rules import at_least, check_bounds
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.dense import DEFAULT_ENCODER, DenseConfig
 from lychee_exp.core.ir.first_stage import RUN_PREFIX, check_stage
@@ -94,7 +95,7 @@ def register_ir_schemas() -> None:
 
 
 def check_mine_config(cfg: MineConfig) -> None:
-    _check_bounds(cfg, "")
+    check_bounds(cfg, "")
     _dense_alias(cfg)
     if cfg.range_max <= cfg.range_min:
         raise UserError(f"range_max must be > range_min, got {cfg.range_min}-{cfg.range_max}")
@@ -140,7 +141,7 @@ def rerank_config_from(payload: dict) -> RerankConfig:
 
 
 def check_rerank_config(cfg: RerankConfig) -> None:
-    _check_bounds(cfg, "")
+    check_bounds(cfg, "")
     _dense_alias(cfg)
     check_stage(cfg.first_stage)
 

@@ -1,0 +1,103 @@
+"""The rules of a run's configuration that types cannot express: numeric bounds declared beside a schema field
+(`at_least`, `above`, and the `min`/`below`/`max` metadata), and the cross-field rules of a RunConfig. Both are
+applied by lychee_exp.core.config.check_config, in the Hydra process before any training process starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from dataclasses import field
+from typing import Any
+
+from lychee_exp.core.chunks import forward_chunk_count
+from lychee_exp.core.devices import parse_gpus
+from lychee_exp.core.errors import UserError
+
+
+def at_least(low: float, default: Any) -> Any:
+    """A field whose value must be >= low (checked by check_config, naming the key)."""
+    return field(default=default, metadata={"min": low})
+
+
+def above(low: float, default: Any) -> Any:
+    """A field whose value must be > low."""
+    return field(default=default, metadata={"above": low})
+
+
+def check_run_config(run_cfg: Any) -> None:
+    """A core.config.RunConfig's bounds and cross-field rules; raises UserError naming the key."""
+    check_bounds(run_cfg, "")
+    group = run_cfg.data.train_group_size
+    if run_cfg.loss.name == "listwise" and group < 2:
+        raise UserError(f"data.train_group_size must be >= 2 for loss=listwise (1 positive + negatives), got {group}")
+    if run_cfg.trainer.max_steps <= 0 and run_cfg.trainer.max_epochs < 1:
+        raise UserError("trainer.max_epochs must be >= 1 when trainer.max_steps <= 0")
+    if not run_cfg.model.prompt.max_len and not run_cfg.model.prompt.doc_max_len:
+        raise UserError("model.prompt.doc_max_len=0 needs a total budget: set model.prompt.max_len > 0")
+    _check_template(run_cfg.model.prompt.template)
+    if run_cfg.model.gradient_checkpointing not in (True, False, "auto"):
+        raise UserError(
+            f"model.gradient_checkpointing must be true, false or auto, got {run_cfg.model.gradient_checkpointing!r}"
+        )
+    if run_cfg.model.lora.dtype not in ("auto", "float32", "model"):
+        raise UserError(f"model.lora.dtype must be auto, float32 or model, got {run_cfg.model.lora.dtype!r}")
+    _check_packing(run_cfg)
+    _check_token_budget(run_cfg)
+    parse_gpus(run_cfg.gpus)
+    forward_chunk_count(run_cfg.trainer.forward_chunks, "cpu")
+
+
+def _check_packing(cfg: Any) -> None:  # a core.config.RunConfig
+    if not cfg.data.packing:
+        return
+    if cfg.model.kind != "causal_lm":
+        raise UserError(f"data.packing=true needs a causal LM reranker; model.kind={cfg.model.kind} pads its batches")
+    if cfg.model.attn_implementation not in ("sdpa", "eager"):
+        got = cfg.model.attn_implementation
+        raise UserError(f"data.packing=true needs model.attn_implementation sdpa or eager, got {got}")
+    if cfg.parallel.strategy == "dp":
+        raise UserError("data.packing=true cannot split a packed row over DataParallel GPUs; use parallel=ddp")
+
+
+def _check_token_budget(cfg: Any) -> None:  # a core.config.RunConfig
+    budget = cfg.data.max_tokens_per_batch
+    if budget is None:
+        return
+    if isinstance(budget, bool) or budget < 1:
+        raise UserError(f"data.max_tokens_per_batch must be null or an integer >= 1, got {budget!r}")
+    if cfg.parallel.strategy == "dp":
+        raise UserError(
+            "data.max_tokens_per_batch is a per-device budget; DataParallel splits one batch: use parallel=ddp"
+        )
+
+
+def check_bounds(node: Any, prefix: str) -> None:
+    """The bounds that at_least/above/... fields declare, over a dataclass and its nested ones."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            check_bounds(value, f"{key}.")
+        elif value is None:  # an optional key left unset
+            continue
+        elif "min" in f.metadata and not value >= f.metadata["min"]:
+            raise UserError(f"{key} must be >= {f.metadata['min']}, got {value}")
+        elif "above" in f.metadata and not value > f.metadata["above"]:
+            raise UserError(f"{key} must be > {f.metadata['above']}, got {value}")
+        elif "below" in f.metadata and not value < f.metadata["below"]:
+            raise UserError(f"{key} must be < {f.metadata['below']}, got {value}")
+        elif "max" in f.metadata and not value <= f.metadata["max"]:
+            raise UserError(f"{key} must be <= {f.metadata['max']}, got {value}")
+
+
+def _check_template(template: str) -> None:
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as err:
+        raise UserError(f"model.prompt.template is not a valid format string: {err}") from None
+    unknown = set(fields) - {"instruction", "query", "document"}
+    if unknown:
+        fields_help = "use {instruction}, {query}, {document}"
+        raise UserError(f"model.prompt.template has unknown field(s) {sorted(unknown)}; {fields_help}")
+    for needed in ("query", "document"):
+        if fields.count(needed) != 1:
+            raise UserError(f"model.prompt.template must contain {{{needed}}} exactly once")
