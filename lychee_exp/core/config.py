@@ -154,7 +154,7 @@ class OptimizerConfig:
     name: str = "adamw"  # a registered optimizer (lychee_exp.core.optim.OPTIMIZERS)
     lr: float = above(0, 1e-4)  # base learning rate, tuned at base_batch_size (Lychee: 1e-4)
     base_batch_size: int = at_least(1, 4)  # effective batch (queries) at which lr applies
-    lr_scaling: LrScaling = LrScaling.none  # scale lr to the effective batch size
+    lr_scaling: LrScaling = LrScaling.linear  # scale lr to the effective batch size
     weight_decay: float = at_least(0, 0.01)
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
@@ -184,7 +184,7 @@ class TrainerConfig:
     # auto: per device type, as measured (lychee_exp.core.chunks.AUTO_FORWARD_CHUNKS)
     forward_chunks: Any = "auto"
     precision: Precision = Precision.auto
-    log_every: int = at_least(1, 5)
+    log_every: int = at_least(1, 10)
     progress_bar: bool = True
     deterministic: bool = True
     save_model: bool = True
