@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from lychee_exp.core.ir.first_stage import retrieve
+from lychee_exp.core.ir.mining import MineSettings
 from lychee_exp.core.ir.pipeline import open_split
 from lychee_exp.core.ir.trec import write_run
 
@@ -40,6 +41,13 @@ def fruit_dataset(root: Path) -> Path:
         queries[f"q-{word}"] = f"how does the {word} grow"
         (train if i % 2 == 0 else test)[f"q-{word}"] = {f"{word}-a": 2, f"{word}-b": 1, f"{word}-c": 0}
     return write_beir(root, docs, queries, {"train": train, "test": test})
+
+
+def mining(range_min: int, range_max: int, num_negatives: int, **given) -> MineSettings:
+    """The settings a mining test means: its range and count, and a seeded (42) random sample over the first
+    stage's ranking, no guard, unless it gives others."""
+    chosen = {"sampling": "random", "rank_by": "first_stage", "seed": 42, **given}
+    return MineSettings(range_min=range_min, range_max=range_max, num_negatives=num_negatives, **chosen)
 
 
 def ranked_dataset(tmp_path: Path):

@@ -9,18 +9,18 @@ import subprocess
 import sys
 
 import pytest
-from beir_helpers import fruit_dataset, ranked_dataset
+from beir_helpers import fruit_dataset, mining, ranked_dataset
 
 from lychee_exp.core.data.queries import load_queries
 from lychee_exp.core.errors import UserError
-from lychee_exp.core.ir.mining import MineSettings, mine
+from lychee_exp.core.ir.mining import mine
 from lychee_exp.mine import main as mine_main
 
 
 def test_negatives_stay_inside_the_rank_range_and_are_never_judged_positives(tmp_path, ir_cache):
     corpus, split, run, _ = ranked_dataset(tmp_path)
     # after the query's own id is skipped the run is d00..d39 in order: rank r holds d{r}
-    lines, summary = mine(corpus, split, run, MineSettings(range_min=10, range_max=30, num_negatives=50))
+    lines, summary = mine(corpus, split, run, mining(10, 30, 50))
     (line,) = lines
     ids = line["neg_ids"]
     assert sorted(ids) == sorted(f"d{r:02d}" for r in range(10, 30) if r not in (12, 25))  # all 18 eligible
@@ -28,16 +28,16 @@ def test_negatives_stay_inside_the_rank_range_and_are_never_judged_positives(tmp
     assert line["pos_ids"] == ["d03", "d12", "d25"] and line["pos_labels"] == [2, 1, 1]  # all positives, grades kept
     assert line["pos"][0] == corpus.text("d03") and line["neg"] == [corpus.text(d) for d in ids]
     assert summary.written == 1 and summary.negatives == 18
-    few, _ = mine(corpus, split, run, MineSettings(range_min=10, range_max=30, num_negatives=5, seed=1))
-    again, _ = mine(corpus, split, run, MineSettings(range_min=10, range_max=30, num_negatives=5, seed=1))
-    other, _ = mine(corpus, split, run, MineSettings(range_min=10, range_max=30, num_negatives=5, seed=2))
+    few, _ = mine(corpus, split, run, mining(10, 30, 5, seed=1))
+    again, _ = mine(corpus, split, run, mining(10, 30, 5, seed=1))
+    other, _ = mine(corpus, split, run, mining(10, 30, 5, seed=2))
     assert len(few[0]["neg_ids"]) == 5 and set(few[0]["neg_ids"]) <= set(ids)
     assert few[0]["neg_ids"] == again[0]["neg_ids"] != other[0]["neg_ids"]
 
 
 def test_a_query_without_candidates_in_range_is_skipped_and_said(tmp_path, ir_cache):
     corpus, split, run, _ = ranked_dataset(tmp_path)
-    lines, summary = mine(corpus, split, run, MineSettings(range_min=45, range_max=60))
+    lines, summary = mine(corpus, split, run, mining(45, 60, 15))
     assert lines == [] and summary.written == 0
     assert "0 queries written, skipped: 1 without negatives in ranks 45-60" in summary.line()
 
@@ -53,7 +53,7 @@ def test_the_margin_drops_candidates_the_teacher_scores_near_the_positives(tmp_p
         asked.extend(pairs)
         return [score[d] for _, d in pairs]
 
-    lines, summary = mine(corpus, split, run, MineSettings(10, 30, 50, absolute_margin=1.0), teacher)
+    lines, summary = mine(corpus, split, run, mining(10, 30, 50, absolute_margin=1.0), teacher)
     kept = lines[0]["neg_ids"]
     # the lowest positive scores 4.0: candidates above 4.0 - 1.0 = 3.0 are dropped
     assert kept and all(score[d] <= 3.0 for d in kept)

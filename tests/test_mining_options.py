@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from beir_helpers import fruit_dataset, ranked_dataset
+from beir_helpers import fruit_dataset, mining, ranked_dataset
 
-from lychee_exp.core.ir.mining import MineSettings, mine
+from lychee_exp.core.ir.mining import mine
 
 # the run ranks d00..d39 in order; positives d03, d12, d25 (lowest teacher score: d12's 4.0)
 POSITIVES = {"d03": 5.0, "d12": 4.0, "d25": 6.0}
@@ -37,7 +37,7 @@ def _cycle_scores() -> dict[str, float]:
 def test_each_guard_drops_exactly_the_candidates_above_its_bar(tmp_path, ir_cache, guard, kept_at_most):
     corpus, split, run, _ = ranked_dataset(tmp_path)
     score = _cycle_scores()
-    lines, summary = mine(corpus, split, run, MineSettings(10, 30, 50, **guard), _teacher(score))
+    lines, summary = mine(corpus, split, run, mining(10, 30, 50, **guard), _teacher(score))
     expected = sorted(d for d in ELIGIBLE if score[d] <= kept_at_most)
     assert sorted(lines[0]["neg_ids"]) == expected and any(score[d] == kept_at_most for d in expected)
     assert summary.dropped == {next(iter(guard)): len(ELIGIBLE) - len(expected)}
@@ -47,7 +47,7 @@ def test_each_guard_drops_exactly_the_candidates_above_its_bar(tmp_path, ir_cach
 def test_guards_together_count_each_drop_once_in_sentence_transformers_order(tmp_path, ir_cache):
     corpus, split, run, _ = ranked_dataset(tmp_path)
     score = _cycle_scores()
-    settings = MineSettings(10, 30, 50, absolute_margin=1.0, relative_margin=0.5, max_score=1.0)
+    settings = mining(10, 30, 50, absolute_margin=1.0, relative_margin=0.5, max_score=1.0)
     lines, summary = mine(corpus, split, run, settings, _teacher(score))
     count = {s: sum(score[d] == s for d in ELIGIBLE) for s in range(7)}
     # absolute drops 4-6, relative then 3, max_score then 2
@@ -61,10 +61,10 @@ def test_guards_together_count_each_drop_once_in_sentence_transformers_order(tmp
 
 def test_sampling_top_writes_the_best_ranked_candidates_in_rank_order(tmp_path, ir_cache):
     corpus, split, run, _ = ranked_dataset(tmp_path)
-    (line,), _ = mine(corpus, split, run, MineSettings(10, 30, 5, sampling="top"))
+    (line,), _ = mine(corpus, split, run, mining(10, 30, 5, sampling="top"))
     assert line["neg_ids"] == ["d10", "d11", "d13", "d14", "d15"]  # d12 is a positive
     # after a guard: the best ranked of what is left (scores of d10.. are 3, 4, 6, 0, 1, 2, 3, 4, ...)
-    settings = MineSettings(10, 30, 4, max_score=2.0, sampling="top")
+    settings = mining(10, 30, 4, max_score=2.0, sampling="top")
     (line,), _ = mine(corpus, split, run, settings, _teacher(_cycle_scores()))
     assert line["neg_ids"] == ["d14", "d15", "d16", "d21"]
     assert line["neg_scores"] == [0.0, 1.0, 2.0, 0.0]
@@ -80,13 +80,13 @@ def test_rank_by_teacher_takes_the_range_over_the_teachers_ranking_of_the_first_
         asked.extend(pairs)
         return [score[d] for _, d in pairs]
 
-    settings = MineSettings(4, 30, 4, sampling="top", rank_by="teacher")
+    settings = mining(4, 30, 4, sampling="top", rank_by="teacher")
     (line,), _ = mine(corpus, split, run, settings, teacher)
     # the teacher's ranking of d00..d29: d25, d12, d03, d29, d28, d27, d26, d24, ...; ranks 4.. start at d28
     assert line["neg_ids"] == ["d28", "d27", "d26", "d24"]
     assert line["neg_scores"] == [28.0, 27.0, 26.0, 24.0]
     assert sorted(asked) == sorted(("q1", f"d{i:02d}") for i in range(30))  # each pair of the top-30 once
-    by_first_stage, _ = mine(corpus, split, run, MineSettings(4, 30, 4, sampling="top"), teacher)
+    by_first_stage, _ = mine(corpus, split, run, mining(4, 30, 4, sampling="top"), teacher)
     assert by_first_stage[0]["neg_ids"] == ["d04", "d05", "d06", "d07"]
     with pytest.raises(ValueError, match="need a teacher"):
         mine(corpus, split, run, settings)

@@ -11,14 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 import pytrec_eval
-from beir_helpers import fruit_dataset
+from beir_helpers import fruit_dataset, mining
 
 from lychee_exp.core.choices import Stemmer
 from lychee_exp.core.ir.candidates import build_rerank_pairs
 from lychee_exp.core.ir.config import RerankConfig, register_ir_schemas
 from lychee_exp.core.ir.dense import DenseConfig
 from lychee_exp.core.ir.metrics import trec_metrics
-from lychee_exp.core.ir.mining import MineSettings, mine
+from lychee_exp.core.ir.mining import mine
 from lychee_exp.core.ir.pipeline import open_split
 from lychee_exp.core.ir.training import beir_dev
 from lychee_exp.core.ir.trec import write_run
@@ -134,6 +134,6 @@ def test_zero_only_queries_are_evaluated_in_training_and_skipped_by_mining(tmp_p
     perfect = [float(label) for label in pairs.labels]  # the relevant documents first wherever retrieved
     assert trec_metrics(pairs.run_of(perfect), pairs.qrels, 4)["recall@4"] == pytest.approx(6 / 7)
     corpus, split = open_split(str(root), "test")
-    lines, summary = mine(corpus, split, dev.run, MineSettings(range_min=0, range_max=4, num_negatives=2))
+    lines, summary = mine(corpus, split, dev.run, mining(0, 4, 2))
     assert ZERO_ONLY not in {line["qid"] for line in lines} and len(lines) == 6
     assert summary.skipped["without a relevant document"] == 1 and "1 without a relevant document" in summary.line()

@@ -27,17 +27,19 @@ from lychee_exp.core.ir.trec import Run, ranked
 Teacher = Callable[[list[tuple[str, str]]], list[float]]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MineSettings:
-    range_min: int = 10
-    range_max: int = 210
-    num_negatives: int = 15
+    """What `mine` keeps, all given by the caller (the mine command's MineConfig holds the defaults)."""
+
+    range_min: int
+    range_max: int
+    num_negatives: int
+    sampling: Sampling
+    rank_by: RankBy
+    seed: int
     absolute_margin: Optional[float] = None  # None = no guard (each of the three)
     relative_margin: Optional[float] = None
     max_score: Optional[float] = None
-    sampling: Sampling = Sampling.random
-    rank_by: RankBy = RankBy.first_stage
-    seed: int = 42
 
     def guards(self) -> dict[str, Callable[[float, float], bool]]:
         """name -> keep(score, lowest positive score), for the guards that are set, in sentence-transformers'
