@@ -59,7 +59,7 @@ def main() -> None:
 def _rerank(dataset: str, args) -> float:
     from lychee_exp.core.distributed import DistEnv
     from lychee_exp.core.ir.config import RerankConfig, register_ir_schemas
-    from lychee_exp.recipe import rerank as rerank_recipe
+    from lychee_exp.recipe import rank_reranking as rerank_recipe
     from lychee_exp.run import command_config
 
     register_ir_schemas()

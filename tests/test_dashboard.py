@@ -102,7 +102,7 @@ def test_dry_run_writes_json_offline_and_save_needs_a_key(tmp_path):
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "lychee_exp.tracking.dashboard", "--entity", "e", "--project", "p", *args],
+            [sys.executable, "-m", "lychee_exp.tracking.wandb_workspace", "--entity", "e", "--project", "p", *args],
             env=env,
             capture_output=True,
             text=True,

@@ -113,7 +113,7 @@ def test_the_graph_sees_the_package():
     graph = import_graph()
     assert {"lychee_exp.recipe.trainer", "lychee_exp.core.config", "lychee_exp.sweep.pruning"} <= set(graph)
     assert "lychee_exp.launch.launcher" in reachable(graph, "lychee_exp.run")
-    assert "lychee_exp.recipe.on_rank" in graph["lychee_exp.launch.launcher"]
+    assert "lychee_exp.recipe.rank_training" in graph["lychee_exp.launch.launcher"]
     assert "lychee_exp.core.evaluate" in graph["lychee_exp.recipe.trainer"]  # `from lychee_exp.core import evaluate`
 
 

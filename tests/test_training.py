@@ -353,7 +353,7 @@ def test_throughput_counts_what_runs_between_steps(tmp_path):
 
     from lychee_exp.core.devices import plan_devices
     from lychee_exp.core.distributed import DistEnv
-    from lychee_exp.recipe.on_rank import train_on_rank
+    from lychee_exp.recipe.rank_training import train_on_rank
     from lychee_exp.recipe.progress import StepHooks
 
     def slow_stop_request() -> bool:

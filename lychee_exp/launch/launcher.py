@@ -40,7 +40,7 @@ from lychee_exp.launch.preemption import PreemptionWatch
 from lychee_exp.launch.ranks import PASSED_ENV, WARM_LOGS, as_rank, warm_init, warm_job, worker
 from lychee_exp.launch.step_hooks import rank_hooks
 from lychee_exp.launch.warm_ranks import RankSetup, RanksFailed, close_warm_ranks, warm_ranks
-from lychee_exp.recipe.on_rank import train_on_rank
+from lychee_exp.recipe.rank_training import train_on_rank
 
 log = logging.getLogger(__name__)
 QUIET_CTRL_C_ENV = "LYCHEE_RANK_QUIET_CTRL_C"  # ranks started with it end silently on Ctrl-C (lychee_exp/__init__)

@@ -29,7 +29,7 @@ from lychee_exp.launch.preemption import install_rank_handler
 from lychee_exp.launch.processes import die_with_parent, one_line
 from lychee_exp.launch.step_hooks import rank_hooks
 from lychee_exp.launch.warm_ranks import RankSetup
-from lychee_exp.recipe.on_rank import train_on_rank
+from lychee_exp.recipe.rank_training import train_on_rank
 from lychee_exp.tracking.throughput import reset_peak_memory
 
 WARM_LOGS = "logs/warm"

@@ -20,7 +20,7 @@ from lychee_exp.launch.failures import note_failure
 from lychee_exp.launch.launcher import run_ranks
 from lychee_exp.launch.processes import die_with_parent, one_line
 from lychee_exp.launch.ranks import init_distributed
-from lychee_exp.recipe.rerank import rerank_on_rank
+from lychee_exp.recipe.rank_reranking import rerank_on_rank
 
 log = logging.getLogger(__name__)
 
