@@ -58,7 +58,7 @@ def main() -> None:
 
 def _rerank(dataset: str, args) -> float:
     from lychee_exp.core.distributed import DistEnv
-    from lychee_exp.core.ir.config import RerankConfig, register_ir_schemas
+    from lychee_exp.core.ir.commands import RerankConfig, register_ir_schemas
     from lychee_exp.recipe import rank_reranking as rerank_recipe
     from lychee_exp.run import command_config
 
@@ -81,7 +81,7 @@ def _in_loop_same_pairs(dataset: str, args) -> float:
     """The training loop's evaluate() on the rerank command's own pairs (the test split's first-stage top-k)."""
     from lychee_exp.core import evaluate as ev
     from lychee_exp.core.ir.candidates import build_rerank_pairs
-    from lychee_exp.core.ir.config import RerankConfig, register_ir_schemas
+    from lychee_exp.core.ir.commands import RerankConfig, register_ir_schemas
     from lychee_exp.core.ir.first_stage import retrieve
     from lychee_exp.core.ir.pipeline import open_split
     from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer

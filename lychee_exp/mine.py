@@ -1,7 +1,7 @@
 """Entry point: `python -m lychee_exp.mine dataset=<beir dir> split=train first_stage=bm25 out=<train.jsonl>`.
 
 Writes a BEIR split as FlagEmbedding reranker JSONL with hard negatives from the first stage's ranks
-(core.ir.mining; keys in core.ir.config.MineConfig), then one summary line. A user mistake is one line, exit 2.
+(core.ir.mining; keys in core.ir.commands.MineConfig), then one summary line. A user mistake is one line, exit 2.
 out= is written as core.outputs says: whole or not at all, never over an input (the corpus, a run file), an
 existing file only with overwrite=true; Ctrl-C leaves it as it was.
 """
@@ -16,7 +16,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lychee_exp.core.errors import RunFailed, UserError
-from lychee_exp.core.ir.config import MineConfig, check_mine_config, command_inputs, mine_settings, register_ir_schemas
+from lychee_exp.core.ir.commands import (
+    MineConfig,
+    check_mine_config,
+    command_inputs,
+    mine_settings,
+    register_ir_schemas,
+)
 from lychee_exp.core.ir.mining import MineSummary
 from lychee_exp.core.ir.pipeline import mine_to_file, open_split
 from lychee_exp.core.model import model_dir

@@ -21,7 +21,7 @@ from lychee_exp.core.atomic import write_json_atomic, write_text_atomic
 from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.ir.beir import dataset_dir, split_names
-from lychee_exp.core.ir.config import RerankConfig, check_rerank_config, command_inputs, register_ir_schemas
+from lychee_exp.core.ir.commands import RerankConfig, check_rerank_config, command_inputs, register_ir_schemas
 from lychee_exp.core.ir.dense import DenseConfig, corpus_embeddings
 from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.pipeline import open_split

@@ -14,7 +14,7 @@ from test_model import _spread_weights, tiny_reranker
 
 from lychee_exp.core.data.groups import DevPairs
 from lychee_exp.core.evaluate import metrics_of, ranking_metrics
-from lychee_exp.core.ir.config import RerankConfig, register_ir_schemas
+from lychee_exp.core.ir.commands import RerankConfig, register_ir_schemas
 from lychee_exp.core.ir.dense import DenseConfig
 from lychee_exp.core.ir.fusion import interpolate, standardise
 from lychee_exp.core.ir.metrics import trec_metrics

@@ -12,7 +12,7 @@ from beir_helpers import fruit_dataset
 
 from lychee_exp.core.choices import Stemmer
 from lychee_exp.core.ir import first_stage
-from lychee_exp.core.ir.config import MineConfig, RerankConfig, register_ir_schemas
+from lychee_exp.core.ir.commands import MineConfig, RerankConfig, register_ir_schemas
 from lychee_exp.core.ir.dense import DenseConfig
 from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.pipeline import mined_train_file, open_split

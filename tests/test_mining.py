@@ -122,7 +122,7 @@ def test_a_trained_reranker_as_teacher_writes_its_own_scores(tmp_path, ir_cache)
     import torch
 
     from lychee_exp.core.evaluate import score_token_ids
-    from lychee_exp.core.ir.config import MineConfig, register_ir_schemas
+    from lychee_exp.core.ir.commands import MineConfig, register_ir_schemas
     from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
     from lychee_exp.mine import mine_command
     from lychee_exp.run import command_config

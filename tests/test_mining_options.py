@@ -95,7 +95,7 @@ def test_rank_by_teacher_takes_the_range_over_the_teachers_ranking_of_the_first_
 def test_a_dense_first_stage_and_teacher_with_topk_percpos_writes_what_it_promises(tmp_path, ir_cache):
     """NV-Retriever's TopK-PercPos through the command: each negative scores at most 95% of the query's lowest
     positive, and they are the best ranked such candidates (a dense first stage ranks by the teacher's cosine)."""
-    from lychee_exp.core.ir.config import MineConfig, register_ir_schemas
+    from lychee_exp.core.ir.commands import MineConfig, register_ir_schemas
     from lychee_exp.mine import mine_command
     from lychee_exp.run import command_config
 

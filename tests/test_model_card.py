@@ -16,7 +16,7 @@ from test_model import _spread_weights, tiny_reranker
 
 from lychee_exp.core.config import ModelConfig, to_run_config
 from lychee_exp.core.errors import UserError
-from lychee_exp.core.ir.config import MineConfig, RerankConfig, register_ir_schemas
+from lychee_exp.core.ir.commands import MineConfig, RerankConfig, register_ir_schemas
 from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer, save_reranker
 from lychee_exp.core.model_card import CARD_FILE, model_choice, write_card
 from lychee_exp.job.training_job import with_model_resolved

@@ -13,7 +13,7 @@ from conftest import REPO_ROOT
 from test_model import LORA, _spread_weights
 
 from lychee_exp.core.evaluate import score_token_ids
-from lychee_exp.core.ir.config import RerankConfig, register_ir_schemas
+from lychee_exp.core.ir.commands import RerankConfig, register_ir_schemas
 from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer, save_reranker
 from lychee_exp.core.model_card import ADAPTER_DIR
 from lychee_exp.run import command_config

@@ -21,8 +21,8 @@ from lychee_exp.core.errors import TrainingDiverged, UserError
 from lychee_exp.core.losses import RankingLoss
 from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
 from lychee_exp.core.packing import block_causal_mask, pack, round_up
-from lychee_exp.recipe.rank_training import train_on_rank
 from lychee_exp.recipe.progress import NO_HOOKS, StepHooks
+from lychee_exp.recipe.rank_training import train_on_rank
 from lychee_exp.recipe.step import WindowStep
 
 LORA = ("model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0.0")

@@ -12,7 +12,7 @@ import pytest
 import pytrec_eval
 from beir_helpers import fruit_dataset
 
-from lychee_exp.core.ir.config import RerankConfig, register_ir_schemas
+from lychee_exp.core.ir.commands import RerankConfig, register_ir_schemas
 from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.metrics import trec_metrics
 from lychee_exp.core.ir.pipeline import open_split

@@ -15,7 +15,7 @@ from beir_helpers import fruit_dataset, mining
 
 from lychee_exp.core.choices import Stemmer
 from lychee_exp.core.ir.candidates import build_rerank_pairs
-from lychee_exp.core.ir.config import RerankConfig, register_ir_schemas
+from lychee_exp.core.ir.commands import RerankConfig, register_ir_schemas
 from lychee_exp.core.ir.dense import DenseConfig
 from lychee_exp.core.ir.metrics import trec_metrics
 from lychee_exp.core.ir.mining import mine

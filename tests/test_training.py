@@ -353,8 +353,8 @@ def test_throughput_counts_what_runs_between_steps(tmp_path):
 
     from lychee_exp.core.devices import plan_devices
     from lychee_exp.core.distributed import DistEnv
-    from lychee_exp.recipe.rank_training import train_on_rank
     from lychee_exp.recipe.progress import StepHooks
+    from lychee_exp.recipe.rank_training import train_on_rank
 
     def slow_stop_request() -> bool:
         time.sleep(0.2)

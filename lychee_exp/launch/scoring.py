@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from lychee_exp.core.devices import DevicePlan, torch_device
 from lychee_exp.core.distributed import DistEnv
-from lychee_exp.core.ir.config import RerankConfig, rerank_config_from
+from lychee_exp.core.ir.commands import RerankConfig, rerank_config_from
 from lychee_exp.launch.failures import note_failure
 from lychee_exp.launch.launcher import run_ranks
 from lychee_exp.launch.processes import die_with_parent, one_line

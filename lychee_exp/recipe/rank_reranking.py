@@ -16,7 +16,7 @@ from tqdm import tqdm
 from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.evaluate import score_sharded
 from lychee_exp.core.ir.candidates import build_rerank_pairs
-from lychee_exp.core.ir.config import RerankConfig
+from lychee_exp.core.ir.commands import RerankConfig
 from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.fusion import interpolate
 from lychee_exp.core.ir.metrics import mean_metrics, per_query_metrics, per_query_tsv

@@ -12,7 +12,7 @@ from lychee_exp.core.choices import Stemmer
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.beir import Corpus, Split, dataset_dir, load_corpus, load_split
 from lychee_exp.core.ir.cache import cache_path
-from lychee_exp.core.ir.config import MineConfig, mine_settings
+from lychee_exp.core.ir.commands import MineConfig, mine_settings
 from lychee_exp.core.ir.dense import SCALE, DenseConfig, corpus_embeddings, embed
 from lychee_exp.core.ir.first_stage import retrieve, stage_key
 from lychee_exp.core.ir.mining import MineSettings, MineSummary, Teacher, mine

@@ -1,9 +1,9 @@
 """python -m lychee_exp.report <runs-or-sweep dir> [--out report.html] [--title TEXT]
 
 One self-contained HTML page comparing every run below a directory (every directory holding a metrics.json),
-with the same comparisons as the W&B workspace (lychee_exp.tracking.wandb_workspace) for users without a W&B account: a runs
-table, speedup and scaling efficiency vs world size, ndcg@10 against lr and effective batch size, loss curves
-grouped by sweep, throughput and memory; plus each Optuna sweep's trials (trials.csv) and each scaling
+with the same comparisons as the W&B workspace (lychee_exp.tracking.wandb_workspace) for users without a W&B
+account: a runs table, speedup and scaling efficiency vs world size, ndcg@10 against lr and effective batch size,
+loss curves grouped by sweep, throughput and memory; plus each Optuna sweep's trials (trials.csv) and each scaling
 benchmark (bench.csv) found there. Inline CSS and SVG only: it opens offline, from a mail attachment too.
 """
 
