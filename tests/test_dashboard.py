@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from lychee_exp.tracking import dashboard
+from lychee_exp.tracking import wandb_workspace
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def no_network(monkeypatch):
 
 @pytest.fixture
 def spec(no_network) -> dict:
-    return dashboard.definition(dashboard.workspace("my-team", "lychee", "test view"))
+    return wandb_workspace.definition(wandb_workspace.workspace("my-team", "lychee", "test view"))
 
 
 def sections(spec: dict) -> dict[str, list[dict]]:
