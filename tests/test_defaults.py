@@ -23,13 +23,7 @@ IDENTITY_KEYS = {"name", "strategy"}  # the key that says which option a file is
 DEFAULT_RUN_CHOICES = {
     "trainer/quick": {"max_steps"},
     "data/sample": {"train_file", "dev_file", "instruction", "train_group_size", "random_negatives", "teacher_weight"},
-    "model/minilm_cross_encoder": {
-        "kind",
-        "path",
-        "dropout",
-        "prompt.text_pair",
-        "prompt.max_len",
-    },
+    "model/minilm_cross_encoder": {"kind", "path", "dropout", "prompt.max_len"},
 }
 
 
@@ -84,6 +78,16 @@ GROUP_OPTIONS = sorted((path.parent.name, path.stem) for group in GROUPS for pat
 @pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS, ids=[f"{g}/{o}" for g, o in GROUP_OPTIONS])
 def test_group_option_writes_each_default_once(group, option):
     assert option_problems(group, option, raw_option(group, option), schema_defaults(), default_options()) == []
+
+
+@pytest.mark.parametrize("option", sorted(DEFAULT_RUN_CHOICES))
+def test_each_declared_choice_is_set_by_a_default_option_to_another_value(option):
+    """The declarations cannot rot: each names a key its option sets, to a value other than the schema's."""
+    group, name = option.split("/")
+    assert option in default_options()
+    own, schema = leaves(raw_option(group, name)), schema_defaults()
+    for key in DEFAULT_RUN_CHOICES[option]:
+        assert key in own and own[key] != schema[f"{group}.{key}"], f"{option}: {key}"
 
 
 def test_the_rule_catches_a_restated_and_a_disagreeing_default():
