@@ -314,9 +314,9 @@ def test_training_distills_each_document_towards_its_own_teacher_score(tmp_path,
     cfg = to_run_config(compose_config(overrides, tmp_path))
     trainer = Trainer(cfg, DistEnv(), plan_devices("single", 1, cuda_count=0, cpu_threads_per_rank=1), tmp_path)
     trainer.setup()
-    trainer.sampler.set_epoch(0)
-    trainer.train_set.set_epoch(0)
-    batch = next(iter(trainer.loader))
+    trainer.data.sampler.set_epoch(0)
+    trainer.data.train_set.set_epoch(0)
+    batch = next(iter(trainer.data.loader))
     texts = trainer.tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True)
     numbers = [int(re.search(r"Document: doc (\d+)", text).group(1)) for text in texts]
     by_text = torch.tensor([teacher_of(n) for n in numbers], dtype=torch.float32).view(-1, group)

@@ -92,21 +92,21 @@ def test_every_packed_row_is_the_budget_wide_and_padded_rows_stay_within_it(tmp_
     packed = _trainer(tmp_path / "packed", *BUDGET)
     padded = _trainer(tmp_path / "padded", "data.max_tokens_per_batch=3072", "trainer.forward_chunks=1")
     for trainer in (packed, padded):
-        trainer.schedule.seek(0, 0)
-        batches = list(trainer.loader)
-        assert len(batches) == trainer.schedule.num_batches(0) > 2
+        trainer.data.schedule.seek(0, 0)
+        batches = list(trainer.data.loader)
+        assert len(batches) == trainer.data.schedule.num_batches(0) > 2
         if trainer is packed:
             assert {tuple(b["input_ids"].shape) for b in batches} == {(1, 2048)}
             assert all(int(b["lengths"].sum()) <= 2048 for b in batches)
         else:
             assert all(b["input_ids"].numel() <= 3072 for b in batches)
         queries = [b["input_ids"].shape[0] if trainer is padded else len(b["lengths"]) for b in batches]
-        assert sum(queries) // 4 == len(trainer.train_set)  # every query once per epoch
+        assert sum(queries) // 4 == len(trainer.data.train_set)  # every query once per epoch
 
 
 def test_lr_scales_with_the_plans_mean_batch(tmp_path):
     trainer = _trainer(tmp_path, *BUDGET, "optimizer.lr_scaling=linear", "optimizer.base_batch_size=2")
-    plan = trainer.schedule.plan(0)
+    plan = trainer.data.schedule.plan(0)
     mean = sum(len(b) for b in plan) / math.ceil(len(plan) / trainer.cfg.trainer.grad_accum_steps)
     assert trainer.facts["effective_batch_size"] == pytest.approx(mean)
     assert mean != trainer.cfg.data.batch_size  # not the configured per-device batch
@@ -140,12 +140,12 @@ def _rank_gradients(rank: int, world: int, port: int, out: str, overrides: list[
 
 def _window_gradients(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
     """Every window (optimizer step) of epoch 0: its gradient, before any update."""
-    accum, n = trainer.cfg.trainer.grad_accum_steps, trainer.schedule.num_batches(0)
+    accum, n = trainer.cfg.trainer.grad_accum_steps, trainer.data.schedule.num_batches(0)
     result = []
     for first in range(0, n, accum):
-        trainer.schedule.seek(0, first)
+        trainer.data.schedule.seek(0, first)
         micro = min(accum, n - first)
-        trainer.step.accumulate(iter(trainer.loader), micro, trainer.schedule.loss_divisor(first, micro))
+        trainer.step.accumulate(iter(trainer.data.loader), micro, trainer.data.schedule.loss_divisor(first, micro))
         result.append({k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.requires_grad})
         trainer.model.zero_grad(set_to_none=True)
     return result
@@ -177,7 +177,7 @@ def test_two_ranks_give_the_gradient_of_one_process_on_their_union(tmp_path):
     dummy batch weighs 0); DDP's averaged gradient must equal one process's over both ranks' micro-batches
     (accumulation 2), per parameter. Dividing by each rank's own count (the mean of rank means) must not."""
     single = _trainer(tmp_path / "single", *UNEVEN, "trainer.grad_accum_steps=2")
-    plan = single.schedule.plan(0)
+    plan = single.data.schedule.plan(0)
     assert len(plan) % 2 == 1  # the last window has one micro-batch: rank 1's share ends first
     uneven = next(w for w in range(len(plan) // 2) if len(plan[2 * w]) != len(plan[2 * w + 1]))  # 4 vs 3 queries
     want = _window_gradients(single)
@@ -193,8 +193,8 @@ def test_two_ranks_give_the_gradient_of_one_process_on_their_union(tmp_path):
     # the mean of the ranks' own means (each rank dividing by its own query count) differs: the check has teeth
     sums = []
     for first in (2 * uneven, 2 * uneven + 1):  # that window's two micro-batches one at a time, losses summed
-        single.schedule.seek(0, first)
-        single.step.accumulate(iter(single.loader), 1, 1.0)
+        single.data.schedule.seek(0, first)
+        single.step.accumulate(iter(single.data.loader), 1, 1.0)
         sums.append({k: p.grad.clone() for k, p in single.model.named_parameters() if p.requires_grad})
         single.model.zero_grad(set_to_none=True)
     counts = len(plan[2 * uneven]), len(plan[2 * uneven + 1])
