@@ -8,6 +8,7 @@ they are not held to this rule."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from lychee_exp.core.config import RunConfig
 from lychee_exp.testing.jobs import CONF_DIR
 
 CONF = Path(CONF_DIR)
-GROUPS = ("data", "loss", "model", "optimizer", "parallel", "logger", "trainer")
+# every conf/ group that fills a section of the run's schema (hydra/ and hparams_search/ configure Hydra)
+GROUPS = sorted(path.name for path in CONF.iterdir() if path.name in {f.name for f in dataclasses.fields(RunConfig)})
 IDENTITY_KEYS = {"name", "strategy"}  # the key that says which option a file is: it may equal the schema's
 # What the default run deliberately sets to other than the schema's value (the default data, model and length)
 DEFAULT_RUN_CHOICES = {
