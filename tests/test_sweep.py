@@ -28,8 +28,8 @@ from lychee_exp.sweep.storage import (
     WORKER,
     Heartbeat,
     Recovery,
-    open_storage,
 )
+from lychee_exp.tracking.trial import open_storage
 
 REPO = Path(__file__).resolve().parent.parent
 # the per-device batch searched, lr_batch's global batch fixed off (test_device_slots sweeps the global batch)
