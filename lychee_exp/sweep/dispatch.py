@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Any, Protocol, Sequence
@@ -23,6 +24,7 @@ from lychee_exp.sweep.outcome import Outcome
 from lychee_exp.sweep.slots import Slot, run_slots
 from lychee_exp.sweep.trials import Pending, TrialRunner
 
+log = logging.getLogger(__name__)
 BASIC = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 SUBMITIT = "hydra_plugins.hydra_submitit_launcher."
 
@@ -136,7 +138,12 @@ def launch_mode(launcher: Any, n_jobs: int) -> str:
 
 
 def launcher_placement(runner: TrialRunner, n_jobs: int) -> Placement:
-    mode = launch_mode(runner.settings.launcher, n_jobs)
+    """Trials through Hydra's launcher, as it can run them (the plan logged in one line)."""
+    launcher = runner.settings.launcher
+    mode = launch_mode(launcher, n_jobs)
+    plan = describe_plan(mode, n_jobs, type(launcher).__name__)
+    if plan:
+        log.info("%s", plan)
     if mode == "slots":
         return LauncherSlots(runner, n_jobs)
     return LauncherBatches(runner, n_jobs) if mode == "batch" else InProcess(runner)

@@ -199,6 +199,12 @@ def tally(study: Any) -> Tally:
     return result
 
 
+def last_failure(study: Any) -> str:
+    """The reason recorded on the study's last counted failed trial ("none" without one)."""
+    failed = [t for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)) if counts(t)]
+    return failed[-1].user_attrs.get(REASON, "no reason recorded") if failed else "none"
+
+
 def within_budget(study: Any, number: int, n_trials: int) -> bool:
     """Whether trial `number` is among the first n_trials counted ones. Two workers may ask for the last place
     at once; the lower number keeps it, the other trial is surplus (failed unrun, not counted)."""

@@ -25,13 +25,12 @@ from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
-from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from lychee_exp.core.errors import UserError
 from lychee_exp.sweep import device_slots, lychee_trials
 from lychee_exp.sweep import storage as st
-from lychee_exp.sweep.dispatch import Placement, SlotsFailed, describe_plan, launch_mode, launcher_placement
+from lychee_exp.sweep.dispatch import Placement, SlotsFailed, launcher_placement
 from lychee_exp.sweep.samplers import GRID, build_pruner, build_sampler
 from lychee_exp.sweep.space import build_space, legacy_as_params
 from lychee_exp.sweep.sweep_results import write_sweep_results
@@ -140,7 +139,7 @@ class LycheeOptunaSweeperImpl(Sweeper):
         if stop == "failures":
             fatal(
                 f"{counts.failed} trials failed, more than max_failure_rate={self.max_failure_rate:g} x "
-                f"n_trials={self.n_trials} (last: {self._last_failure()}); see {self.sweep_dir}/trials.csv "
+                f"n_trials={self.n_trials} (last: {st.last_failure(self.study)}); see {self.sweep_dir}/trials.csv "
                 "(raise hydra.sweeper.max_failure_rate to go on)",
                 1,
             )
@@ -258,19 +257,13 @@ class LycheeOptunaSweeperImpl(Sweeper):
             job_cfg if self.lychee else None,
             self.study,
             self.n_trials,
-            self.space.overrides(self.sample_params),
+            self.space.sample_overrides(),
             self.sweep_dir,
             self.url,
         )
-        return slots or self._launcher_plan()
-
-    def _launcher_plan(self) -> Placement:
         if not self.space.distributions and self.space.custom is None:
             log.info("nothing to search (no params or sweep overrides): %d trial(s) of the fixed config", self.n_trials)
-        plan = describe_plan(launch_mode(self.launcher, self.n_jobs), self.n_jobs, type(self.launcher).__name__)
-        if plan:
-            log.info("%s", plan)
-        return launcher_placement(self.runner, self.n_jobs)
+        return slots or launcher_placement(self.runner, self.n_jobs)
 
     def _check_settings(self) -> None:
         if self.legacy_search_space:
@@ -290,20 +283,12 @@ class LycheeOptunaSweeperImpl(Sweeper):
     def _compose_sample(self) -> DictConfig:
         """One job config with a value from every distribution, composed as a trial would be: a wrong type
         (e.g. a string for an int key) fails here rather than in every trial."""
-        self.sample_params = sample = {
-            key: d.choices[0] if isinstance(d, CategoricalDistribution) else d.low
-            for key, d in self.space.distributions.items()
-        }
         try:
-            return self.hydra_context.config_loader.load_sweep_config(self.config, self.space.overrides(sample))
+            return self.hydra_context.config_loader.load_sweep_config(self.config, self.space.sample_overrides())
         except Exception as err:
             raise UserError(
                 f"hydra.sweeper.params: a trial's config does not compose: {str(err).splitlines()[0]}"
             ) from None
-
-    def _last_failure(self) -> str:
-        failed = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,)) if st.counts(t)]
-        return failed[-1].user_attrs.get(st.REASON, "no reason recorded") if failed else "none"
 
     def _write_results(self, plots: bool) -> None:
         metric = self.objectives or str(self.config.get("optimized_metric", "value"))
