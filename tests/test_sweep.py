@@ -553,7 +553,7 @@ def test_a_trial_context_travels_beside_the_config_to_the_job_s_environment(monk
     monkeypatch.setenv(TRIAL_ENV, override.value())
     assert current_trial() == context and trial_number() == 3
     assert context.pruner == {"_target_": "optuna.pruners.MedianPruner", "n_startup_trials": 1}
-    assert context.storage == f"env:{STORAGE_ENV}" and "storage" not in context.record()
+    assert context.storage == f"env:{STORAGE_ENV}" and "secret" not in str(context.record())
     assert trial_context(3, 17, "s", pruner, True, {}).storage == ""  # multi-objective: never pruned
     assert "trial" not in compose_job([])  # nothing of the trial in the run's config
     assert is_lychee_job(compose_job([]))

@@ -35,8 +35,8 @@ class TrialContext:
         return json.dumps(asdict(self), sort_keys=True)
 
     def record(self) -> dict:
-        """What W&B's run config shows of the trial (the storage's URL is never shown, not even its variable)."""
-        return {key: value for key, value in asdict(self).items() if key != "storage"}
+        """What W&B's run config shows of the trial: all of it (the storage is the variable's name, never the URL)."""
+        return asdict(self)
 
 
 def current_trial(environ: Mapping[str, str] | None = None) -> TrialContext | None:
