@@ -11,7 +11,7 @@ import lychee_exp
 PACKAGE = Path(lychee_exp.__file__).resolve().parent
 # Lower to higher: a module may import its own layer and lower ones (lychee_exp/__init__.py and each
 # subpackage's docstring say the same). The entry points are the top-level modules users run.
-LAYERS = ["core", "tracking", "sweep", "recipe", "launch", "job", "entry", "testing", "bench"]
+LAYERS = ["core", "tracking", "recipe", "launch", "job", "sweep", "entry", "testing", "bench"]
 ENTRY_POINTS = {"run", "report", "dashboard", "mine", "rerank"}
 SUBPACKAGE_DOCS = [
     "core",
@@ -111,7 +111,9 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_graph_sees_the_package():
     graph = import_graph()
-    assert {"lychee_exp.recipe.trainer", "lychee_exp.core.config", "lychee_exp.sweep.pruning"} <= set(graph)
+    assert {"lychee_exp.recipe.trainer", "lychee_exp.core.config", "lychee_exp.sweep.sweeper"} <= set(graph)
+    assert "lychee_exp.tracking.trial" in graph["lychee_exp.recipe.on_rank"]  # pruning, below the recipe
+    assert "lychee_exp.launch.processes" in graph["lychee_exp.sweep.slots"]  # the sweeper starts processes
     assert "lychee_exp.launch.launcher" in reachable(graph, "lychee_exp.run")
     assert "lychee_exp.recipe.rank_training" in graph["lychee_exp.launch.launcher"]
     assert "lychee_exp.core.evaluate" in graph["lychee_exp.recipe.trainer"]  # `from lychee_exp.core import evaluate`

@@ -167,8 +167,8 @@ def _sweeper_writes_results(sweep_dir: Path) -> None:
     from optuna.distributions import FloatDistribution
     from optuna.trial import TrialState, create_trial
 
-    from lychee_exp.sweep.results import write_results
     from lychee_exp.sweep.storage import METRICS, REASON
+    from lychee_exp.sweep.sweep_results import write_sweep_results
 
     study = optuna.create_study(study_name="s1", direction="maximize")
     lr = {"optimizer.lr": FloatDistribution(1e-5, 1e-2, log=True)}
@@ -182,7 +182,7 @@ def _sweeper_writes_results(sweep_dir: Path) -> None:
             state=TrialState.FAIL, params={"optimizer.lr": 1e-3}, distributions=lr, user_attrs={REASON: "loss is NaN"}
         )
     )
-    write_results(study, sweep_dir, 3, "ndcg@10", "sqlite:///:memory:", plots=False)
+    write_sweep_results(study, sweep_dir, 3, "ndcg@10", "sqlite:///:memory:", plots=False)
 
 
 def test_report_tables_hold_the_runs(root, tmp_path):

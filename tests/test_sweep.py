@@ -28,8 +28,8 @@ from lychee_exp.sweep.storage import (
     WORKER,
     Heartbeat,
     Recovery,
-    open_storage,
 )
+from lychee_exp.tracking.trial import open_storage
 
 REPO = Path(__file__).resolve().parent.parent
 # the per-device batch searched, lr_batch's global batch fixed off (test_device_slots sweeps the global batch)
@@ -483,7 +483,8 @@ hydra:
         (
             "trial.number: choice(1, 2)",
             [],
-            "hydra.sweeper.params: trial.number is set by the sweeper for each trial and cannot be searched",
+            # the trial's identity travels beside the config (tracking.trial.TrialContext): no key to search or set
+            "hydra.sweeper.params.trial.number: 'trial.number' is not a key of the composed config",
         ),
         (
             "trainer.global_batch_size: choice(8, 16)",
@@ -531,12 +532,40 @@ def test_bad_sweep_configs_get_one_line_before_any_trial(tmp_path, params, args,
 
 
 # ------------------------------------------------------------------------------------------------- units
+def test_a_trial_context_travels_beside_the_config_to_the_job_s_environment(monkeypatch):
+    """The sweeper's override sets LYCHEE_TRIAL while the job runs (Hydra's env_set); the job and its ranks read
+    the same context back; the study's URL stays in its own variable, and W&B's record never shows it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from lychee_exp.sweep.lychee_trials import STORAGE_ENV, is_lychee_job, trial_context, trial_override
+    from lychee_exp.testing.jobs import compose_job
+    from lychee_exp.tracking.trial import TRIAL_ENV, current_trial, trial_number
+
+    monkeypatch.delenv(TRIAL_ENV, raising=False)
+    assert current_trial() is None and trial_number() == -1  # outside a sweep
+    pruner = {"_target_": "optuna.pruners.MedianPruner", "n_warmup_steps": None, "n_startup_trials": 1}
+    context = trial_context(3, 17, "it's", pruner, False, {"slots": 2})
+    line = trial_override(context, "postgresql://u:secret@host/db")
+    assert os.environ.pop(STORAGE_ENV) == "postgresql://u:secret@host/db" and "secret" not in line
+    [override] = OverridesParser.create().parse_overrides([line])
+    assert override.key_or_group == f"hydra.job.env_set.{TRIAL_ENV}"
+    monkeypatch.setenv(TRIAL_ENV, override.value())
+    assert current_trial() == context and trial_number() == 3
+    assert context.pruner == {"_target_": "optuna.pruners.MedianPruner", "n_startup_trials": 1}
+    assert context.storage == f"env:{STORAGE_ENV}" and "secret" not in str(context.record())
+    assert trial_context(3, 17, "s", pruner, True, {}).storage == ""  # multi-objective: never pruned
+    assert "trial" not in compose_job([])  # nothing of the trial in the run's config
+    assert is_lychee_job(compose_job([]))
+    assert not is_lychee_job(OmegaConf.create({"optimized_metric": "x", "trial": {"number": 1}}))
+
+
 def test_job_outcomes(tmp_path):
     from hydra.core.utils import JobReturn, JobStatus
     from omegaconf import OmegaConf
 
     from lychee_exp.core.errors import RunFailed
-    from lychee_exp.sweep.lychee_job import oom_retry_overrides
+    from lychee_exp.sweep.lychee_trials import oom_retry_overrides
     from lychee_exp.sweep.outcome import job_outcome
 
     def job(status, value):

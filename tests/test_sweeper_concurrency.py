@@ -17,7 +17,8 @@ import pytest
 from hydra.core.utils import JobReturn, JobStatus
 from optuna.trial import TrialState
 
-from lychee_exp.sweep.trials import Pending, TrialRunner, launch_mode
+from lychee_exp.sweep.dispatch import launch_mode
+from lychee_exp.sweep.trials import Pending, TrialRunner, TrialSettings
 
 APPS = Path(__file__).resolve().parent / "sweep_apps"
 
@@ -220,15 +221,12 @@ def test_a_batch_is_one_launch_call_and_each_trial_gets_its_own_return(tmp_path)
                 returns.append(ret)
             return returns
 
-    class Sweeper:  # what TrialRunner reads from the sweeper
-        launcher, sweep_dir, directions, objectives, oom_retry, lychee = Launcher(), tmp_path, ["minimize"], None, 0, 0
-
     study = optuna.create_study()
     batch = []
     for number, x in enumerate([1.0, -1.0, 2.0]):
         trial = study.ask()
         batch.append(Pending(trial, number, [f"x={x}"], str(number)))
-    TrialRunner(Sweeper()).execute_batch(batch)
+    TrialRunner(TrialSettings(Launcher(), tmp_path)).execute_batch(batch)
     assert calls == [(3, 0)]
     assert [(p.outcome.state, p.outcome.values) for p in batch] == [
         ("COMPLETE", [1.0]),
@@ -266,12 +264,8 @@ def test_oom_retries_of_two_trials_in_flight_run_in_their_own_slots(tmp_path):
         def load_sweep_config(self, config, overrides):
             return OmegaConf.create({"data": {"batch_size": 2}, "trainer": {"grad_accum_steps": 1}})
 
-    class Sweeper:
-        launcher, sweep_dir, directions, objectives, oom_retry, lychee = Launcher(), tmp_path, ["maximize"], None, 1, 1
-        hydra_context, config = type("Context", (), {"config_loader": Loader()})(), None
-
     study = optuna.create_study(direction="maximize")
-    runner = TrialRunner(Sweeper())
+    runner = TrialRunner(TrialSettings(Launcher(), tmp_path, oom_retry=True, lychee=True, config_loader=Loader()))
     pending = [Pending(study.ask(), n, ["data.batch_size=2"], str(n)) for n in range(2)]
     threads = [threading.Thread(target=runner.execute, args=(p,)) for p in pending]
     for thread in threads:

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -234,19 +234,6 @@ class SpeedupConfig:
 
 
 @dataclass
-class TrialConfig:
-    """Set by the Optuna sweeper for each trial (never by hand): where rank 0 reports dev metrics for pruning."""
-
-    storage: str = ""  # SQLAlchemy URL of the study; empty = not a sweep trial
-    study_name: str = ""
-    number: int = -1  # the trial's number in its study (names its directory)
-    id: int = -1  # the storage's trial id, to report intermediate values to
-    pruner: Dict[str, Any] = field(default_factory=dict)  # _target_ spec of the study's pruner
-    # hydra.sweeper.devices_per_trial's decision (devices per trial, slots, auto's measured speedups)
-    placement: Dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -260,7 +247,6 @@ class RunConfig:
     optimized_metric: Metric = Metric["ndcg@10"]  # type: ignore[valid-type]
     output_dir: str = MISSING
     speedup: SpeedupConfig = field(default_factory=SpeedupConfig)
-    trial: TrialConfig = field(default_factory=TrialConfig)
 
 
 def register_schema() -> None:

@@ -41,6 +41,7 @@ from lychee_exp.launch.ranks import PASSED_ENV, WARM_LOGS, as_rank, warm_init, w
 from lychee_exp.launch.step_hooks import rank_hooks
 from lychee_exp.launch.warm_ranks import RankSetup, RanksFailed, close_warm_ranks, warm_ranks
 from lychee_exp.recipe.rank_training import train_on_rank
+from lychee_exp.tracking.trial import trial_number
 
 log = logging.getLogger(__name__)
 QUIET_CTRL_C_ENV = "LYCHEE_RANK_QUIET_CTRL_C"  # ranks started with it end silently on Ctrl-C (lychee_exp/__init__)
@@ -87,7 +88,7 @@ def train_in_process(cfg: RunConfig, plan: DevicePlan, output_dir: Path, inputs:
     try:
         env = DistEnv(device=torch_device(plan.device_type))
         return train_on_rank(
-            cfg, env, plan, output_dir, inputs, rank_hooks(output_dir, env, cfg.trial.number, cfg.data.batch_size)
+            cfg, env, plan, output_dir, inputs, rank_hooks(output_dir, env, trial_number(), cfg.data.batch_size)
         )
     except TrainingDiverged as err:
         raise RunFailed(f"TrainingDiverged: {err}", "diverged") from err

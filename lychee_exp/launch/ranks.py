@@ -31,6 +31,7 @@ from lychee_exp.launch.step_hooks import rank_hooks
 from lychee_exp.launch.warm_ranks import RankSetup
 from lychee_exp.recipe.rank_training import train_on_rank
 from lychee_exp.tracking.throughput import reset_peak_memory
+from lychee_exp.tracking.trial import trial_number
 
 WARM_LOGS = "logs/warm"
 
@@ -90,7 +91,7 @@ def warm_job(env: DistEnv, payload: dict, output_dir: str, log_file: str | None,
             cfg = to_run_config(payload)
             plan = DevicePlan("ddp", env.device.type, env.world_size, torch.get_num_threads())
             result = train_on_rank(
-                cfg, env, plan, run_dir, hooks=rank_hooks(run_dir, env, cfg.trial.number, cfg.data.batch_size)
+                cfg, env, plan, run_dir, hooks=rank_hooks(run_dir, env, trial_number(), cfg.data.batch_size)
             )
         except BaseException:
             traceback.print_exc()  # into the rank log; the sweep gets one line
@@ -111,7 +112,7 @@ def as_rank(cfg: RunConfig, plan: DevicePlan, output_dir: Path, inputs: RunInput
         if not env.is_main:
             _quiet_non_main_logging()
         return train_on_rank(
-            cfg, env, plan, output_dir, inputs, rank_hooks(output_dir, env, cfg.trial.number, cfg.data.batch_size)
+            cfg, env, plan, output_dir, inputs, rank_hooks(output_dir, env, trial_number(), cfg.data.batch_size)
         )
     finally:
         dist.destroy_process_group()
@@ -167,7 +168,7 @@ def _worker(
     plan = DevicePlan("ddp", device_type, int(os.environ["WORLD_SIZE"]), threads)
     env = init_distributed(device_type, cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
-        hooks = rank_hooks(Path(output_dir), env, cfg.trial.number, cfg.data.batch_size)
+        hooks = rank_hooks(Path(output_dir), env, trial_number(), cfg.data.batch_size)
         result = train_on_rank(cfg, env, plan, Path(output_dir), hooks=hooks)
     except BaseException as err:
         note_failure(Path(output_dir), rank, one_line(err))

@@ -10,6 +10,7 @@ from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.inputs import RunInputs
 from lychee_exp.recipe.progress import NO_HOOKS, StepHooks
 from lychee_exp.recipe.trainer import Trainer
+from lychee_exp.tracking.trial import current_trial, pruning_callback
 
 
 def train_on_rank(
@@ -21,11 +22,9 @@ def train_on_rank(
     hooks: StepHooks = NO_HOOKS,
 ) -> dict:
     """setup -> fit -> save -> cleanup on this rank; every rank returns the same metrics."""
-    callbacks = []
-    if cfg.trial.storage and env.is_main:
-        from lychee_exp.sweep.pruning import pruning_callback  # optuna is only needed by sweeps
-
-        callbacks.append(pruning_callback(cfg.trial, cfg.optimized_metric))
+    callbacks, trial = [], current_trial()
+    if trial is not None and trial.storage and env.is_main:
+        callbacks.append(pruning_callback(trial, cfg.optimized_metric))
     trainer = Trainer(cfg, env, plan, output_dir, callbacks, inputs, hooks)
     try:
         trainer.setup()

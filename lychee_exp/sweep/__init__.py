@@ -1,8 +1,11 @@
-"""Optuna sweeps of lychee_exp jobs: the pieces behind the `lychee_optuna` Hydra sweeper
-(hydra_plugins/lychee_optuna_sweeper) and the pruning hook that rank 0 of each trial runs.
+"""Optuna sweeps of lychee_exp jobs (or any Hydra app's): the pieces behind the `lychee_optuna` Hydra sweeper
+(hydra_plugins/lychee_optuna_sweeper).
 
+sweeper: the loop (ask -> place -> run -> tell); dispatch: the Placement interface, where trials run (here one at
+a time, in launcher batches or launcher slots, or in device-slot workers: device_slots, slots, placement for
+`auto`); trials: one trial's life; lychee_trials: what a lychee_exp trial gets (its TrialContext, the OOM retry);
 space: the `params` grammar -> optuna distributions; storage: study, heartbeats, resume and the trial budget;
-outcome: a finished job -> the trial's state; results: the files written into the sweep directory;
-pruning: rank 0's report-and-prune callback.
-May import: lychee_exp.core, lychee_exp.tracking (never the recipe, the launcher or a job: trials are Hydra jobs).
+outcome: a finished job -> the trial's state; sweep_results: the files written into the sweep directory.
+Above the job layer: the sweeper runs jobs. May import everything below it (core, tracking, recipe, launch, job);
+the trial's context reaches the job's ranks through lychee_exp.tracking.trial.
 """

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from lychee_exp.core.orphans import die_with_parent
+from lychee_exp.launch.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 

@@ -80,6 +80,13 @@ class SearchSpace:
     def overrides(self, params: Mapping[str, Any]) -> list[str]:
         return [*self.fixed.values(), *(f"{key}={render(value)}" for key, value in params.items())]
 
+    def sample_overrides(self) -> list[str]:
+        """The sample trial's overrides: a value from every distribution (the first choice, or the low end)."""
+        sample = {
+            k: d.choices[0] if isinstance(d, CategoricalDistribution) else d.low for k, d in self.distributions.items()
+        }
+        return self.overrides(sample)
+
     def grid(self) -> dict[str, list]:
         """GridSampler's search space: every value each distribution can take (a continuous one cannot)."""
         return {key: _grid_values(key, d) for key, d in self.distributions.items()}

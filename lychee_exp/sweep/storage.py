@@ -13,7 +13,6 @@ import os
 import socket
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ import optuna
 import psutil
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
-from sqlalchemy.engine import make_url
 
 from lychee_exp.core.errors import UserError
 
@@ -40,32 +38,6 @@ METRICS = "metrics"  # the run's metrics.json facts (so results need no shared f
 
 def default_url(sweep_dir: Path) -> str:
     return f"sqlite:///{(sweep_dir / 'optuna.db').resolve()}"
-
-
-def masked(url: str) -> str:
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url
-
-
-def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: int | None = None) -> Any:
-    """An RDBStorage for any SQLAlchemy URL; a bad URL or an unreachable server is a UserError."""
-    # sqlite: wait for the writer instead of failing with "database is locked" (rank 0 reports while the
-    # sweeper beats); servers: drop connections that died while a long trial ran.
-    engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
-    last: Exception | None = None
-    for attempt in range(3):  # workers starting together may race to create the schema
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(
-                    url, engine_kwargs=engine, heartbeat_interval=heartbeat_interval, grace_period=grace_period
-                )
-        except Exception as err:
-            last = err
-            time.sleep(1 + attempt)
-    raise UserError(f"hydra.sweeper.storage={masked(url)}: cannot open it: {str(last).splitlines()[0]}")
 
 
 def open_study(storage: Any, name: str, directions: list[str], sampler: Any, pruner: Any) -> Any:
@@ -225,6 +197,12 @@ def tally(study: Any) -> Tally:
         }[trial.state]
         setattr(result, key, getattr(result, key) + 1)
     return result
+
+
+def last_failure(study: Any) -> str:
+    """The reason recorded on the study's last counted failed trial ("none" without one)."""
+    failed = [t for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)) if counts(t)]
+    return failed[-1].user_attrs.get(REASON, "no reason recorded") if failed else "none"
 
 
 def within_budget(study: Any, number: int, n_trials: int) -> bool:

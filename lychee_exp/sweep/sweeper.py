@@ -1,12 +1,12 @@
 """The lychee_optuna sweeper: one worker of an Optuna study whose trials are jobs of any Hydra app.
 
-The worker asks the study for trials while places are left, runs each through Hydra's launcher (so each trial
-is a normal job in `<sweep dir>/<trial number>`), tells the study the task function's return value (one number,
-or one per direction) and rewrites the results. Up to n_jobs trials are in flight when the launcher runs jobs
-at once (lychee_exp.sweep.trials: how, per launcher); more workers (processes or machines) sharing the storage
-add more. When the trials are lychee_exp jobs (recognised by their config), each also learns its place in the
-study, so that rank 0 can report dev metrics and be pruned, and an out-of-memory trial can be retried with half
-the batch. Fatal lines go to stderr as `error: ...` (exit 2: a bad sweep config; exit 1: the trials failed).
+The worker's loop: ask the study for trials while places are left, place them (lychee_exp.sweep.dispatch: in
+this process, through Hydra's launcher in batches or slots, or in device-slot workers), take back those that
+ended, tell the study each task function's return value (one number, or one per direction) and rewrite the
+results. More workers (processes or machines) sharing the storage add more trials in flight. When the trials are
+lychee_exp jobs (recognised by their config), each is also handed its TrialContext, so that rank 0 can report dev
+metrics and be pruned, and an out-of-memory trial can be retried with half the batch. Fatal lines go to stderr
+as `error: ...` (exit 2: a bad sweep config; exit 1: the trials failed).
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import queue
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -27,17 +25,17 @@ from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
-from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from lychee_exp.core.errors import UserError
-from lychee_exp.sweep import lychee_job, slot_sweep
+from lychee_exp.sweep import device_slots, lychee_trials
 from lychee_exp.sweep import storage as st
-from lychee_exp.sweep.outcome import Outcome
-from lychee_exp.sweep.results import write_results
+from lychee_exp.sweep.dispatch import Placement, SlotsFailed, launcher_placement
 from lychee_exp.sweep.samplers import GRID, build_pruner, build_sampler
 from lychee_exp.sweep.space import build_space, legacy_as_params
-from lychee_exp.sweep.trials import Pending, TrialRunner, describe_plan, launch_mode
+from lychee_exp.sweep.sweep_results import write_sweep_results
+from lychee_exp.sweep.trials import Pending, TrialRunner, TrialSettings
+from lychee_exp.tracking.trial import masked, open_storage
 
 log = logging.getLogger(__name__)
 PLOT_EVERY_S = 60  # plots cost seconds (plotly, param importances): at most this often during a sweep
@@ -92,74 +90,56 @@ class LycheeOptunaSweeperImpl(Sweeper):
     # --------------------------------------------------------------------------------------------- sweep
     def sweep(self, arguments: List[str]) -> None:
         try:
-            self._prepare(arguments)
-            slotted = slot_sweep.start(self, self.job_cfg)  # devices_per_trial: N (or auto's N) -> slot workers
+            placement = self._prepare(arguments)
         except UserError as err:  # a bad sweep config: one line, before any trial, exit 2
             fatal(str(err), 2)
-        except slot_sweep.SlotsFailed as err:
+        try:
+            stop, ran = self._run(placement)
+        except SlotsFailed as err:
             fatal(str(err), 1)
-        if slotted:
-            counts = st.tally(self.study)
-            return self._conclude("failures" if counts.failed > self.max_failure_rate * self.n_trials else None, None)
-        runner, done = TrialRunner(self), queue.Queue()
-        in_flight: dict[int, Pending] = {}  # trial number -> trial running in a slot thread
-        stop, ran, waiting_logged = None, 0, False
+        self._conclude(stop, placement.summary(ran))
+
+    def _run(self, placement: Placement) -> tuple[str, int]:
+        """ask -> place -> take back the ended -> tell, until the study is done (or too many trials failed) and
+        nothing placed here is still in flight. Returns why it stopped and how many trials this worker told."""
+        stop, ran, timeout, waiting_logged = None, 0, 0.0, False
         while True:
-            while not done.empty():  # slot threads whose trial ended
-                ran += self._told(runner, in_flight.pop(done.get()))
+            for pending in placement.ended(timeout):
+                ran += self._told(pending)
             self.recover()
             counts = st.tally(self.study)
-            if stop is None and (self.exhausted or counts.finished >= self.n_trials):
-                stop = "done"
-            if stop is None and counts.failed > self.max_failure_rate * self.n_trials:
-                stop = "failures"  # no new trial; those in flight finish and are recorded
-            if stop is not None and not in_flight:
-                break
-            free = stop is None and len(in_flight) < (self.n_jobs if self.mode == "slots" else 1)
-            if free and counts.may_ask(self.n_trials):
-                waiting_logged = False
-                if self.mode == "slots":
-                    pending = self._ask(runner)
-                    if pending is not None:
-                        in_flight[pending.trial.number] = pending
-                        threading.Thread(
-                            target=self._slot,
-                            args=(runner, pending, done),
-                            name=f"trial-{pending.trial.number}",
-                            daemon=True,
-                        ).start()
-                    continue
-                room = max(counts.waiting, self.n_trials - counts.finished - counts.running)
-                size = min(self.n_jobs, room) if self.mode == "batch" else 1
-                batch = [p for p in (self._ask(runner) for _ in range(size)) if p is not None]
-                if self.mode == "batch":
-                    runner.execute_batch(batch)
-                for pending in batch:
-                    if self.mode == "one":
-                        runner.execute(pending)
-                    ran += self._told(runner, pending)
+            stop = stop or self._stop_reason(counts, placement)
+            if stop is not None and not placement.busy:
+                return stop, ran
+            free = placement.room - placement.busy
+            if stop is None and free > 0 and counts.may_ask(self.n_trials):
+                left = max(counts.waiting, self.n_trials - counts.finished - counts.running)
+                placement.place([p for p in (self._ask() for _ in range(max(1, min(free, left)))) if p])
+                timeout, waiting_logged = 0.0, False
                 continue
-            if in_flight:  # a slot is busy: wake when a trial ends (or to beat the drum of recovery)
-                try:
-                    number = done.get(timeout=min(5, self.heartbeat_interval))
-                except queue.Empty:
-                    continue
-                ran += self._told(runner, in_flight.pop(number))
-                continue
-            if not waiting_logged:  # the last trials run elsewhere; they may still die
+            if not placement.busy and not waiting_logged:  # the last trials run elsewhere; they may still die
                 log.info("waiting for %d trial(s) running in other workers", counts.running)
                 waiting_logged = True
-            time.sleep(min(5, self.heartbeat_interval))
-        self._conclude(stop, ran)
+            timeout = min(5, self.heartbeat_interval)  # wake when a trial ends, or to beat the drum of recovery
 
-    def _conclude(self, stop: str | None, ran: int | None) -> None:
+    def _stop_reason(self, counts: Any, placement: Placement) -> str | None:
+        too_many = counts.failed > self.max_failure_rate * self.n_trials
+        if placement.finished:  # device-slot workers ended: their own loops stopped for one of these reasons
+            return "failures" if too_many else "done"
+        if self.exhausted or counts.finished >= self.n_trials:
+            return "done"
+        if too_many:
+            return "failures"  # no new trial; those in flight finish and are recorded
+        return None
+
+    def _conclude(self, stop: str, ran: str) -> None:
         """Final results and the summary line; exit 1 when the failures stopped the sweep or nothing completed."""
         self._write_results(plots=True)
         counts = st.tally(self.study)
         if stop == "failures":
             fatal(
                 f"{counts.failed} trials failed, more than max_failure_rate={self.max_failure_rate:g} x "
-                f"n_trials={self.n_trials} (last: {self._last_failure()}); see {self.sweep_dir}/trials.csv "
+                f"n_trials={self.n_trials} (last: {st.last_failure(self.study)}); see {self.sweep_dir}/trials.csv "
                 "(raise hydra.sweeper.max_failure_rate to go on)",
                 1,
             )
@@ -171,22 +151,14 @@ class LycheeOptunaSweeperImpl(Sweeper):
             counts.complete,
             counts.pruned,
             counts.failed,
-            "run in device slots" if ran is None else f"this worker ran {ran}",
+            ran,
             self.sweep_dir,
         )
         if counts.finished and counts.failed == counts.finished:
             failed = f"{counts.failed} of {counts.finished}"
             fatal(f"no trial completed: {failed} failed (reasons in {self.sweep_dir}/trials.csv)", 1)
 
-    def _slot(self, runner: TrialRunner, pending: Pending, done: queue.Queue) -> None:
-        try:
-            runner.execute(pending)
-        except BaseException as err:  # noqa: BLE001 - the trial fails, the slot thread must still report
-            pending.outcome = Outcome("FAIL", reason=f"crashed: {type(err).__name__}: {err}"[:500], kind="crashed")
-        finally:
-            done.put(pending.trial.number)
-
-    def _ask(self, runner: TrialRunner) -> Pending | None:
+    def _ask(self) -> Pending | None:
         """A new trial set up to run, or None when it took a place other workers had already filled (or one
         of them failed it as unclaimed before this worker claimed it)."""
         with warnings.catch_warnings():  # "heartbeat is supposed to be used with Study.optimize": ours beats
@@ -197,10 +169,10 @@ class LycheeOptunaSweeperImpl(Sweeper):
             trial.set_user_attr(st.REASON, "surplus: other workers took the last places of n_trials")
             self.tell(trial, state="FAIL")
             return None
-        return runner.start(trial)
+        return self.runner.start(trial)
 
-    def _told(self, runner: TrialRunner, pending: Pending) -> int:
-        runner.finish(pending)
+    def _told(self, pending: Pending) -> int:
+        self.runner.finish(pending)
         self._write_results(plots=time.monotonic() - self.last_plots > PLOT_EVERY_S)
         return 1
 
@@ -215,15 +187,16 @@ class LycheeOptunaSweeperImpl(Sweeper):
             self.exhausted = True  # optuna stored the trial's result before the sampler's hook ran
 
     # --------------------------------------------------------------------------------------------- set-up
-    def _prepare(self, arguments: List[str]) -> None:
-        """Everything that can be wrong with the sweep config is found here, before the first trial."""
+    def _prepare(self, arguments: List[str]) -> Placement:
+        """Everything that can be wrong with the sweep config is found here, before the first trial; returns
+        where the trials will run."""
         self._check_settings()
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         self.space = build_space(self.params, arguments, self.config, self.custom_search_space, parser)
-        self.job_cfg = job_cfg = self._compose_sample()
-        self.lychee = lychee_job.is_lychee_job(job_cfg)
+        job_cfg = self._compose_sample()
+        self.lychee = lychee_trials.is_lychee_job(job_cfg)
         if self.lychee:
-            lychee_job.check(job_cfg, list(self.space.distributions), self.directions, self.objectives)
+            lychee_trials.check(job_cfg, list(self.space.distributions), self.directions, self.objectives)
         elif self.objectives:
             raise UserError(
                 "hydra.sweeper.objectives names metrics.json keys of lychee_exp jobs; this app's task "
@@ -241,10 +214,10 @@ class LycheeOptunaSweeperImpl(Sweeper):
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         self.url = self.storage_url or st.default_url(self.sweep_dir)
         name = self.study_name or self.sweep_dir.name
-        self.storage = st.open_storage(self.url, self.heartbeat_interval, self.grace_period)
-        self.study = st.open_study(self.storage, name, self.directions, sampler, pruner)
-        self.me, self.exhausted = st.worker_identity(), False
-        self.recover = st.Recovery(self.study, self.storage, self.me)
+        storage = open_storage(self.url, self.heartbeat_interval, self.grace_period)
+        self.study = st.open_study(storage, name, self.directions, sampler, pruner)
+        me, self.exhausted = st.worker_identity(), False
+        self.recover = st.Recovery(self.study, storage, me)
         # A resumed study, or a second worker, must not replay the first worker's random draws with the same
         # seed (same params again); a fresh single worker keeps the configured seed, for reproducibility.
         shift = len(self.study.get_trials(deepcopy=False)) + 7919 * int(os.environ.get("LYCHEE_SWEEP_WORKER", 0))
@@ -254,20 +227,43 @@ class LycheeOptunaSweeperImpl(Sweeper):
         log.info(
             "study %s in %s (%s): %d of %d trials finished",
             name,
-            st.masked(self.url),
+            masked(self.url),
             type(self.study.sampler).__name__,
             sum(1 for t in self.study.get_trials(deepcopy=False) if t.state.is_finished()),
             self.n_trials,
         )
-        self._log_plan()
-
-    def _log_plan(self) -> None:
-        self.mode = launch_mode(self.launcher, self.n_jobs)
+        self.runner = TrialRunner(
+            TrialSettings(
+                self.launcher,
+                self.sweep_dir,
+                len(self.directions),
+                self.objectives,
+                self.oom_retry,
+                self.lychee,
+                self.hydra_context.config_loader,
+                self.config,
+                self.space,
+                self.study,
+                storage,
+                self.url,
+                me,
+                self.heartbeat_interval,
+                self.pruner_spec,
+                self.tell,
+            )
+        )
+        slots = device_slots.device_slots(
+            device_slots.parse(self.devices_per_trial),
+            job_cfg if self.lychee else None,
+            self.study,
+            self.n_trials,
+            self.space.sample_overrides(),
+            self.sweep_dir,
+            self.url,
+        )
         if not self.space.distributions and self.space.custom is None:
             log.info("nothing to search (no params or sweep overrides): %d trial(s) of the fixed config", self.n_trials)
-        plan = describe_plan(self.mode, self.n_jobs, type(self.launcher).__name__)
-        if plan:
-            log.info("%s", plan)
+        return slots or launcher_placement(self.runner, self.n_jobs)
 
     def _check_settings(self) -> None:
         if self.legacy_search_space:
@@ -282,28 +278,20 @@ class LycheeOptunaSweeperImpl(Sweeper):
         for key in ("n_trials", "n_jobs", "heartbeat_interval"):
             if getattr(self, key) < 1:
                 raise UserError(f"hydra.sweeper.{key} must be >= 1, got {getattr(self, key)}")
-        slot_sweep.parse(self.devices_per_trial)
+        device_slots.parse(self.devices_per_trial)
 
     def _compose_sample(self) -> DictConfig:
         """One job config with a value from every distribution, composed as a trial would be: a wrong type
         (e.g. a string for an int key) fails here rather than in every trial."""
-        self.sample_params = sample = {
-            key: d.choices[0] if isinstance(d, CategoricalDistribution) else d.low
-            for key, d in self.space.distributions.items()
-        }
         try:
-            return self.hydra_context.config_loader.load_sweep_config(self.config, self.space.overrides(sample))
+            return self.hydra_context.config_loader.load_sweep_config(self.config, self.space.sample_overrides())
         except Exception as err:
             raise UserError(
                 f"hydra.sweeper.params: a trial's config does not compose: {str(err).splitlines()[0]}"
             ) from None
 
-    def _last_failure(self) -> str:
-        failed = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,)) if st.counts(t)]
-        return failed[-1].user_attrs.get(st.REASON, "no reason recorded") if failed else "none"
-
     def _write_results(self, plots: bool) -> None:
         metric = self.objectives or str(self.config.get("optimized_metric", "value"))
-        write_results(self.study, self.sweep_dir, self.n_trials, metric, st.masked(self.url), plots=plots)
+        write_sweep_results(self.study, self.sweep_dir, self.n_trials, metric, masked(self.url), plots=plots)
         if plots:
             self.last_plots = time.monotonic()

@@ -1,15 +1,6 @@
 """One trial's life: asked (main thread) -> its overrides and heartbeat -> launched as a Hydra job (main thread,
 or a slot thread) -> its Outcome, an OOM retry if asked for -> told to the study (main thread).
-
-How trials reach the launcher (`launch_mode`):
-  one     n_jobs 1, or Hydra's basic launcher (it runs jobs in this process, one after another): the job runs
-          in the main thread (it may install signal handlers, change directory).
-  slots   hydra-submitit-launcher (submitit_local, submitit_slurm, slurm, slurm_local): every trial is its own
-          `launcher.launch([job])` call in its own thread; each call is a separate submitit job (array of one),
-          so up to n_jobs run at once and a slot is refilled as soon as its trial ends.
-  batch   any other launcher (joblib, ray, ...): up to n_jobs trials in one `launcher.launch(batch)` call, which
-          runs them at once; the next batch waits for the slowest trial (these launchers are not known to be
-          safe to call from several threads at once).
+Where trials run (one at a time, in batches, in slots) is lychee_exp.sweep.dispatch's concern.
 """
 
 from __future__ import annotations
@@ -18,48 +9,39 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from optuna.exceptions import UpdateFinishedTrialError
 
-from lychee_exp.sweep import lychee_job, slot_sweep
+from lychee_exp.sweep import lychee_trials
 from lychee_exp.sweep import storage as st
 from lychee_exp.sweep.outcome import Outcome, job_outcome
 from lychee_exp.sweep.space import render
 
 log = logging.getLogger(__name__)
-
-BASIC = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
-SUBMITIT = "hydra_plugins.hydra_submitit_launcher."
+PLACEMENT = "placement"  # study attribute: devices_per_trial's decision (results, and each trial's W&B config)
 
 
-def launch_mode(launcher: Any, n_jobs: int) -> str:
-    """one | slots | batch (see the module's docstring)."""
-    names = [f"{c.__module__}.{c.__qualname__}" for c in type(launcher).__mro__]
-    if n_jobs <= 1 or BASIC in names:
-        return "one"
-    if any(name.startswith(SUBMITIT) for name in names):
-        return "slots"
-    return "batch"
+@dataclass
+class TrialSettings:
+    """What every trial of one sweep shares: the runner is given these, never the sweeper."""
 
-
-def describe_plan(mode: str, n_jobs: int, launcher: str) -> str:
-    """The one line saying how trials will run (nothing for one trial at a time by request)."""
-    if mode == "slots":
-        return (
-            f"n_jobs={n_jobs}: up to {n_jobs} trials at once, each its own {launcher} job; a slot takes the "
-            "next trial as soon as its trial ends"
-        )
-    if mode == "batch":
-        return (
-            f"n_jobs={n_jobs}: trials in batches of {n_jobs}, one {launcher} call each (a batch waits for its slowest)"
-        )
-    if n_jobs > 1:
-        return (
-            f"n_jobs={n_jobs}: {launcher} runs trials one at a time, in this process (concurrent trials: "
-            "hydra/launcher=submitit_local, slurm, ..., or device slots: hydra.sweeper.devices_per_trial=1)"
-        )
-    return ""
+    launcher: Any
+    sweep_dir: Path
+    n_objectives: int = 1
+    objectives: Sequence[str] | None = None  # metrics.json keys (lychee_exp jobs); None: the task's return value
+    oom_retry: bool = False
+    lychee: bool = False  # the trials are lychee_exp jobs: a TrialContext each, and the OOM retry
+    config_loader: Any = None  # Hydra's, to compose a trial's config (the OOM retry)
+    sweep_config: Any = None
+    space: Any = None  # lychee_exp.sweep.space.Space
+    study: Any = None
+    storage: Any = None
+    storage_url: str = ""
+    worker: Any = None  # this worker's identity (storage.worker_identity)
+    heartbeat_interval: int = 60
+    pruner_spec: dict = field(default_factory=dict)
+    tell: Callable[..., None] | None = None  # (trial, values, state): the sweeper's, which notes a spent grid
 
 
 @dataclass
@@ -75,44 +57,49 @@ class Pending:
 
 
 class TrialRunner:
-    """What every trial needs from the sweeper: its space, launcher, study, and the lychee_exp extras."""
+    """Sets up, runs and tells the trials of one sweep."""
 
-    def __init__(self, sweeper: Any) -> None:
-        self.sw = sweeper
+    def __init__(self, settings: TrialSettings) -> None:
+        self.settings = settings
         self._compose = threading.Lock()  # Hydra's config loader is shared by the main and slot threads
 
     # ------------------------------------------------------------------------------ main thread: set up
     def start(self, trial: Any) -> Pending | None:
         """The trial claimed by this worker, its params drawn and its job's overrides made; None when another
         worker had already failed it as unclaimed (this one stalled for longer than the grace period)."""
-        sw = self.sw
-        pending = Pending(trial, st.trial_id(sw.storage, sw.study.study_name, trial.number))
+        shared = self.settings
+        pending = Pending(trial, st.trial_id(shared.storage, shared.study.study_name, trial.number))
         # Heartbeat first, then the claim: a worker killed in between leaves a heartbeat that goes stale; one
         # killed before both leaves an unclaimed trial, which st.Recovery fails after the grace period. The
         # sampler draws only after the claim, since a model-based sampler can take longer than that grace.
-        pending.heartbeat = st.Heartbeat(sw.storage, pending.trial_id, sw.heartbeat_interval).__enter__()
+        pending.heartbeat = st.Heartbeat(shared.storage, pending.trial_id, shared.heartbeat_interval).__enter__()
         try:
-            trial.set_user_attr(st.WORKER, sw.me)
+            trial.set_user_attr(st.WORKER, shared.worker)
         except UpdateFinishedTrialError:
             pending.heartbeat.__exit__(None, None, None)
             log.warning("trial %d was failed as unclaimed by another worker before this one claimed it", trial.number)
             return None
-        sw.space.suggest(trial)
+        shared.space.suggest(trial)
         try:
-            params = sw.space.params(trial, sw.config)
+            params = shared.space.params(trial, shared.sweep_config)
         except Exception as err:  # custom_search_space failed for this trial only (its first run passed)
             reason = f"config: custom_search_space: {str(err).strip().splitlines()[0]}"[:500]
             pending.outcome = Outcome("FAIL", reason=reason, kind="config")
             return pending
-        overrides = sw.space.overrides(params) + [f"hydra.sweep.dir={render(str(sw.sweep_dir))}"]
-        if sw.lychee:
-            overrides += lychee_job.trial_overrides(
-                trial.number, pending.trial_id, sw.url, sw.study.study_name, sw.pruner_spec, len(sw.directions) > 1
+        overrides = shared.space.overrides(params) + [f"hydra.sweep.dir={render(str(shared.sweep_dir))}"]
+        if shared.lychee:
+            context = lychee_trials.trial_context(
+                trial.number,
+                pending.trial_id,
+                shared.study.study_name,
+                shared.pruner_spec,
+                shared.n_objectives > 1,
+                shared.study.user_attrs.get(PLACEMENT) or {},
             )
-            overrides += [line for line in [slot_sweep.record_line(sw)] if line]
+            overrides.append(lychee_trials.trial_override(context, shared.storage_url))
         log.info("trial %d: %s", trial.number, ", ".join(f"{k}={v}" for k, v in params.items()) or "fixed config")
         pending.overrides, pending.name = overrides, self._claim(str(trial.number))
-        trial.set_user_attr(st.RUN_DIR, str(sw.sweep_dir / pending.name))
+        trial.set_user_attr(st.RUN_DIR, str(shared.sweep_dir / pending.name))
         return pending
 
     # ----------------------------------------------------------------------- any thread: run the job(s)
@@ -132,26 +119,26 @@ class TrialRunner:
             self._maybe_retry(pending)
 
     def _launch(self, batch: Sequence[Pending]) -> list[Outcome]:
-        sw = self.sw
+        shared = self.settings
         jobs = [[*p.overrides, f"hydra.sweep.subdir={p.name}"] for p in batch]
         try:
-            returns = sw.launcher.launch(jobs, initial_job_idx=batch[0].trial.number)
+            returns = shared.launcher.launch(jobs, initial_job_idx=batch[0].trial.number)
         except Exception as err:  # a job's config did not compose, or the launcher lost the job
             kind = "config" if "Composition" in type(err).__name__ or "Override" in type(err).__name__ else "crashed"
             message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             return [Outcome("FAIL", reason=f"{kind}: {message}"[:500], kind=kind) for _ in batch]
         return [
-            job_outcome(ret, sw.sweep_dir / p.name, len(sw.directions), sw.objectives)
+            job_outcome(ret, shared.sweep_dir / p.name, shared.n_objectives, shared.objectives)
             for p, ret in zip(batch, returns, strict=True)
         ]
 
     def _maybe_retry(self, pending: Pending) -> Outcome:
-        sw, outcome = self.sw, pending.outcome
-        if not (outcome.kind == "oom" and sw.oom_retry and sw.lychee):
+        shared, outcome = self.settings, pending.outcome
+        if not (outcome.kind == "oom" and shared.oom_retry and shared.lychee):
             return outcome
         with self._compose:
-            job_cfg = sw.hydra_context.config_loader.load_sweep_config(sw.config, pending.overrides)
-        retry = lychee_job.oom_retry_overrides(pending.overrides, job_cfg)
+            job_cfg = shared.config_loader.load_sweep_config(shared.sweep_config, pending.overrides)
+        retry = lychee_trials.oom_retry_overrides(pending.overrides, job_cfg)
         if retry is None:
             return outcome
         overrides, halved = retry
@@ -161,7 +148,7 @@ class TrialRunner:
         log.warning("trial %d ran out of memory: retrying once with %s", number, changed)
         pending.trial.set_user_attr("oom_retry", halved)
         again = Pending(pending.trial, pending.trial_id, overrides, self._claim(f"{number}-oom-retry"))
-        pending.trial.set_user_attr(st.RUN_DIR, str(sw.sweep_dir / again.name))
+        pending.trial.set_user_attr(st.RUN_DIR, str(shared.sweep_dir / again.name))
         pending.outcome = self._launch([again])[0]
         return pending.outcome
 
@@ -170,10 +157,10 @@ class TrialRunner:
         created at once, so that two trials in flight never pick the same one."""
         with self._compose:
             candidate, k = name, 1
-            while (self.sw.sweep_dir / candidate).exists():
+            while (self.settings.sweep_dir / candidate).exists():
                 k += 1
                 candidate = f"{name}-{k}"
-            Path(self.sw.sweep_dir / candidate).mkdir(parents=True)
+            Path(self.settings.sweep_dir / candidate).mkdir(parents=True)
             return candidate
 
     # ----------------------------------------------------------------------------- main thread: tell
@@ -184,7 +171,7 @@ class TrialRunner:
             trial.set_user_attr(st.METRICS, outcome.metrics)
             if outcome.reason:
                 trial.set_user_attr(st.REASON, outcome.reason)
-            self.sw.tell(trial, values=outcome.values, state=outcome.state)
+            self.settings.tell(trial, values=outcome.values, state=outcome.state)
         finally:
             pending.heartbeat.__exit__(None, None, None)
         log.info(

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 from lychee_exp.core.config import LoggerConfig, RunConfig, plain_dict
 from lychee_exp.tracking.keys import HISTORY
+from lychee_exp.tracking.trial import current_trial
 
 log = logging.getLogger(__name__)
 
@@ -221,8 +222,8 @@ def make_logger(
 
 def run_logger(cfg: RunConfig, output_dir: Path, is_main: bool, derived: dict) -> NullLogger:
     """The loggers of one training job: in a sweep, W&B groups the trials by study and names them by number."""
-    trial = cfg.trial
-    in_sweep = bool(trial.storage)
+    trial = current_trial()
+    in_sweep = trial is not None
     name = f"{trial.study_name}-trial{trial.number}" if in_sweep else output_dir.name
     return make_logger(
         cfg.logger,
@@ -231,5 +232,5 @@ def run_logger(cfg: RunConfig, output_dir: Path, is_main: bool, derived: dict) -
         name=name,
         group=trial.study_name if in_sweep else name,
         job_type="trial" if in_sweep else "train",
-        config={**plain_dict(cfg), **derived},
+        config={**plain_dict(cfg), **derived, **({"trial": trial.record()} if in_sweep else {})},
     )

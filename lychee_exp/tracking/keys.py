@@ -47,7 +47,7 @@ TRIAL_METRICS = (
     "speedup",
     "scaling_efficiency",
 )
-# trials.csv, the sweep's table (lychee_exp.sweep.results writes it; the report reads it), then one column per
+# trials.csv, the sweep's table (lychee_exp.sweep.sweep_results writes it; the report reads it), then one column per
 # searched parameter
 TRIALS_CSV_COLUMNS = [
     "number",

@@ -27,7 +27,7 @@ from lychee_exp.tracking.keys import TRIALS_CSV_COLUMNS
 log = logging.getLogger(__name__)
 
 
-def write_results(
+def write_sweep_results(
     study: Any, sweep_dir: Path, n_trials: int, metric: str | Sequence[str], storage_url: str, plots: bool = True
 ) -> None:
     # the study is read under the lock: a worker that read it earlier cannot rename an older table over a newer one

@@ -1,7 +1,7 @@
-"""What the sweeper adds when its trials are lychee_exp jobs: the trial's place in the study (so that rank 0
-can report dev metrics and be pruned) and the out-of-memory retry. Any other Hydra app gets neither, and needs
-no `trial` key: a job is recognised as lychee_exp's by its composed config, which has lychee_exp's `trial`
-schema (lychee_exp.core.config.TrialConfig).
+"""What the sweeper adds when its trials are lychee_exp jobs: each trial's TrialContext (its place in the study,
+so that rank 0 can report dev metrics and be pruned), passed beside the run's config, and the out-of-memory
+retry. Any other Hydra app gets neither: a job is recognised as lychee_exp's by its composed config, typed by
+lychee_exp's schema (RunConfig).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from omegaconf import DictConfig, OmegaConf
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.global_step import check_global_step
 from lychee_exp.sweep.space import render
+from lychee_exp.tracking.trial import TRIAL_ENV, TrialContext
 
 STORAGE_ENV = "LYCHEE_TRIAL_STORAGE"
-_TRIAL_KEYS = {"storage", "study_name", "number", "id", "pruner"}
 
 
 def is_lychee_job(job_cfg: DictConfig) -> bool:
-    trial = OmegaConf.select(job_cfg, "trial", default=None)
-    return OmegaConf.is_dict(trial) and set(trial.keys()) >= _TRIAL_KEYS and "optimized_metric" in job_cfg
+    schema = OmegaConf.get_type(job_cfg)
+    return getattr(schema, "__qualname__", "") == "RunConfig" and schema.__module__.startswith("lychee_exp.")
 
 
 def check(
@@ -31,11 +31,6 @@ def check(
         raise UserError(
             f"hydra.sweeper.direction=minimize would minimise optimized_metric={job_cfg.optimized_metric}: "
             "set hydra.sweeper.direction=maximize (as conf/hparams_search/lr_batch.yaml does)"
-        )
-    searched = [key for key in space_keys if key.lstrip("+").startswith("trial.")]
-    if searched:
-        raise UserError(
-            f"hydra.sweeper.params: {searched[0]} is set by the sweeper for each trial and cannot be searched"
         )
     # the sample trial's global step against its batches: a mismatch would fail every trial the same way
     check_global_step(
@@ -50,22 +45,22 @@ def check(
         )
 
 
-def trial_overrides(
-    number: int, trial_id: int, storage_url: str, study_name: str, pruner_spec: dict, multi_objective: bool
-) -> list[str]:
-    overrides = [f"trial.number={number}"]
-    if not multi_objective:  # optuna prunes single-objective studies only
+def trial_override(trial: TrialContext, storage_url: str) -> str:
+    """The override that hands the trial its context: an environment variable Hydra sets while the job runs."""
+    if trial.storage:
         # the URL may hold a password: it travels in the environment (inherited by the ranks), so that
         # configs, logs and W&B only ever see the variable's name
         os.environ[STORAGE_ENV] = storage_url
-        overrides += [
-            f"trial.storage=env:{STORAGE_ENV}",
-            f"trial.study_name={render(study_name)}",
-            # ++: a dict merged into the schema's empty one needs force-add
-            f"trial.id={trial_id}",
-            f"++trial.pruner={render(pruner_spec)}",
-        ]
-    return overrides
+    return f"++hydra.job.env_set.{TRIAL_ENV}={render(trial.to_json())}"
+
+
+def trial_context(
+    number: int, trial_id: int, study_name: str, pruner_spec: dict, multi_objective: bool, placement: dict
+) -> TrialContext:
+    if multi_objective:  # optuna prunes single-objective studies only
+        return TrialContext(study_name, number, placement=placement)
+    pruner = {key: value for key, value in pruner_spec.items() if value is not None or key == "_target_"}
+    return TrialContext(study_name, number, trial_id, f"env:{STORAGE_ENV}", pruner, placement)
 
 
 def oom_retry_overrides(overrides: list[str], job_cfg: Any) -> tuple[list[str], dict] | None:

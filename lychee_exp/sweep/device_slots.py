@@ -1,33 +1,31 @@
 """`hydra.sweeper.devices_per_trial` in the sweep that the user started: `all` runs the trials here, each across
-every device; N (or `auto`'s choice) starts floor(D / N) slot workers (lychee_exp.sweep.slots) on the study
-this sweep has opened and waits for them. D is what one trial uses on `all`: for a lychee_exp job the device
-plan of its `parallel` and `gpus` (CPU ranks, one per core, without CUDA); for another app every visible GPU,
-else every core.
+every device; N (or `auto`'s choice) places them in floor(D / N) slot workers (lychee_exp.sweep.slots, the
+DeviceSlots placement) on the study this sweep has opened. D is what one trial uses on `all`: for a lychee_exp
+job the device plan of its `parallel` and `gpus` (CPU ranks, one per core, without CUDA); for another app every
+visible GPU, else every core.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from lychee_exp.core.errors import UserError
 from lychee_exp.sweep import storage as st
-from lychee_exp.sweep.slots import SLOT_ENV, Devices, machine_devices, plan_slots, run_slots, slot_command
+from lychee_exp.sweep.dispatch import DeviceSlots
+from lychee_exp.sweep.slots import SLOT_ENV, Devices, machine_devices, plan_slots, slot_command
 from lychee_exp.sweep.space import render
+from lychee_exp.sweep.trials import PLACEMENT
 
 if TYPE_CHECKING:  # the run's config and the placement measurement import torch: only a sweep in slots needs them
     from lychee_exp.core.config import RunConfig
     from lychee_exp.sweep.placement import Decision
 
 log = logging.getLogger(__name__)
-PLACEMENT = "placement"  # study attribute: the decision and its figures (results, and each trial's W&B config)
-
-
-class SlotsFailed(RuntimeError):
-    """A slot worker was killed or crashed (not a trial's failure, which the study's counts report)."""
 
 
 def parse(value: Any) -> str | int:
@@ -76,32 +74,41 @@ def trial_devices(job_cfg: DictConfig | None, devices: Devices) -> int:
     return plan_devices(run.parallel.strategy, run.gpus, cuda_count=cuda, cores=len(devices.ids)).num_devices
 
 
-def start(sw: Any, job_cfg: DictConfig) -> bool:
-    """Runs the sweep in slots when devices_per_trial asks for them; False: run it here, as one worker."""
-    setting = parse(sw.devices_per_trial)
+def device_slots(
+    setting: str | int,
+    job_cfg: DictConfig | None,
+    study: Any,
+    n_trials: int,
+    sample_overrides: Sequence[str],
+    sweep_dir: Path,
+    storage_url: str,
+) -> DeviceSlots | None:
+    """The slot workers that devices_per_trial (`parse`d) asks for; None: run the trials here, as one worker.
+    job_cfg: the sample trial's config for a lychee_exp job, None for another app; sample_overrides make it."""
     if setting == "all" or in_slot():
-        return False
-    devices = machine_devices()
-    total = trial_devices(job_cfg if sw.lychee else None, devices)
+        return None
+    lychee, devices = job_cfg is not None, machine_devices()
+    total = trial_devices(job_cfg, devices)
     if setting == "auto":
-        if not sw.lychee:
+        if not lychee:
             raise UserError(
                 "hydra.sweeper.devices_per_trial=auto measures lychee_exp training; for this app give a number"
             )
-        decision = _auto(sw, job_cfg, devices, total)
+        finished = sum(1 for t in study.get_trials(deepcopy=False) if t.state.is_finished() and st.counts(t))
+        decision = _auto(job_cfg, sample_overrides, sweep_dir, devices, total, max(1, n_trials - finished))
         log.info("%s", decision.line())
-        sw.study.set_user_attr(PLACEMENT, {**decision.record(), "setting": "auto"})
+        study.set_user_attr(PLACEMENT, {**decision.record(), "setting": "auto"})
         per_trial = decision.devices_per_trial
     else:
-        per_trial = setting
+        per_trial = int(setting)
         if per_trial > total:
             raise UserError(f"hydra.sweeper.devices_per_trial={per_trial}, but a trial has {total} device(s) here")
-        sw.study.set_user_attr(
+        study.set_user_attr(
             PLACEMENT, {"setting": per_trial, "devices_per_trial": per_trial, "slots": total // per_trial}
         )
     if per_trial == total:
         log.info("devices_per_trial=%d: every trial on all %d device(s), one at a time", per_trial, total)
-        return False
+        return None
     slots = plan_slots(devices, total, per_trial)
     log.info(
         "devices_per_trial=%d: %d slot(s) at once (%s), each taking the study's next trial as its own ends",
@@ -110,35 +117,24 @@ def start(sw: Any, job_cfg: DictConfig) -> bool:
         "; ".join(slot.describe() for slot in slots),
     )
     pinned = [
-        f"hydra.sweep.dir={render(str(sw.sweep_dir))}",
-        f"hydra.sweeper.storage={render(sw.url)}",
-        f"hydra.sweeper.study_name={render(sw.study.study_name)}",
+        f"hydra.sweep.dir={render(str(sweep_dir))}",
+        f"hydra.sweeper.storage={render(storage_url)}",
+        f"hydra.sweeper.study_name={render(study.study_name)}",
     ]
-    codes = run_slots(slots, slot_command([*pinned, *([f"gpus={per_trial}"] if sw.lychee else [])]))
-    failed = [(slot.index, code) for slot, code in zip(slots, codes) if code not in (0, 1)]
-    if failed:  # exit 1 is the trials' failure, which the study's counts report below
-        raise SlotsFailed(f"slot worker(s) ended abnormally (slot, exit code): {failed}; the same command resumes")
-    return True
+    return DeviceSlots(slots, slot_command([*pinned, *([f"gpus={per_trial}"] if lychee else [])]))
 
 
-def _auto(sw: Any, job_cfg: DictConfig, devices: Devices, total: int) -> Decision:
+def _auto(
+    job_cfg: DictConfig, sample_overrides: Sequence[str], sweep_dir: Path, devices: Devices, total: int, remaining: int
+) -> Decision:
     from lychee_exp.sweep import placement
 
     run = _run_config(job_cfg)
-    finished = sum(1 for t in sw.study.get_trials(deepcopy=False) if t.state.is_finished() and st.counts(t))
-    remaining = max(1, sw.n_trials - finished)
-    overrides = sw.space.overrides(sw.sample_params)
 
     def measure(n: int) -> float:
         slot = plan_slots(devices, total, n)[0]
-        return placement.calibrate(overrides, slot, sw.sweep_dir / "calibration" / f"{n}_devices")
+        return placement.calibrate(sample_overrides, slot, sweep_dir / "calibration" / f"{n}_devices")
 
     counts = placement.candidates(total)
     speedups = placement.measured_speedups(run, devices.kind, counts, measure)
     return placement.decide(speedups, total, remaining)
-
-
-def record_line(sw: Any) -> str:
-    """`++trial.placement=...` for a lychee_exp trial (it lands in the trial's config, W&B's included)."""
-    decided = sw.study.user_attrs.get(PLACEMENT)
-    return f"++trial.placement={render(decided)}" if decided else ""
