@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("transformers")
 
 from lychee_exp.bench.inputs import build_steps  # noqa: E402
+from lychee_exp.bench.peer_loops import Settings, hf_trainer, torch_loop  # noqa: E402
 from lychee_exp.bench.peers import markdown_table, summarize, timed_row  # noqa: E402
-from lychee_exp.bench.systems import Settings, hf_trainer, torch_loop  # noqa: E402
 
 TINY = [
     "model=tiny_lychee",

@@ -2,7 +2,7 @@
 
     python -m lychee_exp.bench.own_batching [--steps 20] [--rounds 2] [--out DIR] [lychee_exp overrides]
 
-Systems (lychee_exp.bench.own_systems): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
+Systems (lychee_exp.bench.own_batching_loops): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
 CrossEncoderTrainer, and lychee_exp `parallel=single gpus=1` with its defaults (only data.batch_size and
 data.train_group_size set so that it too takes 32 pairs a step, fp32 stated, and evaluation, saving and logging
 off). Same file (the built-in sample set), model (MiniLM cross-encoder, 1 logit, lychee's dropout), prompt text
@@ -116,7 +116,7 @@ def child(name: str, spec: dict, out: Path) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from lychee_exp.bench import own_systems as systems
+    from lychee_exp.bench import own_batching_loops as systems
 
     torch.set_num_threads(spec["threads"])
     systems.METER.install(spec["model_path"])

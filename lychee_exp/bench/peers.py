@@ -2,7 +2,7 @@
 
     python -m lychee_exp.bench.peers [--mix sample|longtail] [--steps 10] [--rounds 2] [--out DIR] [overrides]
 
-Systems (see lychee_exp.bench.systems): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
+Systems (see lychee_exp.bench.peer_loops): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
 CrossEncoderTrainer (cross-encoder models only), lychee_exp parallel=single (1 process x all threads), lychee_exp
 parallel=ddp (2 ranks x 1 thread), lychee_exp on 1 process x 1 thread (the CPU speedup baseline), and lychee_exp
 with trainer.forward_chunks (pairs of similar length forwarded together: less padding computed). All train
@@ -137,7 +137,7 @@ def child(name: str, spec: dict) -> dict:
         }
     import torch
 
-    from lychee_exp.bench import systems as peers
+    from lychee_exp.bench import peer_loops as peers
     from lychee_exp.bench.inputs import build_steps
 
     torch.set_num_threads(spec["threads"])

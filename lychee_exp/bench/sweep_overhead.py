@@ -1,7 +1,7 @@
 """Per-trial overhead of a sweep, warm ranks against fresh ranks per trial, side by side; or warm ranks of this
 tree against warm ranks of an earlier commit (`--against REF`), to find and check an overhead regression.
 
-    python benchmarks/sweep_overhead.py [--trials 6] [--gpus 2] [--repeats 2] [--preset tiny|issue]
+    python -m lychee_exp.bench.sweep_overhead [--trials 6] [--gpus 2] [--repeats 2] [--preset tiny|issue]
                                         [--devices-per-trial N] [--against REF] [--baselines FILE]
                                         [--out DIR] [overrides]
 
@@ -92,7 +92,7 @@ def outcome(run_dir: str) -> tuple:
 
 def export(ref: str, out: Path) -> Path:
     """The tree of commit `ref` of this repository, in out/<ref>."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     target = out / f"code-{ref}"
     target.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(repo), "archive", ref], capture_output=True, check=True).stdout

@@ -2,7 +2,7 @@
 one prompt at a time (four tokenizer calls each: the three fields, then the whole text) vs in batches
 (PromptEncoder.encode_many: one tokenizer call per field per batch of 4096, each distinct text once).
 
-    python benchmarks/tokenize_startup.py [--rounds 3] [overrides, e.g. model=tiny_lychee]
+    python -m lychee_exp.bench.tokenize_startup [--rounds 3] [overrides, e.g. model=tiny_lychee]
 
 Same prompts, same ids (checked); the two ways alternate their order between rounds; medians printed.
 """

@@ -1,6 +1,6 @@
 """Mining and reranking throughput on the built-in BEIR set, beside the in-loop dev evaluation's.
 
-    python benchmarks/ir_throughput.py [--top-k 20] [--queries 20] [--batch 64] [--threads 2]
+    python -m lychee_exp.bench.ir_throughput [--top-k 20] [--queries 20] [--batch 64] [--threads 2]
 
 Prints: mining (BM25 first stage, cold cache then warm) in queries/s; then, in pairs/s (scoring time only,
 medians over rounds whose order alternates), `lychee_exp.rerank`'s scoring of the test split's top-k, the
