@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from lychee_exp.bench import harness
 from lychee_exp.bench.inputs import longtail_file
 from lychee_exp.bench.peers import MIXES, SETTINGS
 from lychee_exp.core.config import to_run_config
@@ -115,12 +116,13 @@ def main() -> None:
     base += ["trainer.evaluate=false", "logger=none", "trainer.save_model=false", *overrides]
     budget = args.budget or smallest_budget(base, out / "budget")
     variants = {name: [o.format(budget=budget) for o in extra] for name, extra in VARIANTS.items()}
-    results: dict[str, list[dict]] = {name: [] for name in variants}
     # the process's first run pays one-time set-up (kernel selection, allocator growth): a short one, not counted
     run_variant([*base, "trainer.max_steps=3"], out / "warm-up", args.threads)
-    for round_ in range(args.rounds):
-        for name, extra in variants.items():
-            results[name].append(run_variant([*base, *extra], out / f"{name}_{round_}", args.threads))
+
+    def run_one(name: str, round_: int) -> dict:
+        return run_variant([*base, *variants[name]], out / f"{name}_{round_}", args.threads)
+
+    results = harness.in_rounds(list(variants), args.rounds, run_one)
     print(f"{'variant':<26}" + "".join(f"{key:>20}" for key in KEYS))
     best = {name: max(runs, key=lambda r: r["train_tokens_per_s"]) for name, runs in results.items()}
     padded_rate = best["padded"]["train_tokens_per_s"]
