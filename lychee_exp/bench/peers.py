@@ -25,7 +25,7 @@ from pathlib import Path
 
 from lychee_exp.bench import harness
 from lychee_exp.bench.harness import Column
-from lychee_exp.bench.inputs import longtail_file
+from lychee_exp.bench.peer_batches import longtail_file
 
 log = logging.getLogger("lychee_exp.bench.peers")
 
@@ -135,7 +135,7 @@ def child(name: str, spec: dict) -> dict:
     import torch
 
     from lychee_exp.bench import peer_loops as peers
-    from lychee_exp.bench.inputs import build_steps
+    from lychee_exp.bench.peer_batches import build_steps
 
     torch.set_num_threads(spec["threads"])
     cfg, encoder, model, batches = build_steps(overrides, out, warmup + steps)

@@ -1,7 +1,8 @@
 """Padded against packed batches (data.packing), side by side in one process: training tokens/s of the tiny Qwen2
 on long-tailed documents (bench peers' longtail mix: 32-2048 tokens, median ~100).
 
-    python -m lychee_exp.bench.packing [--steps 12] [--rounds 2] [--batch 8] [--threads 1] [--budget N] [overrides]
+    python -m lychee_exp.bench.padded_vs_packed [--steps 12] [--rounds 2] [--batch 8] [--threads 1] [--budget N]
+                                                [overrides]
 
 Each variant is a fresh in-process Trainer (no evaluation, fp32, parallel=single) over the same data; variants run
 in turns, `--rounds` times. Each row reports its fastest round's wall-time tokens/s and its median round's tokens per
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from lychee_exp.bench import harness
-from lychee_exp.bench.inputs import longtail_file
+from lychee_exp.bench.peer_batches import longtail_file
 from lychee_exp.bench.peers import MIXES, SETTINGS
 from lychee_exp.core.config import to_run_config
 from lychee_exp.core.data.budget import first_epoch_sizes
