@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lychee_exp.bench import harness
+
 TINY = [
     "model=tiny_lychee",
     "data.max_train_queries=16",
@@ -132,13 +134,15 @@ def main() -> None:
     names = [name for name, _, _ in kinds]
     walls: dict[str, list[float]] = {name: [] for name in names}
     tables: dict[str, list[list[dict]]] = {name: [] for name in names}
+    source = {name: (warm, code) for name, warm, code in kinds}
     for repeat in range(args.repeats):
-        order = kinds if repeat % 2 == 0 else kinds[::-1]
-        for name, warm, code in order:
+        order = harness.turn_order(names, repeat)  # each kind first in turn
+        for name in order:
             sweep_dir = out / f"{repeat}-{name.replace('@', '-')}"
+            warm, code = source[name]
             walls[name].append(sweep(sweep_dir, args.trials, args.gpus, warm, overrides, code))
             tables[name].append(rows(sweep_dir))
-        print(f"repeat {repeat}: {' then '.join(name for name, _, _ in order)}")
+        print(f"repeat {repeat}: {' then '.join(order)}")
     first, second = names
     columns = (
         ("rep", 3),
