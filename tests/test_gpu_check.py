@@ -266,7 +266,7 @@ def test_hf_times_the_rows_of_lychee_exps_window(tmp_path):
     micro-batches (compared as the multiset of prompt lengths its loader yields), its warm-up a separate slice."""
     import dataclasses
 
-    from lychee_exp.bench.gpu import hf, ours
+    from lychee_exp.bench.gpu import hf_peft_run, lychee_lora_run
     from lychee_exp.core.devices import plan_devices
     from lychee_exp.core.distributed import DistEnv
     from lychee_exp.recipe.trainer import Trainer
@@ -276,7 +276,7 @@ def test_hf_times_the_rows_of_lychee_exps_window(tmp_path):
     mix = runner.mixes["long_tailed"]
     spec = {"system": "ours", "seed": 42, "model_dir": str(runner.model_dir), "packing": "auto", "warmup": 2,
             "timed": 3, "data": str(runner.data(mix, 2)), "mix": dataclasses.asdict(mix)}  # fmt: skip
-    cfg = ours.compose(spec, tmp_path / "ours")
+    cfg = lychee_lora_run.compose(spec, tmp_path / "ours")
     trainer = Trainer(cfg, DistEnv(), plan_devices("single", 1, cpu_threads_per_rank=1), tmp_path / "ours")
     trainer.setup()
     try:
@@ -285,7 +285,8 @@ def test_hf_times_the_rows_of_lychee_exps_window(tmp_path):
     finally:
         trainer.cleanup()
     window = sorted(n for b in batches[2:] for n in b["lengths"].tolist())
-    rows, _, _, warm_steps, timed_steps = hf.pairs(ours.compose({**spec, "system": "hf"}, tmp_path / "hf"), 2, 3)
+    hf_cfg = lychee_lora_run.compose({**spec, "system": "hf"}, tmp_path / "hf")
+    rows, _, _, warm_steps, timed_steps = hf_peft_run.pairs(hf_cfg, 2, 3)
     per = cfg.data.batch_size * cfg.data.train_group_size
     hf_window = sorted(len(r["input_ids"]) for r in rows[warm_steps * per :])
     assert warm_steps == 2 and timed_steps == len(hf_window) // per >= 1
