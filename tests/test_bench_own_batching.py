@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("datasets")
 
-from lychee_exp.bench import own_batching, own_systems  # noqa: E402
+from lychee_exp.bench import own_batching, own_batching_loops  # noqa: E402
 from lychee_exp.core.resources import resolve_path  # noqa: E402
 
 SAMPLE = "pkg://lychee_exp.assets/sample/train.jsonl"
@@ -54,30 +54,30 @@ def test_every_system_reads_the_same_tokens_and_counts_them_alike(lychee_cfg, to
     template = prompt.prefix + prompt.separator + prompt.template
     path = resolve_path(SAMPLE, "data.train_file")
     raw = [json.loads(line) for line in path.read_text().splitlines()[:3]]
-    pairs = own_systems.read_pairs(path, tokenizer, prompt.query_max_len, prompt.doc_max_len)[:12]
+    pairs = own_batching_loops.read_pairs(path, tokenizer, prompt.query_max_len, prompt.doc_max_len)[:12]
     assert [p.label for p in pairs] == [1.0, 0.0, 0.0, 0.0] * 3
     # lychee cuts the raw file text itself; the peers get text cut at the same token: the same ids come out
     encoder = build_encoder(lychee_cfg.model, tokenizer)
     docs = [d for row in raw for d in row["pos"][:1] + row["neg"][:3]]
     lychee_ids = [encoder.encode("", raw[i // 4]["query"], doc) for i, doc in enumerate(docs)]
-    texts = [own_systems.prompt_text(template, p) for p in pairs]
+    texts = [own_batching_loops.prompt_text(template, p) for p in pairs]
     assert lychee_ids == tokenizer(texts)["input_ids"]
     assert max(len(ids) for ids in lychee_ids) > min(len(ids) for ids in lychee_ids)  # padding to count
     assert any(len(tokenizer(row["query"])["input_ids"]) > prompt.query_max_len for row in raw) or any(
         len(tokenizer(d)["input_ids"]) > prompt.doc_max_len for d in docs
     )  # a cut happened
 
-    encoded = own_systems.hf_tokenize(tokenizer, texts)
+    encoded = own_batching_loops.hf_tokenize(tokenizer, texts)
     rows = [{k: encoded[k][i] for k in encoded} | {"label": p.label} for i, p in enumerate(pairs)]
     batches = {
         "hf_trainer": DataCollatorWithPadding(tokenizer)(rows),
-        "torch_loop": own_systems.loop_collate(tokenizer, template, pairs),
+        "torch_loop": own_batching_loops.loop_collate(tokenizer, template, pairs),
         "lychee": encoder.pad(lychee_ids),
     }
     st = CrossEncoder(str(model_dir(lychee_cfg.model)), num_labels=1, device="cpu")
-    batches["st_cross_encoder"] = st.preprocess([own_systems.st_columns(template, p) for p in pairs])
+    batches["st_cross_encoder"] = st.preprocess([own_batching_loops.st_columns(template, p) for p in pairs])
 
-    meter, original = own_systems.Meter(), BertForSequenceClassification.forward
+    meter, original = own_batching_loops.Meter(), BertForSequenceClassification.forward
     undo = meter.wrap(BertForSequenceClassification)
     try:
         model = _tiny_classifier()
@@ -105,7 +105,7 @@ def test_every_system_reads_the_same_tokens_and_counts_them_alike(lychee_cfg, to
 
 
 def test_window_counts_only_the_steps_after_warmup():
-    meter = own_systems.Meter()
+    meter = own_batching_loops.Meter()
     for step, rows in enumerate([5, 6, 7, 8]):  # one forward per step, one row per real token
         meter.calls.append((torch.tensor(rows * 10), rows * 12, rows))
         meter.stamps.append((float(step), len(meter.calls)))

@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lychee_exp.bench.inputs import build_steps  # noqa: E402
+from lychee_exp.bench.peer_batches import build_steps  # noqa: E402
+from lychee_exp.bench.peer_loops import Settings, hf_trainer, torch_loop  # noqa: E402
 from lychee_exp.bench.peers import markdown_table, summarize, timed_row  # noqa: E402
-from lychee_exp.bench.systems import Settings, hf_trainer, torch_loop  # noqa: E402
 
 TINY = [
     "model=tiny_lychee",
@@ -109,7 +109,7 @@ def test_the_longtail_file_is_long_tailed_and_reproducible(tmp_path):
     import json
     import statistics
 
-    from lychee_exp.bench.inputs import longtail_file
+    from lychee_exp.bench.peer_batches import longtail_file
 
     first = longtail_file(tmp_path, 200).read_text()
     assert longtail_file(tmp_path, 200).read_text() == first  # the same seed writes the same file

@@ -63,7 +63,7 @@ def test_experiment_lychee_lora_recipe(tmp_path):
     assert run_cfg.model.lora.enabled and run_cfg.model.lora.r == 64 and run_cfg.model.lora.alpha == 32
     assert run_cfg.optimizer.lr == pytest.approx(1e-4)
     assert run_cfg.data.train_group_size == 16
-    # token-budget packed batches: one shape per run (benchmarks/packing.py, docs/performance.md)
+    # token-budget packed batches: one shape per run (lychee_exp/bench/padded_vs_packed.py, docs/performance.md)
     assert run_cfg.data.packing and run_cfg.data.max_tokens_per_batch == 16384
 
 

@@ -1,9 +1,10 @@
-"""launch/gpu_check.py: its FLOP accounting and timed window on hand-made inputs, its time budget, and (slow) the
-whole check end to end on the CPU with the tiny model (--tiny), read back from its JSON."""
+"""The GPU check (lychee_exp/bench/gpu_check.py): its FLOP accounting and timed window on hand-made inputs, its
+time budget, and (slow) the whole check end to end on the CPU with the tiny model (--tiny), read back from its JSON."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -14,10 +15,10 @@ import torch
 from conftest import REPO_ROOT, TINY_QWEN2
 from torch.utils.flop_counter import FlopCounterMode
 
-from lychee_exp.bench.gpu.check import ABLATION, Budget, Runner, ablation_skip
 from lychee_exp.bench.gpu.flops import QWEN25_1P5B, Shape, step_flops
-from lychee_exp.bench.gpu.ours import has_key
+from lychee_exp.bench.gpu.lychee_lora_run import has_key
 from lychee_exp.bench.gpu.profile import summarise
+from lychee_exp.bench.gpu.timed_runs import ABLATION, Budget, Runner, ablation_skip
 from lychee_exp.bench.gpu.timing import BatchLog, WindowClock, forward_rows, window_figures
 from lychee_exp.bench.gpu.weights import fingerprints
 
@@ -147,7 +148,7 @@ def test_hf_groups_by_length_within_the_warmup_and_the_window():
     from torch.utils.data import Subset
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
-    from lychee_exp.bench.gpu.hf import SlicedSampler
+    from lychee_exp.bench.gpu.hf_peft_run import SlicedSampler
 
     rows = [{"input_ids": [1] * n} for n in torch.randint(4, 400, (48,)).tolist()]
     warm = 16
@@ -189,8 +190,10 @@ def test_ablation_rows_whose_key_is_missing_are_skipped_naming_it():
 @pytest.mark.slow
 def test_tiny_dry_run_runs_every_phase_and_writes_every_key(tmp_path):
     out = tmp_path / "gpu_check.json"
-    cmd = [sys.executable, "launch/gpu_check.py", "--tiny", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    # through the shell entry a GPU machine runs (from the repository root), with this interpreter
+    cmd = ["bash", "lychee_exp/bench/gpu_check.sh", "--tiny", "--out", str(out)]
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["passed"] is True and report["commit"] and report["mode"] == "tiny checks"
@@ -223,7 +226,7 @@ def test_tiny_dry_run_runs_every_phase_and_writes_every_key(tmp_path):
 @pytest.mark.slow
 def test_tiny_ablation_dry_run(tmp_path):
     out = tmp_path / "ablation.json"
-    cmd = [sys.executable, "launch/gpu_check.py", "--tiny", "--ablation", "--out", str(out)]
+    cmd = [sys.executable, "-m", "lychee_exp.bench.gpu_check", "--tiny", "--ablation", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -263,7 +266,7 @@ def test_hf_times_the_rows_of_lychee_exps_window(tmp_path):
     micro-batches (compared as the multiset of prompt lengths its loader yields), its warm-up a separate slice."""
     import dataclasses
 
-    from lychee_exp.bench.gpu import hf, ours
+    from lychee_exp.bench.gpu import hf_peft_run, lychee_lora_run
     from lychee_exp.core.devices import plan_devices
     from lychee_exp.core.distributed import DistEnv
     from lychee_exp.recipe.trainer import Trainer
@@ -273,7 +276,7 @@ def test_hf_times_the_rows_of_lychee_exps_window(tmp_path):
     mix = runner.mixes["long_tailed"]
     spec = {"system": "ours", "seed": 42, "model_dir": str(runner.model_dir), "packing": "auto", "warmup": 2,
             "timed": 3, "data": str(runner.data(mix, 2)), "mix": dataclasses.asdict(mix)}  # fmt: skip
-    cfg = ours.compose(spec, tmp_path / "ours")
+    cfg = lychee_lora_run.compose(spec, tmp_path / "ours")
     trainer = Trainer(cfg, DistEnv(), plan_devices("single", 1, cpu_threads_per_rank=1), tmp_path / "ours")
     trainer.setup()
     try:
@@ -282,7 +285,8 @@ def test_hf_times_the_rows_of_lychee_exps_window(tmp_path):
     finally:
         trainer.cleanup()
     window = sorted(n for b in batches[2:] for n in b["lengths"].tolist())
-    rows, _, _, warm_steps, timed_steps = hf.pairs(ours.compose({**spec, "system": "hf"}, tmp_path / "hf"), 2, 3)
+    hf_cfg = lychee_lora_run.compose({**spec, "system": "hf"}, tmp_path / "hf")
+    rows, _, _, warm_steps, timed_steps = hf_peft_run.pairs(hf_cfg, 2, 3)
     per = cfg.data.batch_size * cfg.data.train_group_size
     hf_window = sorted(len(r["input_ids"]) for r in rows[warm_steps * per :])
     assert warm_steps == 2 and timed_steps == len(hf_window) // per >= 1

@@ -2,7 +2,7 @@
 
     python -m lychee_exp.bench.own_batching [--steps 20] [--rounds 2] [--out DIR] [lychee_exp overrides]
 
-Systems (lychee_exp.bench.own_systems): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
+Systems (lychee_exp.bench.own_batching_loops): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
 CrossEncoderTrainer, and lychee_exp `parallel=single gpus=1` with its defaults (only data.batch_size and
 data.train_group_size set so that it too takes 32 pairs a step, fp32 stated, and evaluation, saving and logging
 off). Same file (the built-in sample set), model (MiniLM cross-encoder, 1 logit, lychee's dropout), prompt text
@@ -17,15 +17,13 @@ Writes own_batching.csv and own_batching.md into the output directory.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import logging
-import os
-import statistics
-import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+
+from lychee_exp.bench import harness
+from lychee_exp.bench.harness import Column
 
 log = logging.getLogger("lychee_exp.bench.own_batching")
 
@@ -111,23 +109,23 @@ def build_spec(out: Path, steps: int, threads: int, device: str, overrides: list
     }
 
 
-def child(name: str, spec: dict, out: Path) -> dict:
-    """One system's run, in this (fresh) process; returns its row's figures."""
+def child(name: str, spec: dict) -> dict:
+    """One system's run, in this (fresh) process, in spec["out"]; returns its row's figures."""
     import torch
     from transformers import AutoTokenizer
 
-    from lychee_exp.bench import own_systems as systems
+    from lychee_exp.bench import own_batching_loops as systems
 
     torch.set_num_threads(spec["threads"])
     systems.METER.install(spec["model_path"])
     own = {}
     if name == "lychee_single":
-        metrics = systems.lychee(spec, str(out))
+        metrics = systems.lychee(spec, spec["out"])
         own = {"own_metric_tokens_per_s": metrics["train_tokens_per_s"], "threads": metrics["cpu_threads_per_rank"]}
     else:
         tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
         pairs = systems.read_pairs(Path(spec["train_file"]), tokenizer, spec["query_max_len"], spec["doc_max_len"])
-        getattr(systems, name)(spec, pairs, str(out))
+        getattr(systems, name)(spec, pairs, spec["out"])
     w = systems.METER.window(spec["warmup"])
     return {
         "pairs_per_s": w["pairs"] / w["seconds"],
@@ -147,30 +145,14 @@ def measure(out: Path, steps: int, rounds: int, overrides: list[str]) -> list[di
 
     threads = available_cores()
     spec = build_spec(out, steps, threads, "cuda" if torch.cuda.is_available() else "cpu", overrides)
-    results: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
-    for round_ in range(rounds):
-        # interleaved: every round runs every system once, so load changes hit all of them; the order rotates so
-        # that no system always runs first
-        for name in SYSTEMS[round_ % len(SYSTEMS) :] + SYSTEMS[: round_ % len(SYSTEMS)]:
-            run_dir = out / f"round{round_}" / name
-            run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = [
-                sys.executable,
-                "-m",
-                "lychee_exp.bench.own_batching",
-                "--child",
-                name,
-                json.dumps(spec),
-                str(run_dir),
-            ]
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-            if proc.returncode != 0:
-                log.error("%s failed:\n%s", name, proc.stderr[-3000:])
-                continue
-            results[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            log.info("round %d %s: %s", round_, name, results[name][-1])
-    return summarize(results)
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+
+    def run_one(name: str, round_: int) -> dict | None:
+        run_dir = out / f"round{round_}" / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return harness.run_child("lychee_exp.bench.own_batching", name, {**spec, "out": str(run_dir)}, env)
+
+    return summarize(harness.in_rounds(SYSTEMS, rounds, run_one))
 
 
 def summarize(results: dict[str, list[dict]]) -> list[dict]:
@@ -178,8 +160,7 @@ def summarize(results: dict[str, list[dict]]) -> list[dict]:
     rows = []
     for name, runs in results.items():
         if runs:
-            med = {k: statistics.median(r[k] for r in runs) for k in ("pairs_per_s", "tokens_per_s", "padding_share")}
-            own = [r["own_metric_tokens_per_s"] for r in runs]
+            med = harness.medians(runs, ("pairs_per_s", "tokens_per_s", "padding_share", "own_metric_tokens_per_s"))
             rows.append(
                 {
                     "system": name,
@@ -187,34 +168,25 @@ def summarize(results: dict[str, list[dict]]) -> list[dict]:
                     "pairs_per_step": "/".join(str(n) for n in sorted({n for r in runs for n in r["pairs_per_step"]})),
                     "timed_steps": min(r["timed_steps"] for r in runs),
                     "rounds": len(runs),
-                    "own_metric_tokens_per_s": statistics.median(own),
                 }
             )
-    fastest = max((r["tokens_per_s"] for r in rows if r["system"] in PEERS), default=0.0)
-    for r in rows:
-        r["vs_fastest_peer"] = r["tokens_per_s"] / fastest if fastest else float("nan")
+    harness.add_ratio_to_fastest(rows, PEERS)
     return rows
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = [
-        "| system | pairs/s | non-pad tokens/s | vs fastest peer | padding share | pairs per step |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['system']} | {r['pairs_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['vs_fastest_peer']:.2f} "
-        f"| {r['padding_share']:.0%} | {r['pairs_per_step']} |"
-        for r in rows
-    ]
-    return "\n".join(lines)
+TABLE = [
+    harness.SYSTEM,
+    harness.PAIRS_PER_S,
+    harness.TOKENS_PER_S,
+    harness.VS_FASTEST_PEER,
+    harness.padding_column("padding share"),
+    Column("pairs per step", lambda r: str(r["pairs_per_step"])),
+]
 
 
 def write_outputs(rows: list[dict], out: Path, header: str) -> None:
-    with (out / "own_batching.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: r[k] for k in COLUMNS} for r in rows)
-    (out / "own_batching.md").write_text(f"{header}\n\n{markdown_table(rows)}\n")
+    harness.write_csv(out / "own_batching.csv", rows, COLUMNS)
+    (out / "own_batching.md").write_text(f"{header}\n\n{harness.markdown_table(rows, TABLE)}\n")
 
 
 def _load() -> str:
@@ -226,10 +198,9 @@ def _load() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child"]:
-        print(json.dumps(child(argv[1], json.loads(argv[2]), Path(argv[3]))))
+    if harness.child_call(argv, child):
         return 0
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    harness.log_to_console()
     parser = argparse.ArgumentParser(description="own-batching benchmark", usage=__doc__.strip().splitlines()[2])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per system (after warm-up)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds; each runs every system once")
@@ -238,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1:
         parser.error("--steps and --rounds must be >= 1")
-    out = args.out or Path("outputs/bench_own_batching") / f"{datetime.now():%Y-%m-%d_%H-%M-%S}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.output_dir(args.out, "bench_own_batching")
     started, load_before = datetime.now(timezone.utc), _load()
     rows = measure(out, args.steps, args.rounds, args.overrides)
     if not rows:
@@ -252,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     write_outputs(rows, out, header)
     print(header)
-    print(markdown_table(rows))
+    print(harness.markdown_table(rows, TABLE))
     print(f"wrote {out / 'own_batching.csv'} and {out / 'own_batching.md'}")
     return 0
 

@@ -2,7 +2,7 @@
 
     python -m lychee_exp.bench.peers [--mix sample|longtail] [--steps 10] [--rounds 2] [--out DIR] [overrides]
 
-Systems (see lychee_exp.bench.systems): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
+Systems (see lychee_exp.bench.peer_loops): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
 CrossEncoderTrainer (cross-encoder models only), lychee_exp parallel=single (1 process x all threads), lychee_exp
 parallel=ddp (2 ranks x 1 thread), lychee_exp on 1 process x 1 thread (the CPU speedup baseline), and lychee_exp
 with trainer.forward_chunks (pairs of similar length forwarded together: less padding computed). All train
@@ -18,17 +18,14 @@ installs the peers. Writes peers.csv, peers.png and peers.md (a README table) in
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
-import os
-import statistics
-import subprocess
 import sys
-from datetime import datetime
 from pathlib import Path
 
-from lychee_exp.bench.inputs import longtail_file
+from lychee_exp.bench import harness
+from lychee_exp.bench.harness import Column
+from lychee_exp.bench.peer_batches import longtail_file
 
 log = logging.getLogger("lychee_exp.bench.peers")
 
@@ -137,8 +134,8 @@ def child(name: str, spec: dict) -> dict:
         }
     import torch
 
-    from lychee_exp.bench import systems as peers
-    from lychee_exp.bench.inputs import build_steps
+    from lychee_exp.bench import peer_loops as peers
+    from lychee_exp.bench.peer_batches import build_steps
 
     torch.set_num_threads(spec["threads"])
     cfg, encoder, model, batches = build_steps(overrides, out, warmup + steps)
@@ -192,52 +189,41 @@ def measure(mix: str, overrides: list[str], out: Path, steps: int, rounds: int, 
     if mix == "longtail":
         data = longtail_file(out, queries * (WARMUP_STEPS + steps) * 2)
         base += [f"data.train_file={data}", f"data.dev_file={data}"]
-    plan = systems(mix, available_cores(), cuda)
-    results: dict[str, list[dict]] = {s["system"]: [] for s in plan}
-    for round_ in range(rounds):
-        # interleaved: every round runs every system once, so load changes hit all of them; the order rotates so
-        # that no system always runs first
-        for s in plan[round_ % len(plan) :] + plan[: round_ % len(plan)]:
-            run_dir = out / f"round{round_}" / s["system"]
-            spec = {
-                "out": str(run_dir),
-                "warmup": WARMUP_STEPS,
-                "steps": steps,
-                "queries": queries,
-                "threads": s["threads"],
-                "processes": s["processes"],
-                "device": str(device),
-                "overrides": [*base, *s["overrides"], *overrides],
-            }
-            run_dir.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "lychee_exp.bench.peers", "--child", s["system"], json.dumps(spec)]
-            env = {**os.environ, "OMP_NUM_THREADS": str(s["threads"])}
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-            if proc.returncode != 0:
-                log.error("%s failed:\n%s", s["system"], proc.stderr[-3000:])
-                continue
-            results[s["system"]].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            log.info("round %d %s: %s", round_, s["system"], results[s["system"]][-1])
-    return summarize(plan, results)
+    plan = {s["system"]: s for s in systems(mix, available_cores(), cuda)}
+
+    def run_one(name: str, round_: int) -> dict | None:
+        s = plan[name]
+        run_dir = out / f"round{round_}" / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        spec = {
+            "out": str(run_dir),
+            "warmup": WARMUP_STEPS,
+            "steps": steps,
+            "queries": queries,
+            "threads": s["threads"],
+            "processes": s["processes"],
+            "device": str(device),
+            "overrides": [*base, *s["overrides"], *overrides],
+        }
+        return harness.run_child("lychee_exp.bench.peers", name, spec, {"OMP_NUM_THREADS": str(s["threads"])})
+
+    return summarize(list(plan.values()), harness.in_rounds(list(plan), rounds, run_one))
 
 
 def summarize(plan: list[dict], results: dict[str, list[dict]]) -> list[dict]:
-    rows = []
-    for s in plan:
-        runs = results[s["system"]]
-        if runs:
-            rows.append(
-                {
-                    "system": s["system"],
-                    "processes": s["processes"],
-                    "threads": s["threads"],
-                    "rounds": len(runs),
-                    **{k: statistics.median(r[k] for r in runs) for k in runs[0]},
-                }
-            )
-    fastest = max((r["tokens_per_s"] for r in rows if r["system"] in PEERS), default=0.0)
-    for r in rows:
-        r["vs_fastest_peer"] = r["tokens_per_s"] / fastest if fastest else float("nan")
+    """One row per system that ran: the medians of its figures over rounds, and its ratio to the fastest peer."""
+    rows = [
+        {
+            "system": s["system"],
+            "processes": s["processes"],
+            "threads": s["threads"],
+            "rounds": len(runs),
+            **harness.medians(runs, list(runs[0])),
+        }
+        for s in plan
+        if (runs := results[s["system"]])
+    ]
+    harness.add_ratio_to_fastest(rows, PEERS)
     return rows
 
 
@@ -247,10 +233,7 @@ def write_outputs(rows: list[dict], out: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with (out / "peers.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows({k: r[k] for k in COLUMNS} for r in rows)
+    harness.write_csv(out / "peers.csv", rows, COLUMNS)
     (out / "peers.md").write_text(markdown_table(rows) + "\n")
     fig, ax = plt.subplots(figsize=(9, 4))
     colors = ["#dd8452" if r["system"].startswith("lychee") else "#4c72b0" for r in rows]
@@ -266,25 +249,26 @@ def write_outputs(rows: list[dict], out: Path, title: str) -> None:
     plt.close(fig)
 
 
+TABLE = [
+    harness.SYSTEM,
+    Column("processes x threads", lambda r: f"{r['processes']} x {r['threads']}"),
+    harness.PAIRS_PER_S,
+    harness.TOKENS_PER_S,
+    harness.VS_FASTEST_PEER,
+    harness.padding_column("padding"),
+    Column("peak MB", lambda r: f"{r['peak_memory_mb']:.0f}"),
+]
+
+
 def markdown_table(rows: list[dict]) -> str:
-    lines = [
-        "| system | processes x threads | pairs/s | non-pad tokens/s | vs fastest peer | padding | peak MB |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['system']} | {r['processes']} x {r['threads']} | {r['pairs_per_s']:.1f} | {r['tokens_per_s']:.0f} "
-        f"| {r['vs_fastest_peer']:.2f} | {r['padding_share']:.0%} | {r['peak_memory_mb']:.0f} |"
-        for r in rows
-    ]
-    return "\n".join(lines)
+    return harness.markdown_table(rows, TABLE)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child"]:
-        print(json.dumps(child(argv[1], json.loads(argv[2]))))
+    if harness.child_call(argv, child):
         return 0
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    harness.log_to_console()
     parser = argparse.ArgumentParser(description="peer benchmark", usage=__doc__.strip().splitlines()[2])
     parser.add_argument("--mix", choices=sorted(MIXES), default="sample")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per system (after warm-up)")
@@ -292,8 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queries", type=int, default=8, help="queries per step (x 4 documents)")
     parser.add_argument("--out", type=Path, default=None)
     args, overrides = parser.parse_known_args(argv)
-    out = args.out or Path("outputs/bench_peers") / f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{args.mix}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = harness.output_dir(args.out, "bench_peers", f"_{args.mix}")
     rows = measure(args.mix, overrides, out, args.steps, args.rounds, args.queries)
     if not rows:
         log.error("error: every system failed (see the messages above)")

@@ -1,5 +1,5 @@
-"""Compose and run training jobs in-process, without Hydra's CLI: the one helper that tests (conftest),
-benchmarks (bench.py) and scripts (launch/stress_launch.py) use."""
+"""Compose and run training jobs in-process, without Hydra's CLI: the one helper that tests (conftest)
+and the benchmarks and checks of lychee_exp/bench use."""
 
 from __future__ import annotations
 

@@ -46,13 +46,13 @@ def main(argv: list[str]) -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         if spec["system"] == "ours":
-            from lychee_exp.bench.gpu import ours
+            from lychee_exp.bench.gpu import lychee_lora_run
 
-            row = ours.run(spec, work)
+            row = lychee_lora_run.run(spec, work)
         elif spec["system"] == "hf":
-            from lychee_exp.bench.gpu import hf
+            from lychee_exp.bench.gpu import hf_peft_run
 
-            row = hf.run(spec, work)
+            row = hf_peft_run.run(spec, work)
         elif spec["system"] == "weights":
             from lychee_exp.bench.gpu import weights
 

@@ -1,7 +1,7 @@
 """Sweep throughput by device placement: the same sweep with `hydra.sweeper.devices_per_trial=all`, `1` and
 `auto`, trials per hour side by side in one invocation.
 
-    python benchmarks/sweep_throughput.py [--trials 8] [--out DIR] [overrides]
+    python -m lychee_exp.bench.sweep_throughput [--trials 8] [--out DIR] [overrides]
 
 Each setting runs the same study (`hparams_search=lr_batch`, the tiny Qwen2, `parallel=ddp` on every device the
 machine has, the sampler's seed fixed, no pruning) from an empty sweep directory; `auto` starts with an empty
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import yaml
 
-# the same tiny sweep as the overhead benchmark (this directory is on sys.path when a script here runs)
-from sweep_overhead import TINY  # noqa: E402
+# the same tiny sweep as the overhead benchmark
+from lychee_exp.bench.sweep_overhead import TINY
 
 
 def sweep(out: Path, setting: str, trials: int, extra: list[str], cache: Path) -> dict:

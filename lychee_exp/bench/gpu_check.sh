@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # GPU acceptance check, one command, within a time budget (default 330 s; --ablation 450 s) on one GPU (docs/gpu_check.md):
-#   bash launch/gpu_check.sh [--out gpu_check.json] [--budget-s 330] [--hf-compile] [--ablation] [--tiny]
+#   bash lychee_exp/bench/gpu_check.sh [--out gpu_check.json] [--budget-s 330] [--hf-compile] [--ablation] [--tiny]
 # Writes one JSON (commit, device, tokens/s, MFU, peak memory, pass/fail per check); exits 1 on any failed check
 # and 2, with one line, on a machine without an NVIDIA GPU (--tiny / --dry-run: the same checks on the CPU).
-# Wheels in .whl/ (launch/gpu_wheels.sh, for a machine without network) are installed into /tmp/lychee_site first.
+# Wheels in .whl/ (gpu_wheels.sh beside this file, for a machine without network) go into /tmp/lychee_site first.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 tiny=0
 for arg in "$@"; do [ "$arg" = "--tiny" ] || [ "$arg" = "--dry-run" ] && tiny=1; done
 if [ "$tiny" = 0 ] && { ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; }; then
@@ -22,4 +22,4 @@ if compgen -G ".whl/*.whl" >/dev/null && ! "$python" -c "import hydra, omegaconf
   export PYTHONPATH="/tmp/lychee_site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
-exec "$python" launch/gpu_check.py "$@"
+exec "$python" -m lychee_exp.bench.gpu_check "$@"

@@ -1,4 +1,4 @@
-"""The timed parts of launch/gpu_check.py: each run a fresh worker process (lychee_exp.bench.gpu.worker) under
+"""The timed parts of lychee_exp/bench/gpu_check.py: each run a fresh worker process (lychee_exp.bench.gpu.worker) under
 one time budget, so the whole check ends in time whatever a run costs. A run starts only when the pace measured so
 far (the longest run of its kind, else of any kind, else a first guess) says it fits in what is left of the budget;
 one that does not is recorded as skipped, with the reason, never left out silently.
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from lychee_exp.bench.gpu.lychee_lora_run import has_key
 from lychee_exp.bench.gpu.mixes import Mix, full_mixes, model_dir, tiny_mixes, write_mix
-from lychee_exp.bench.gpu.ours import has_key
 
 REPO = Path(__file__).resolve().parents[3]
 FIRST_GUESS_S = {False: 60.0, True: 10.0}  # a run's seconds before any was measured (GPU, --tiny)

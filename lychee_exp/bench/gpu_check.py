@@ -1,7 +1,7 @@
 """GPU acceptance check: every GPU-only path of lychee_exp, run for real, and the LoRA recipe timed against HF
-Trainer + peft, in one command within a time budget (launch/gpu_check.sh; docs/gpu_check.md).
+Trainer + peft, in one command within a time budget (lychee_exp/bench/gpu_check.sh; docs/gpu_check.md).
 
-  bash launch/gpu_check.sh [--out gpu_check.json] [--budget-s 330] [--hf-compile] [--ablation] [--tiny]
+  bash lychee_exp/bench/gpu_check.sh [--out gpu_check.json] [--budget-s 330] [--hf-compile] [--ablation] [--tiny]
 
 Checks, each in its own process so that one failure does not hide the others, in this order: the required ones
 first, then the optional ones while the pace measured so far says they fit (a check that does not fit is
@@ -16,7 +16,7 @@ recorded as skipped; a required one skipped fails the check). Each prints its se
   ddp_cli / dp_cli     (optional) `python -m lychee_exp.run parallel=ddp|dp gpus=auto` end to end
   warm_sweep           (optional) a 2-trial sweep with parallel=ddp gpus=auto on warm ranks
   hf_compiled          (only with --hf-compile) HF with torch_compile=True on both mixes
---ablation runs instead one lychee_exp row per speed lever (lychee_exp.bench.gpu.check.ABLATION), budget 450 s.
+--ablation runs instead one lychee_exp row per speed lever (lychee_exp.bench.gpu.timed_runs.ABLATION), budget 450 s.
 --tiny (alias --dry-run) runs every phase on the CPU with the tiny Qwen2 and tiny mixes, a few steps each.
 Writes one JSON (commit, device, per-check figures and pass/fail) and exits 1 if a check failed.
 """
@@ -33,11 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from lychee_exp.bench.gpu import timed_runs as timed
+from lychee_exp.bench.gpu.flops import bf16_peak_tflops
 
-from lychee_exp.bench.gpu import check as timed  # noqa: E402  (after the repository is on the path)
-from lychee_exp.bench.gpu.flops import bf16_peak_tflops  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 TINY_RUN = [
     "model=tiny_lychee",

@@ -2,7 +2,7 @@
 one prompt at a time (four tokenizer calls each: the three fields, then the whole text) vs in batches
 (PromptEncoder.encode_many: one tokenizer call per field per batch of 4096, each distinct text once).
 
-    python benchmarks/tokenize_startup.py [--rounds 3] [overrides, e.g. model=tiny_lychee]
+    python -m lychee_exp.bench.tokenize_startup [--rounds 3] [overrides, e.g. model=tiny_lychee]
 
 Same prompts, same ids (checked); the two ways alternate their order between rounds; medians printed.
 """
@@ -13,6 +13,7 @@ import argparse
 import statistics
 import time
 
+from lychee_exp.bench import harness
 from lychee_exp.core.config import to_run_config
 from lychee_exp.core.inputs import load_inputs
 from lychee_exp.testing.jobs import compose_job
@@ -35,13 +36,14 @@ def main() -> None:
         "one at a time": lambda: [encoder.encode(*prompt) for prompt in prompts],
         "batched": lambda: encoder.encode_many(prompts),
     }
-    seconds: dict[str, list[float]] = {name: [] for name in ways}
     results = {}
-    for round_ in range(args.rounds):
-        for name in list(ways)[:: 1 if round_ % 2 == 0 else -1]:
-            began = time.perf_counter()
-            results[name] = ways[name]()
-            seconds[name].append(time.perf_counter() - began)
+
+    def timed(name: str, round_: int) -> float:
+        began = time.perf_counter()
+        results[name] = ways[name]()
+        return time.perf_counter() - began
+
+    seconds = harness.in_rounds(list(ways), args.rounds, timed)  # the two ways take turns at going first
     assert results["one at a time"] == results["batched"], "the two ways gave different ids"
     print(f"{len(prompts)} prompts ({cfg.model.name}), {args.rounds} rounds, medians:")
     for name, times in seconds.items():

@@ -3,9 +3,9 @@
 # lychee_exp and the GPU check need and that the GPU machine's image lacks (its image has torch, transformers,
 # peft, accelerate, tokenizers, numpy, scipy, pyyaml, tqdm, psutil, matplotlib; it has no network). gpu_check.sh
 # installs whatever .whl/ holds into /tmp/lychee_site first. Versions: the ones this repository was tested with.
-#   bash launch/gpu_wheels.sh     # .whl/ is git-ignored: the device call names it in `carry`
+#   bash lychee_exp/bench/gpu_wheels.sh     # .whl/ is git-ignored: the device call names it in `carry`
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 pip=${PIP:-.venv/bin/pip}
 mkdir -p .whl
 platform=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64

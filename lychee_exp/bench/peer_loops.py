@@ -11,6 +11,7 @@ sentence-transformers tokenizes its own text pairs, so it counts its own tokens 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,18 +67,16 @@ def torch_loop(model: nn.Module, steps: list[Step], s: Settings) -> dict:
     return {"ends": ends}
 
 
-class _StepClock:
-    """A transformers TrainerCallback (built lazily: transformers is imported only by the peers that use it)."""
+def step_end_callback(on_step_end: Callable[[], None]):
+    """A transformers TrainerCallback that calls `on_step_end()` after every optimizer step (built here, lazily:
+    transformers is imported only by the peers that use it)."""
+    from transformers import TrainerCallback
 
-    @staticmethod
-    def make(ends: list[float]):
-        from transformers import TrainerCallback
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            on_step_end()
 
-        class StepClock(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                ends.append(time.perf_counter())
-
-        return StepClock()
+    return StepClock()
 
 
 def _pair_rows(steps: list[Step]) -> list[dict]:
@@ -88,25 +87,31 @@ def _pair_rows(steps: list[Step]) -> list[dict]:
     ]
 
 
-def _common_args(out_dir: str, steps: list[Step], s: Settings) -> dict:
+def trainer_arguments(out_dir: str, s: Settings, pairs_per_step: int, max_steps: int, warmup_steps: float) -> dict:
+    """What every Trainer-based peer is given: the step's pairs, the optimizer settings, a linear schedule, and
+    no logging, saving or progress bar. `warmup_steps` below 1 is a ratio of the steps (transformers' reading)."""
     return {
         "output_dir": out_dir,
-        "per_device_train_batch_size": len(steps[0].labels),
-        "max_steps": len(steps),
+        "per_device_train_batch_size": pairs_per_step,
+        "max_steps": max_steps,
         "learning_rate": s.lr,
         "weight_decay": s.weight_decay,
         "max_grad_norm": s.max_grad_norm,
         "lr_scheduler_type": "linear",
-        "warmup_steps": 0,
-        "optim": "adamw_torch_fused",
+        "warmup_steps": warmup_steps,
         "logging_steps": 10**6,
         "save_strategy": "no",
         "report_to": "none",
         "disable_tqdm": True,
-        "dataloader_num_workers": 0,
         "seed": s.seed,
         "use_cpu": s.device.type == "cpu",
     }
+
+
+def _common_args(out_dir: str, steps: list[Step], s: Settings) -> dict:
+    """The identical-batches benchmark's: no warm-up, the fused AdamW lychee_exp uses, batches built in-process."""
+    fixed = {"optim": "adamw_torch_fused", "dataloader_num_workers": 0}
+    return {**trainer_arguments(out_dir, s, len(steps[0].labels), len(steps), 0), **fixed}
 
 
 def hf_trainer(model: nn.Module, steps: list[Step], s: Settings, encoder, out_dir: str) -> dict:
@@ -130,7 +135,7 @@ def hf_trainer(model: nn.Module, steps: list[Step], s: Settings, encoder, out_di
         args=args,
         train_dataset=_pair_rows(steps),
         data_collator=collate,
-        callbacks=[_StepClock.make(ends)],
+        callbacks=[step_end_callback(lambda: ends.append(time.perf_counter()))],
     )
     trainer.train()
     return {"ends": ends}
@@ -173,7 +178,7 @@ def st_cross_encoder(path: str, dropout: float | None, steps: list[Step], s: Set
         args=args,
         train_dataset=rows,
         loss=BinaryCrossEntropyLoss(model),
-        callbacks=[_StepClock.make(ends)],
+        callbacks=[step_end_callback(lambda: ends.append(time.perf_counter()))],
     )
     assert batch_size == args.per_device_train_batch_size
     trainer.train()

@@ -1,7 +1,7 @@
 """How many trials per second one PostgreSQL server sustains for K sweep workers sharing one Optuna study.
 
-    python benchmarks/optuna_storage.py                      # starts a throwaway local PostgreSQL (Debian's)
-    python benchmarks/optuna_storage.py --url postgresql+psycopg2://user@dbhost/optuna --workers 1 8 32
+    python -m lychee_exp.bench.optuna_storage                      # starts a throwaway local PostgreSQL (Debian's)
+    python -m lychee_exp.bench.optuna_storage --url postgresql+psycopg2://user@dbhost/optuna --workers 1 8 32
 
 Each worker process does what a lychee_optuna sweep worker and its trial's rank 0 do to the storage per trial,
 with zero-length training: ask (TPE over the lr_batch space), two user attributes, three pruning reports each

@@ -1,6 +1,6 @@
 """Where lychee_exp's training step spends its time: torch.profiler over a short run, top operators by self time.
 
-    python benchmarks/step_profile.py [--steps 8] [--fill-uninitialized-memory] [overrides]
+    python -m lychee_exp.bench.step_profile [--steps 8] [--fill-uninitialized-memory] [overrides]
 
 The run is bench_peers' sample mix (the MiniLM cross-encoder on the sample set with the Lychee prompt, 8 queries x
 4 documents = 32 pairs per step, fp32, dropout 0) on `parallel=single`, built in this process and profiled over

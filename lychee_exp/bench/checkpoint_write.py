@@ -1,6 +1,6 @@
 """Size and write time of a training checkpoint of Lychee Rerank (Qwen2.5-1.5B), LoRA r=64 vs full weights.
 
-    python benchmarks/checkpoint_write.py [--dir /path/on/the/shared/filesystem] [--full]
+    python -m lychee_exp.bench.checkpoint_write [--dir /path/on/the/shared/filesystem] [--full]
 
 Builds tensors shaped as the real trainable parameters and AdamW states (no model download) and writes them with
 lychee_exp.recipe.checkpoint.save_checkpoint (safetensors weights + state.pt, fsync, atomic rename), as rank 0 does.

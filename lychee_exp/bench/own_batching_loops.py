@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lychee_exp.bench.peer_loops import Settings, step_end_callback, trainer_arguments
+
 DOCS_PER_QUERY = 4  # 1 positive + 3 negatives from the file: lychee's groups of 4
 
 
@@ -144,32 +146,9 @@ def _bce(outputs, labels, num_items_in_batch=None):
 
 
 def _args(spec: dict, out: str) -> dict:
-    return {
-        "output_dir": out,
-        "per_device_train_batch_size": spec["pairs_per_step"],
-        "max_steps": spec["max_steps"],
-        "learning_rate": spec["lr"],
-        "weight_decay": spec["weight_decay"],
-        "warmup_steps": spec["warmup_ratio"],  # a float < 1 is a ratio of the steps
-        "max_grad_norm": spec["max_grad_norm"],
-        "lr_scheduler_type": "linear",
-        "logging_steps": 10**6,
-        "save_strategy": "no",
-        "report_to": "none",
-        "disable_tqdm": True,
-        "seed": spec["seed"],
-        "use_cpu": spec["device"] == "cpu",
-    }
-
-
-def _clock():
-    from transformers import TrainerCallback
-
-    class StepClock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            METER.stamp()
-
-    return StepClock()
+    device = torch.device(spec["device"])
+    settings = Settings(spec["lr"], spec["weight_decay"], spec["max_grad_norm"], spec["seed"], device)
+    return trainer_arguments(out, settings, spec["pairs_per_step"], spec["max_steps"], spec["warmup_ratio"])
 
 
 def hf_trainer(spec: dict, pairs: list[Pair], out: str) -> None:
@@ -187,7 +166,7 @@ def hf_trainer(spec: dict, pairs: list[Pair], out: str) -> None:
         train_dataset=rows,
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_loss_func=_bce,
-        callbacks=[_clock()],
+        callbacks=[step_end_callback(METER.stamp)],
     )
     trainer.train()
 
@@ -243,7 +222,7 @@ def st_cross_encoder(spec: dict, pairs: list[Pair], out: str) -> None:
         args=CrossEncoderTrainingArguments(**_args(spec, out)),
         train_dataset=rows,
         loss=BinaryCrossEntropyLoss(model),
-        callbacks=[_clock()],
+        callbacks=[step_end_callback(METER.stamp)],
     )
     trainer.train()
 

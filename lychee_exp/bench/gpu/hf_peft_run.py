@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import Sampler, Subset
 
 from lychee_exp.bench.gpu.flops import bf16_peak_tflops
-from lychee_exp.bench.gpu.ours import FIRST_LOSSES, compose, shape_of
+from lychee_exp.bench.gpu.lychee_lora_run import FIRST_LOSSES, compose, shape_of
 from lychee_exp.bench.gpu.timing import BatchLog, WindowClock, peak_memory, window_figures
 from lychee_exp.bench.gpu.weights import starting_point
 

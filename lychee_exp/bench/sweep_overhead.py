@@ -1,7 +1,7 @@
 """Per-trial overhead of a sweep, warm ranks against fresh ranks per trial, side by side; or warm ranks of this
 tree against warm ranks of an earlier commit (`--against REF`), to find and check an overhead regression.
 
-    python benchmarks/sweep_overhead.py [--trials 6] [--gpus 2] [--repeats 2] [--preset tiny|issue]
+    python -m lychee_exp.bench.sweep_overhead [--trials 6] [--gpus 2] [--repeats 2] [--preset tiny|issue]
                                         [--devices-per-trial N] [--against REF] [--baselines FILE]
                                         [--out DIR] [overrides]
 
@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from lychee_exp.bench import harness
 
 TINY = [
     "model=tiny_lychee",
@@ -92,7 +94,7 @@ def outcome(run_dir: str) -> tuple:
 
 def export(ref: str, out: Path) -> Path:
     """The tree of commit `ref` of this repository, in out/<ref>."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     target = out / f"code-{ref}"
     target.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(repo), "archive", ref], capture_output=True, check=True).stdout
@@ -132,13 +134,15 @@ def main() -> None:
     names = [name for name, _, _ in kinds]
     walls: dict[str, list[float]] = {name: [] for name in names}
     tables: dict[str, list[list[dict]]] = {name: [] for name in names}
+    source = {name: (warm, code) for name, warm, code in kinds}
     for repeat in range(args.repeats):
-        order = kinds if repeat % 2 == 0 else kinds[::-1]
-        for name, warm, code in order:
+        order = harness.turn_order(names, repeat)  # each kind first in turn
+        for name in order:
             sweep_dir = out / f"{repeat}-{name.replace('@', '-')}"
+            warm, code = source[name]
             walls[name].append(sweep(sweep_dir, args.trials, args.gpus, warm, overrides, code))
             tables[name].append(rows(sweep_dir))
-        print(f"repeat {repeat}: {' then '.join(name for name, _, _ in order)}")
+        print(f"repeat {repeat}: {' then '.join(order)}")
     first, second = names
     columns = (
         ("rep", 3),

@@ -1,9 +1,9 @@
 """Mining and reranking throughput on the built-in BEIR set, beside the in-loop dev evaluation's.
 
-    python benchmarks/ir_throughput.py [--top-k 20] [--queries 20] [--batch 64] [--threads 2]
+    python -m lychee_exp.bench.ir_throughput [--top-k 20] [--queries 20] [--batch 64] [--threads 2]
 
 Prints: mining (BM25 first stage, cold cache then warm) in queries/s; then, in pairs/s (scoring time only,
-medians over rounds whose order alternates), `lychee_exp.rerank`'s scoring of the test split's top-k, the
+medians over rounds whose order rotates), `lychee_exp.rerank`'s scoring of the test split's top-k, the
 training loop's dev evaluation (core.evaluate.evaluate) on those same pairs, and on the sample set's
 fixed-candidate dev file, with the same MiniLM preset, batch size and threads. A fresh cache directory each run
 (LYCHEE_CACHE_DIR in a temporary folder).
@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from lychee_exp.bench import harness
 
 
 def main() -> None:
@@ -45,11 +47,12 @@ def main() -> None:
         rate = summary.written / seconds
         print(f"mine train, bm25, {label}: {summary.written} queries in {seconds:.2f} s = {rate:.0f} queries/s")
 
-    rates: dict[str, list[float]] = {"rerank": [], "in-loop, same pairs": [], "in-loop, fixed candidates": []}
-    ways = [lambda: _rerank(dataset, args), lambda: _in_loop_same_pairs(dataset, args), lambda: _in_loop(args)]
-    for round_ in range(args.rounds):  # the order alternates, so that neither way always runs first
-        for name, way in zip(rates, ways) if round_ % 2 == 0 else reversed(list(zip(rates, ways))):
-            rates[name].append(way())
+    ways = {
+        "rerank": lambda: _rerank(dataset, args),
+        "in-loop, same pairs": lambda: _in_loop_same_pairs(dataset, args),
+        "in-loop, fixed candidates": lambda: _in_loop(args),
+    }
+    rates = harness.in_rounds(list(ways), args.rounds, lambda name, _: ways[name]())  # each way first in turn
     for name, values in rates.items():
         print(f"{name}: {statistics.median(values):.1f} pairs/s (rounds: {', '.join(f'{v:.1f}' for v in values)})")
     ratio = statistics.median(rates["rerank"]) / statistics.median(rates["in-loop, same pairs"])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lychee_exp.bench.systems import Step
+from lychee_exp.bench.peer_loops import Step
 
 
 def build_steps(overrides: list[str], out: Path, count: int):

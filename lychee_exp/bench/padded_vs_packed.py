@@ -1,7 +1,8 @@
 """Padded against packed batches (data.packing), side by side in one process: training tokens/s of the tiny Qwen2
 on long-tailed documents (bench peers' longtail mix: 32-2048 tokens, median ~100).
 
-    python benchmarks/packing.py [--steps 12] [--rounds 2] [--batch 8] [--threads 1] [--budget N] [overrides]
+    python -m lychee_exp.bench.padded_vs_packed [--steps 12] [--rounds 2] [--batch 8] [--threads 1] [--budget N]
+                                                [overrides]
 
 Each variant is a fresh in-process Trainer (no evaluation, fp32, parallel=single) over the same data; variants run
 in turns, `--rounds` times. Each row reports its fastest round's wall-time tokens/s and its median round's tokens per
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from lychee_exp.bench.inputs import longtail_file
+from lychee_exp.bench import harness
+from lychee_exp.bench.peer_batches import longtail_file
 from lychee_exp.bench.peers import MIXES, SETTINGS
 from lychee_exp.core.config import to_run_config
 from lychee_exp.core.data.budget import first_epoch_sizes
@@ -115,12 +117,13 @@ def main() -> None:
     base += ["trainer.evaluate=false", "logger=none", "trainer.save_model=false", *overrides]
     budget = args.budget or smallest_budget(base, out / "budget")
     variants = {name: [o.format(budget=budget) for o in extra] for name, extra in VARIANTS.items()}
-    results: dict[str, list[dict]] = {name: [] for name in variants}
     # the process's first run pays one-time set-up (kernel selection, allocator growth): a short one, not counted
     run_variant([*base, "trainer.max_steps=3"], out / "warm-up", args.threads)
-    for round_ in range(args.rounds):
-        for name, extra in variants.items():
-            results[name].append(run_variant([*base, *extra], out / f"{name}_{round_}", args.threads))
+
+    def run_one(name: str, round_: int) -> dict:
+        return run_variant([*base, *variants[name]], out / f"{name}_{round_}", args.threads)
+
+    results = harness.in_rounds(list(variants), args.rounds, run_one)
     print(f"{'variant':<26}" + "".join(f"{key:>20}" for key in KEYS))
     best = {name: max(runs, key=lambda r: r["train_tokens_per_s"]) for name, runs in results.items()}
     padded_rate = best["padded"]["train_tokens_per_s"]

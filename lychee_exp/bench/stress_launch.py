@@ -1,6 +1,6 @@
 """Launches N tiny DDP runs back to back in ONE Python process and reports how many failed.
 
-    python launch/stress_launch.py --runs 50 --gpus 2
+    python -m lychee_exp.bench.stress_launch --runs 50 --gpus 2
 
 Each run starts fresh ranks with the elastic launcher, trains a few steps and tears down; a launcher that
 leaks ports, process groups or signal handlers, or whose workers abort at exit, shows up as failures here.

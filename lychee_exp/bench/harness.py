@@ -1,0 +1,113 @@
+"""The one harness of every side-by-side benchmark here: rounds that run each system once (the order rotating, so
+that no system always runs first and load changes hit all of them), each system run in a fresh process where the
+benchmark asks for one, medians over rounds, each row's ratio to the fastest peer, and the table written as CSV
+and markdown."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("lychee_exp.bench.harness")
+CHILD_FLAG = "--child"
+
+
+def turn_order(names: Sequence[str], round_: int) -> list[str]:
+    """Every name once, starting at a different one each round."""
+    start = round_ % len(names) if names else 0
+    return [*names[start:], *names[:start]]
+
+
+def in_rounds(names: Sequence[str], rounds: int, run_one: Callable[[str, int], Any]) -> dict[str, list]:
+    """{name: its results in round order}: `run_one(name, round_)` for every name in every round, in turns;
+    a None result (a failed run, already reported) is left out."""
+    results: dict[str, list] = {name: [] for name in names}
+    for round_ in range(rounds):
+        for name in turn_order(names, round_):
+            result = run_one(name, round_)
+            if result is not None:
+                results[name].append(result)
+                log.info("round %d %s: %s", round_, name, result)
+    return results
+
+
+def run_child(module: str, name: str, spec: dict, env: dict[str, str]) -> dict | None:
+    """`python -m module --child name SPEC`: one system's run in a fresh process; its row (the last line it
+    prints, as JSON), or None when it failed (its error is logged)."""
+    cmd = [sys.executable, "-m", module, CHILD_FLAG, name, json.dumps(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, check=False)
+    if proc.returncode != 0:
+        log.error("%s failed:\n%s", name, proc.stderr[-3000:])
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def child_call(argv: list[str], child: Callable[[str, dict], dict]) -> bool:
+    """In a process `run_child` started: runs the system and prints its row; False in the parent process."""
+    if argv[:1] != [CHILD_FLAG]:
+        return False
+    print(json.dumps(child(argv[1], json.loads(argv[2]))))
+    return True
+
+
+def medians(runs: list[dict], keys: Sequence[str]) -> dict[str, float]:
+    return {key: statistics.median(run[key] for run in runs) for key in keys}
+
+
+def add_ratio_to_fastest(rows: list[dict], peers: Sequence[str], key: str = "tokens_per_s") -> None:
+    """Sets each row's vs_fastest_peer: its `key` over the best peer's (NaN when no peer has a row)."""
+    fastest = max((row[key] for row in rows if row["system"] in peers), default=0.0)
+    for row in rows:
+        row["vs_fastest_peer"] = row[key] / fastest if fastest else float("nan")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the markdown table: its header and how a row's cell reads."""
+
+    header: str
+    cell: Callable[[dict], str]
+
+
+SYSTEM = Column("system", lambda r: r["system"])
+PAIRS_PER_S = Column("pairs/s", lambda r: f"{r['pairs_per_s']:.1f}")
+TOKENS_PER_S = Column("non-pad tokens/s", lambda r: f"{r['tokens_per_s']:.0f}")
+VS_FASTEST_PEER = Column("vs fastest peer", lambda r: f"{r['vs_fastest_peer']:.2f}")
+
+
+def padding_column(header: str) -> Column:
+    return Column(header, lambda r: f"{r['padding_share']:.0%}")
+
+
+def markdown_table(rows: list[dict], columns: Sequence[Column]) -> str:
+    lines = ["| " + " | ".join(c.header for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(c.cell(row) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: list[dict], fields: Sequence[str]) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(fields))
+        writer.writeheader()
+        writer.writerows({key: row[key] for key in fields} for row in rows)
+
+
+def output_dir(given: Path | None, kind: str, suffix: str = "") -> Path:
+    """`given`, or outputs/<kind>/<time stamp><suffix>; created."""
+    out = given or Path("outputs") / kind / f"{datetime.now():%Y-%m-%d_%H-%M-%S}{suffix}"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def log_to_console() -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
