@@ -112,7 +112,7 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 def test_the_graph_sees_the_package():
     graph = import_graph()
     assert {"lychee_exp.recipe.trainer", "lychee_exp.core.config", "lychee_exp.sweep.sweeper"} <= set(graph)
-    assert "lychee_exp.tracking.trial" in graph["lychee_exp.recipe.on_rank"]  # pruning, below the recipe
+    assert "lychee_exp.tracking.trial" in graph["lychee_exp.recipe.rank_training"]  # pruning, below the recipe
     assert "lychee_exp.launch.processes" in graph["lychee_exp.sweep.slots"]  # the sweeper starts processes
     assert "lychee_exp.launch.launcher" in reachable(graph, "lychee_exp.run")
     assert "lychee_exp.recipe.rank_training" in graph["lychee_exp.launch.launcher"]
