@@ -57,17 +57,32 @@ def _cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Pope
     )
 
 
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory):
+    """single_process_run(bucket) -> the run dir of one process with batch 4: the reference that every DDP variant
+    of that bucketing must match, trained once per module (the runs are seeded, so each variant would get the same)."""
+    runs: dict[bool, Path] = {}
+
+    def run(bucket: bool) -> Path:
+        if bucket not in runs:
+            runs[bucket] = tmp_path_factory.mktemp(f"single-bucket-{bucket}")
+            bucketing = [f"data.bucket_by_length={bucket}", "data.bucket_pool_batches=2"]
+            run_job([*TINY_DDP, *bucketing, "parallel=single", "data.batch_size=4"], runs[bucket])
+        return runs[bucket]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "ddp_batch, accum, bucket, chunks, packing",
     [(2, 1, False, 1, False), (1, 2, False, 1, False), (1, 2, True, 2, False), (1, 2, True, 1, True)],
     ids=["batch", "accumulation", "accumulation-bucketed-chunked", "accumulation-bucketed-packed"],
 )
-def test_ddp_matches_single_process(tmp_path, ddp_batch, accum, bucket, chunks, packing):
+def test_ddp_matches_single_process(tmp_path, single_process_run, ddp_batch, accum, bucket, chunks, packing):
     """chunks: the DDP run forwards its pairs in length chunks, the single process in one pass; packing: the
     DDP run packs each micro-batch into one row, the single process pads."""
-    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    single, ddp = single_process_run(bucket), tmp_path / "ddp"
     bucketing = [f"data.bucket_by_length={bucket}", "data.bucket_pool_batches=2"]
-    run_job([*TINY_DDP, *bucketing, "parallel=single", "data.batch_size=4"], single)
     run_job(
         [
             *TINY_DDP,
