@@ -318,8 +318,11 @@ def test_slurm_local_job_is_requeued_and_finishes_the_same_run(tmp_path):
 
 @pytest.mark.slow
 def test_sweep_trials_as_submitit_jobs(tmp_path):
-    """The acceptance command of issue 12 (on the tiny model): each trial a submitit job of 2 DDP ranks."""
+    """The acceptance command of issue 12 (on the tiny model): each trial a submitit job of 2 DDP ranks; with
+    n_jobs=2 the two trials run at once, each reporting to the study (rank 0 to its own trial) while the sweeper
+    keeps the books. (One sweep for both: it was two, of 2 sequential DDP trials and of 3 one-rank trials.)"""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    import optuna
     import yaml
 
     sweep = tmp_path / "sweep"
@@ -333,9 +336,11 @@ def test_sweep_trials_as_submitit_jobs(tmp_path):
             "hydra/launcher=slurm_local",
             "hparams_search=lr_batch",
             "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.n_jobs=2",
             "parallel=ddp",
             "gpus=2",
             "trainer.max_steps=4",
+            "trainer.eval_every=2",
             *tiny,
             f"hydra.sweep.dir={sweep}",
         ],
@@ -349,13 +354,21 @@ def test_sweep_trials_as_submitit_jobs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.parent.name for p in sweep.glob("*/metrics.json")) == ["0", "1"]
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
-    assert results["finished"] == results["complete"] == 2
+    assert results["finished"] == results["complete"] == 2 and results["running"] == 0
     assert len(list((sweep / ".submitit").iterdir())) >= 2  # two jobs, each with its own submitit folder
-    for trial in ("0", "1"):  # each job trained on its 2 ranks: both reported memory and wrote their own log
-        m = _metrics(sweep / trial)
-        assert m["num_devices"] == m["num_processes"] == 2 and len(m["peak_memory_mb_per_rank"]) == 2, trial
-        assert all(mb > 0 for mb in m["peak_memory_mb_per_rank"]), trial
-        assert sorted(p.parent.name for p in (sweep / trial).glob("logs/**/stderr.log")) == ["0", "1"], trial
+    with (sweep / "trials.csv").open() as handle:
+        assert len(list(csv.DictReader(handle))) == 2
+    study = optuna.load_study(study_name="lr_batch", storage=f"sqlite:///{sweep / 'optuna.db'}")
+    first, second = study.trials
+    assert second.datetime_start < first.datetime_complete and first.datetime_start < second.datetime_complete
+    for trial in study.trials:  # each job trained on its 2 ranks: both reported memory and wrote their own log
+        m = _metrics(sweep / str(trial.number))
+        assert m["num_devices"] == m["num_processes"] == 2 and len(m["peak_memory_mb_per_rank"]) == 2, trial.number
+        assert all(mb > 0 for mb in m["peak_memory_mb_per_rank"]), trial.number
+        logs = sorted(p.parent.name for p in (sweep / str(trial.number)).glob("logs/**/stderr.log"))
+        assert logs == ["0", "1"], trial.number
+        assert m["effective_batch_size"] == trial.params["trainer.global_batch_size"]  # the trial's own params
+        assert sorted(trial.intermediate_values)[:1] == [0]  # rank 0 reported to its own trial
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from conftest import output_lines, run_cli
 from lychee_exp.core.data.groups import TrainGroups
 from lychee_exp.core.data.queries import RankingQuery, load_queries
 from lychee_exp.core.errors import UserError
+from lychee_exp.testing.jobs import run_job
 
 GOOD = {"query": "what is a lychee", "pos": ["a tropical fruit"], "neg": ["a car", "a boat", "a plane"]}
 
@@ -161,49 +162,73 @@ def test_groups_differ_across_epochs():
 
 
 # every kind of bad train file, and the dev file through the same path twice
-CLI_CASES = [
+BAD_FILE_CASES = [
     (name, "train") for name in ("malformed_json", "no_positive", "pos_not_list", "empty_file", "missing_file")
 ] + [("malformed_json", "dev"), ("missing_file", "dev")]
+# Through the CLI as a subprocess (seconds each, for its imports): one line-level and one file-level error show
+# that a user error of the job ends as exit 2, one line, no traceback; the others check that message in-process.
+CLI_CASES = [("malformed_json", "train"), ("missing_file", "dev")]
+
+
+def _bad_file_job(tmp_path, name, which, *extra):
+    """The job's overrides with one bad input file (the other file good), and what its one line must hold."""
+    path, where, fragment = make_input(tmp_path, name)
+    good = write_lines(tmp_path / "good.jsonl", [good_line(i) for i in range(4)])
+    train, dev = (path, good) if which == "train" else (good, path)
+    overrides = [
+        "model=tiny_lychee",
+        "loss=pointwise",
+        "data=jsonl",
+        f"data.train_file={train}",
+        f"data.dev_file={dev}",
+        "data.train_group_size=2",
+        "trainer.progress_bar=false",
+        *extra,
+    ]
+    expected = [where, fragment]
+    if BAD_INPUTS[name][1] is None:  # file-level errors name the key as well as the file
+        expected.append(f"data.{which}_file")
+    return overrides, expected
+
+
+@pytest.mark.parametrize(("name", "which"), [c for c in BAD_FILE_CASES if c not in CLI_CASES], ids=lambda v: v)
+def test_bad_input_file_stops_the_job_with_one_line_naming_it(name, which, tmp_path):
+    overrides, expected = _bad_file_job(tmp_path, name, which, "logger=none")
+    run_dir = tmp_path / "run"
+    with pytest.raises(UserError) as info:
+        run_job(overrides, run_dir)
+    message = str(info.value)
+    assert "\n" not in message and all(part in message for part in expected), (message, expected)
+    assert not (run_dir / "metrics.json").exists()
 
 
 @pytest.mark.parametrize(("name", "which"), CLI_CASES, ids=lambda v: v)
 def test_cli_bad_input_exit_2_one_line_no_metrics(name, which, tmp_path):
-    path, where, fragment = make_input(tmp_path, name)
-    good = write_lines(tmp_path / "good.jsonl", [good_line(i) for i in range(4)])
-    train, dev = (path, good) if which == "train" else (good, path)
+    overrides, expected = _bad_file_job(tmp_path, name, which)
     run_dir = tmp_path / "run"
-    proc = run_cli(
-        [
-            "model=tiny_lychee",
-            "loss=pointwise",
-            "data=jsonl",
-            f"data.train_file={train}",
-            f"data.dev_file={dev}",
-            "data.train_group_size=2",
-            "trainer.progress_bar=false",
-        ],
-        run_dir,
-        timeout=120,
-    )
+    proc = run_cli(overrides, run_dir, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "Traceback" not in out
     lines = output_lines(proc)
     assert len(lines) == 1, lines
-    assert where in lines[0] and fragment in lines[0]
-    if BAD_INPUTS[name][1] is None:  # file-level errors name the key as well as the file
-        assert f"data.{which}_file" in lines[0]
+    assert all(part in lines[0] for part in expected), (lines, expected)
     assert not (run_dir / "metrics.json").exists()
 
 
-@pytest.mark.parametrize(
-    "parallel",
-    [
-        "single",
-        "ddp",
-    ],
-)
-def test_cli_train_query_without_negatives_exit_2(parallel, tmp_path):
+def test_train_query_without_negatives_stops_one_process_with_one_line(tmp_path):
+    """The same check as the DDP case below, which goes through the CLI: here in-process, in one process."""
+    train = write_lines(tmp_path / "train.jsonl", [good_line(0), json.dumps({"query": "q", "pos": ["p"]})])
+    run_dir = tmp_path / "run"
+    overrides = ["model=tiny_lychee", "loss=pointwise", "data=jsonl", f"data.train_file={train}"]
+    overrides += [f"data.dev_file={train}", "data.train_group_size=4", "parallel=single", "logger=none"]
+    with pytest.raises(UserError, match="train_group_size") as info:
+        run_job(overrides, run_dir)
+    assert "\n" not in str(info.value)
+    assert not (run_dir / "metrics.json").exists()
+
+
+def test_cli_train_query_without_negatives_exit_2(tmp_path):
     train = write_lines(tmp_path / "train.jsonl", [good_line(0), json.dumps({"query": "q", "pos": ["p"]})])
     run_dir = tmp_path / "run"
     proc = run_cli(
@@ -215,7 +240,7 @@ def test_cli_train_query_without_negatives_exit_2(parallel, tmp_path):
             f"data.dev_file={train}",
             "data.train_group_size=4",
             "trainer.progress_bar=false",
-            f"parallel={parallel}",
+            "parallel=ddp",
         ],
         run_dir,
         timeout=180,

@@ -18,7 +18,7 @@ from conftest import TINY_RANKS
 from safetensors.torch import load_file
 
 from lychee_exp.core.devices import plan_devices
-from lychee_exp.core.errors import UserError
+from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.testing.equivalence import assert_same_training
 from lychee_exp.testing.jobs import run_job
 
@@ -57,17 +57,32 @@ def _cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Pope
     )
 
 
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory):
+    """single_process_run(bucket) -> the run dir of one process with batch 4: the reference that every DDP variant
+    of that bucketing must match, trained once per module (the runs are seeded, so each variant would get the same)."""
+    runs: dict[bool, Path] = {}
+
+    def run(bucket: bool) -> Path:
+        if bucket not in runs:
+            runs[bucket] = tmp_path_factory.mktemp(f"single-bucket-{bucket}")
+            bucketing = [f"data.bucket_by_length={bucket}", "data.bucket_pool_batches=2"]
+            run_job([*TINY_DDP, *bucketing, "parallel=single", "data.batch_size=4"], runs[bucket])
+        return runs[bucket]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "ddp_batch, accum, bucket, chunks, packing",
     [(2, 1, False, 1, False), (1, 2, False, 1, False), (1, 2, True, 2, False), (1, 2, True, 1, True)],
     ids=["batch", "accumulation", "accumulation-bucketed-chunked", "accumulation-bucketed-packed"],
 )
-def test_ddp_matches_single_process(tmp_path, ddp_batch, accum, bucket, chunks, packing):
+def test_ddp_matches_single_process(tmp_path, single_process_run, ddp_batch, accum, bucket, chunks, packing):
     """chunks: the DDP run forwards its pairs in length chunks, the single process in one pass; packing: the
     DDP run packs each micro-batch into one row, the single process pads."""
-    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    single, ddp = single_process_run(bucket), tmp_path / "ddp"
     bucketing = [f"data.bucket_by_length={bucket}", "data.bucket_pool_batches=2"]
-    run_job([*TINY_DDP, *bucketing, "parallel=single", "data.batch_size=4"], single)
     run_job(
         [
             *TINY_DDP,
@@ -110,29 +125,39 @@ def _outcome(metrics: dict) -> tuple:
     return tuple(metrics[key] for key in ("train_loss", "ndcg@10", "mrr@10", "steps", "effective_batch_size"))
 
 
-def test_five_runs_in_one_process(tmp_path):
+# Short DDP runs, without the evaluation before training (no test below reads initial_*).
+QUICK_DDP = [
+    *TINY_DDP,
+    "parallel=ddp",
+    "gpus=2",
+    "trainer.max_steps=2",
+    "trainer.save_model=false",
+    "trainer.eval_before_training=false",
+]
+
+
+@pytest.fixture(scope="module")
+def five_quick_runs(tmp_path_factory) -> list[tuple[float, dict]]:
+    """QUICK_DDP launched five times from this process (fresh ranks each time): what each run returned and its
+    metrics. The first one is also the "alone" reference of two runs at the same moment."""
+    root = tmp_path_factory.mktemp("quick")
+    return [run_job(QUICK_DDP, root / f"run{i}") for i in range(5)]
+
+
+def test_five_runs_in_one_process(five_quick_runs):
     """Five launches from one process (fresh ranks each time) give five equal, finite results."""
-    quick = [
-        *TINY_DDP,
-        "parallel=ddp",
-        "gpus=2",
-        "trainer.max_steps=2",
-        "trainer.save_model=false",
-        "trainer.eval_before_training=false",
-    ]
-    runs = [run_job(quick, tmp_path / f"run{i}") for i in range(5)]
+    runs = five_quick_runs
     values, outcomes = [value for value, _ in runs], [_outcome(metrics) for _, metrics in runs]
     assert all(math.isfinite(v) for v in values) and all(math.isfinite(v) for v in outcomes[0][:3]), outcomes[0]
     assert values == [values[0]] * 5 and outcomes == [outcomes[0]] * 5, outcomes
     assert values[0] == runs[0][1]["ndcg@10"] and outcomes[0][3] == 2
 
 
-def test_two_runs_at_the_same_moment(tmp_path):
+def test_two_runs_at_the_same_moment(tmp_path, five_quick_runs):
     """Two jobs started together on one machine (each picks its own rendezvous port) each finish with the
     metrics that the same job gets running alone."""
-    args = [*TINY_DDP, "parallel=ddp", "gpus=2", "trainer.max_steps=2", "trainer.save_model=false"]
-    _, alone = run_job(args, tmp_path / "alone")
-    procs = [_cli(args, tmp_path) for _ in range(2)]
+    alone = five_quick_runs[0][1]
+    procs = [_cli(QUICK_DDP, tmp_path) for _ in range(2)]
     outputs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
     run_dirs = sorted((tmp_path / "outputs" / "runs").iterdir())
@@ -194,20 +219,10 @@ def test_hanging_rank_is_bounded_by_the_collective_timeout(tmp_path):
 
 
 def test_nan_loss_stops_the_job(tmp_path):
-    proc = _cli(
-        [
-            *TINY_DDP,
-            "parallel=single",
-            "optimizer.lr=1e30",
-            "optimizer.max_grad_norm=0",
-            "trainer.max_steps=20",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        tmp_path,
-    )
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1
-    assert "loss is nan" in out + err or "loss is inf" in out + err
+    """In-process: the CLI's exit 1 and one line for a failed run are tested above (a failing rank)."""
+    overrides = [*TINY_DDP, "parallel=single", "optimizer.lr=1e30", "optimizer.max_grad_norm=0", "trainer.max_steps=20"]
+    with pytest.raises(RunFailed, match=r"loss is (nan|inf)"):
+        run_job(overrides, tmp_path)
     assert not (tmp_path / "metrics.json").exists()
 
 
@@ -281,12 +296,13 @@ def test_gpu_count_checks():
 
 
 def test_dp_without_cuda_is_one_line(tmp_path):
+    """The job stops with a user error before any training (the CLI's exit 2 and one line for a user error are
+    tested once, in tests/test_data.py and tests/test_config.py: here in-process, without a subprocess)."""
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    proc = _cli(["parallel=dp", f"hydra.run.dir={tmp_path}"], tmp_path)
-    out, err = proc.communicate(timeout=120)
-    lines = [line for line in (out + err).splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and "parallel=dp needs CUDA GPUs" in lines[0], lines
+    with pytest.raises(UserError, match="parallel=dp needs CUDA GPUs") as info:
+        run_job(["parallel=dp"], tmp_path)
+    assert "\n" not in str(info.value) and not (tmp_path / "metrics.json").exists()
 
 
 def _global_batch_run(tmp_path: Path, name: str, gpus: int, *extra: str) -> Path:

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from conftest import TINY_QWEN2, output_lines, run_cli, run_tiny
+from conftest import TINY_QWEN2, run_tiny
 from transformers import AutoTokenizer
 
 from lychee_exp.core import losses
@@ -20,6 +20,7 @@ from lychee_exp.core.data.queries import check_teacher_scores, load_queries
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.evaluate import bm25_scores, ranking_metrics
 from lychee_exp.core.prompt import PromptEncoder
+from lychee_exp.testing.jobs import run_job
 
 
 def write_jsonl(path, records):
@@ -231,31 +232,19 @@ def test_run_with_distillation_reports_finite_distill_loss(tmp_path):
     assert metrics["train_loss"] == pytest.approx(total, rel=1e-5)
 
 
-def test_cli_distillation_without_teacher_scores_is_one_line(tmp_path):
+def test_distillation_without_teacher_scores_is_one_line(tmp_path):
+    """A user error before any training: in-process (the CLI's exit 2 and one line for a user error are tested
+    once, in tests/test_data.py and tests/test_config.py)."""
     train = write_jsonl(
         tmp_path / "train.jsonl", [{"query": f"q{i}", "pos": ["p"], "neg": ["n", "m"]} for i in range(4)]
     )
     run_dir = tmp_path / "run"
-    proc = run_cli(
-        [
-            "model=tiny_lychee",
-            "loss=pointwise",
-            "data=jsonl",
-            f"data.train_file={train}",
-            f"data.dev_file={train}",
-            "data.train_group_size=2",
-            "loss.distill_weight=1",
-            "parallel=single",
-            "gpus=1",
-            "logger=none",
-        ],
-        run_dir,
-        timeout=120,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out
-    assert "Traceback" not in out and len(output_lines(proc)) == 1, out
-    assert "loss.distill_weight" in out and "pos_scores" in out
+    overrides = ["model=tiny_lychee", "loss=pointwise", "data=jsonl", f"data.train_file={train}"]
+    overrides += [f"data.dev_file={train}", "data.train_group_size=2", "loss.distill_weight=1"]
+    with pytest.raises(UserError) as info:
+        run_job([*overrides, "parallel=single", "gpus=1", "logger=none"], run_dir)
+    message = str(info.value)
+    assert "\n" not in message and "loss.distill_weight" in message and "pos_scores" in message, message
     assert not (run_dir / "metrics.json").exists()
 
 

@@ -272,36 +272,6 @@ def test_sigkill_mid_trial_then_the_same_command_finishes_the_study(tmp_path):
     assert (summary["finished"], summary["interrupted"]) == (3, 1)
 
 
-@pytest.mark.slow
-def test_two_trials_in_flight_as_slurm_local_jobs(tmp_path):
-    """n_jobs=2 on hydra/launcher=slurm_local: two lychee_exp trials run at once, each its own submitit job, both
-    reporting to the study (pruning, heartbeats) while the sweeper keeps the books."""
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    proc = _sweep(
-        tmp_path,
-        *SINGLE,
-        "hydra/launcher=slurm_local",
-        "hydra.sweeper.n_jobs=2",
-        "hydra.sweeper.n_trials=3",
-        "trainer.eval_every=2",
-        timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    sweep = tmp_path / "sweep"
-    study = _study(sweep)
-    finished = _counted_finished(study)
-    assert len(finished) == 3 == len(study.trials) and all(t.state != TrialState.FAIL for t in finished)
-    first, second = study.trials[0], study.trials[1]
-    assert second.datetime_start < first.datetime_complete and first.datetime_start < second.datetime_complete
-    for trial in study.trials:
-        metrics = json.loads((sweep / str(trial.number) / "metrics.json").read_text())
-        assert metrics["per_device_batch_size"] == trial.params["data.batch_size"]
-        assert sorted(trial.intermediate_values)[:1] == [0]  # rank 0 reported to its own trial
-    assert len(_rows(sweep)) == 3 and len(list((sweep / ".submitit").iterdir())) >= 3
-    summary = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
-    assert summary["finished"] == 3 and summary["running"] == 0
-
-
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")
 def test_a_live_workers_trial_is_left_alone_until_its_heartbeat_stops(tmp_path):
     """A RUNNING trial of a worker on another machine: recovered only after grace_period without heartbeat."""
