@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import time
 
 import torch
@@ -19,6 +20,8 @@ from lychee_exp.core.optim import optimizer_step
 from lychee_exp.recipe.checkpoint import rng_state, set_rng_state, trainable_state
 from lychee_exp.recipe.step import WindowStep
 from lychee_exp.tracking.speedup import Baseline, cached_baseline, cpu_share, speedup_facts, store_baseline
+
+log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 2  # allocator and kernel warm-up, not timed
 TIMED_STEPS = 3
@@ -42,7 +45,16 @@ def one_device_baseline(trainer) -> Baseline | None:
         return None
     found = cached_baseline(cfg, one_device_plan(plan)) if env.is_main else None
     if env.is_main and found is None and plan.strategy != "dp":
+        began = time.perf_counter()
         found = _time_one_device(trainer)
+        share = "" if found.cpu_share is None else f" at {100 * found.cpu_share:.0f}% CPU"
+        seconds = time.perf_counter() - began
+        log.info(
+            "speedup: one device timed in the launch's first phase: %.3g samples/s%s (%.1f s)",
+            found.samples_per_s,
+            share,
+            seconds,
+        )
         store_baseline(cfg, one_device_plan(plan), found)
     return env.gather_objects(found)[0]
 
