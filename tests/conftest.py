@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -28,6 +29,8 @@ from lychee_exp.testing.jobs import run_job
 # Fault injection (LYCHEE_FAULT) reaches the ranks through the step hook the launcher looks up by name: every
 # job the tests start, in this process or in subprocesses, inherits it.
 os.environ.setdefault("LYCHEE_STEP_HOOK", "lychee_exp.testing.faults:fault_hook")
+# One speedup-baseline cache for the session, never the checkout's outputs/ (tests that need their own set it)
+os.environ["LYCHEE_BASELINE_FILE"] = str(Path(tempfile.mkdtemp(prefix="lychee-baselines-")) / "b.json")
 
 REPO_ROOT = Path(lychee_exp.__file__).resolve().parent.parent
 CONF_DIR = Path(_CONF_DIR)

@@ -20,8 +20,10 @@ from lychee_exp.core.devices import available_cores
 from lychee_exp.core.errors import Preempted, RunFailed, UserError
 from lychee_exp.launch.cluster import expand_nodelist, is_main_process, job_devices, slurm_nodes
 from lychee_exp.launch.processes import free_port
+from lychee_exp.testing.baselines import seed_baseline
 from lychee_exp.testing.equivalence import assert_same_training
 from lychee_exp.testing.jobs import run_job
+from lychee_exp.tracking.speedup import RATIO_TOLERANCE
 
 REPO = Path(__file__).resolve().parent.parent
 # The tiny Lychee model, fp32, as tests/test_ddp.py: 2 ranks x batch 2 on any launch path must agree.
@@ -93,7 +95,7 @@ def _slurm_node(node: int, port: int, args: list[str], cwd: Path) -> subprocess.
 def in_process_ddp(tmp_path_factory) -> Path:
     """The reference: parallel=ddp gpus=2 launched in-process."""
     run_dir = tmp_path_factory.mktemp("ddp")
-    run_job([*TINY_MULTI, "parallel=ddp", "gpus=2", "speedup.calibrate=false"], run_dir)
+    run_job([*TINY_MULTI, "parallel=ddp", "gpus=2", "trainer.measure_speedup=false"], run_dir)
     return run_dir
 
 
@@ -153,9 +155,12 @@ def test_requeue_pins_the_run_directory():
 
 
 # ------------------------------------------------------------------------------------------- two "nodes"
-def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp):
+def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp, monkeypatch):
+    """Also the speedup baseline phase in ranks torchrun started: it runs (nothing cached) and leaves the
+    training equal to the in-process run's, which had it off."""
     run_dir, port = tmp_path / "run", free_port()
-    args = [*TINY_MULTI, f"hydra.run.dir={run_dir}", f"speedup.baseline_file={tmp_path / 'none.json'}"]
+    monkeypatch.setenv("LYCHEE_BASELINE_FILE", str(tmp_path / "baselines.json"))
+    args = [*TINY_MULTI, f"hydra.run.dir={run_dir}"]
     args += ["trainer.global_batch_size=4"]  # 2 x 2 ranks over both agents: accumulation 1, as the reference
     agents = [
         subprocess.Popen(
@@ -181,29 +186,31 @@ def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp):
     m = _metrics(run_dir)
     # one rank per agent: each takes the share of the cores the in-process rule gives one local rank
     assert m["cpu_threads_per_rank"] == available_cores()
-    # no baseline cached or given: no speedup key (not NaN), and one line saying so
-    assert "speedup" not in m and "scaling_efficiency" not in m
-    assert sum("no single-process baseline" in line for line in outputs[0].splitlines()) == 1
+    # nothing cached: rank 0 timed one device itself; a figure, or the reason there is none, on one line
+    assert m["baseline_samples_per_s"] > 0 and ("speedup" in m) == (m["speedup_status"] == "measured")
+    assert m.get("speedup", 0.0) <= 2 * RATIO_TOLERANCE and m["speedup_status"].startswith(("measured", "unreliable"))
+    assert sum("samples/s on 2 device(s)" in line and "speedup" in line for line in outputs[0].splitlines()) == 1
 
 
-def test_faked_slurm_nodes_match_in_process_ddp(tmp_path, in_process_ddp):
+def test_faked_slurm_nodes_match_in_process_ddp(tmp_path, in_process_ddp, monkeypatch):
     run_dir, port = tmp_path / "run", free_port()
+    monkeypatch.setenv("LYCHEE_BASELINE_FILE", str(tmp_path / "baselines.json"))
     args = [
         *TINY_MULTI,
         "parallel=ddp",
         "gpus=1",
         "parallel.cpu_threads_per_rank=1",
         f"hydra.run.dir={run_dir}",
-        "speedup.baseline_samples_per_s=10",
         "trainer.global_batch_size=4",  # counted over both nodes' ranks: accumulation 1, as the reference
     ]
+    seed_baseline(args, run_dir, 1000.0)  # a cached one-device figure: the ranks divide by it, measure none
     nodes = [_slurm_node(k, port, args, tmp_path) for k in range(2)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [n.returncode for n in nodes] == [0, 0], [out[-3000:] for out in outputs]
     _assert_same_training(run_dir, in_process_ddp)
     m = _metrics(run_dir)
     assert m["num_processes"] == 2 and m["cpu_threads_per_rank"] == 1
-    assert m["speedup"] == pytest.approx(m["train_samples_per_s"] / 10)  # the given baseline
+    assert m["speedup"] == pytest.approx(m["train_samples_per_s"] / 1000.0)  # the cached baseline
 
 
 def test_a_killed_node_ends_the_other_with_one_line(tmp_path):
@@ -215,7 +222,7 @@ def test_a_killed_node_ends_the_other_with_one_line(tmp_path):
         "parallel.cpu_threads_per_rank=1",
         "trainer.max_steps=100000",
         "trainer.evaluate=false",
-        "speedup.calibrate=false",
+        "trainer.measure_speedup=false",
         f"hydra.run.dir={run_dir}",
     ]
     nodes = [_slurm_node(k, port, args, tmp_path) for k in range(2)]
@@ -243,7 +250,7 @@ def test_damaged_latest_checkpoint_resumes_from_the_previous_one(tmp_path, caplo
         "parallel=single",
         "trainer.checkpoint_every=2",
         "trainer.keep_checkpoints=3",
-        "speedup.calibrate=false",
+        "trainer.measure_speedup=false",
     ]
     run_job([*args, "trainer.max_steps=4"], tmp_path)
     state = tmp_path / "checkpoints" / "step_000004" / "state.pt"
@@ -264,7 +271,7 @@ def test_signal_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
         "parallel=ddp",
         "gpus=2",
         "trainer.max_steps=30",
-        "speedup.calibrate=false",
+        "trainer.measure_speedup=false",
         f"hydra.run.dir={run_dir}",
     ]
     proc = _start_until_step_2(args, tmp_path, "run/logs/**/0/stderr.log", timeout_s=180)
@@ -302,7 +309,7 @@ def test_slurm_local_job_is_requeued_and_finishes_the_same_run(tmp_path):
         "parallel=ddp",
         "gpus=2",
         "trainer.max_steps=60",
-        "speedup.calibrate=false",
+        "trainer.measure_speedup=false",
         f"hydra.sweep.dir={sweep}",
     ]
     proc = _start_until_step_2(args, tmp_path, "sweep/0/logs/**/0/stderr.log", timeout_s=240)
@@ -390,7 +397,7 @@ def test_a_failed_submitit_trial_is_recorded_with_its_reason(tmp_path):
             "parallel=ddp",
             "gpus=2",
             *tiny,
-            "speedup.calibrate=false",
+            "trainer.measure_speedup=false",
             f"hydra.sweep.dir={sweep}",
         ],
         cwd=tmp_path,
@@ -430,7 +437,7 @@ def test_sweep_array_script_runs_a_worker(tmp_path):
             "hydra.sweeper.n_trials=1",
             "gpus=2",
             *tiny,
-            "speedup.calibrate=false",
+            "trainer.measure_speedup=false",
             f"hydra.sweep.dir={sweep}",
         ],
         cwd=tmp_path,

@@ -173,7 +173,7 @@ def test_bounds_live_beside_their_fields(tmp_path):
         ("data.eval_batch_size=0", "data.eval_batch_size"),
         ("parallel.timeout_s=0", "parallel.timeout_s"),
         ("trainer.keep_checkpoints=-1", "trainer.keep_checkpoints"),
-        ("speedup.calibration_steps=0", "speedup.calibration_steps"),
+        ("trainer.grad_accum_steps=0", "trainer.grad_accum_steps"),
     ]:
         with pytest.raises(UserError, match=rf"^{key.replace('.', '[.]')} must be >= "):
             to_run_config(compose_config(["model=tiny_lychee", override], tmp_path))

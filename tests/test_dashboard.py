@@ -138,7 +138,7 @@ def recorded_run(tmp_path_factory) -> dict:
     try:
         overrides = [*TINY_OVERRIDES, "trainer.max_steps=2", "trainer.eval_every=1", "trainer.save_model=false"]
         # its own process, as a user's run: wandb keeps per-process state (settings, mode) that earlier tests set
-        proc = run_cli([*overrides, "logger=wandb", f"speedup.baseline_file={root / 'baselines.json'}"], root / "run")
+        proc = run_cli([*overrides, "logger=wandb"], root / "run")
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     finally:
         for key, value in saved.items():

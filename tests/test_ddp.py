@@ -26,8 +26,8 @@ from lychee_exp.testing.jobs import run_job
 TINY_DDP = [
     *TINY_RANKS,
     "optimizer.lr=1e-3",
-    # no single-device calibration: it would run (and fire LYCHEE_FAULT) in the launching process
-    "speedup.calibrate=false",
+    # no speedup baseline phase: these runs compare training, not throughput
+    "trainer.measure_speedup=false",
 ]
 
 

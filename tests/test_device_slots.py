@@ -175,12 +175,13 @@ def test_lr_batch_with_one_device_per_trial_runs_two_training_trials_at_once(tmp
     assert "placement:" in summary and "slots: 2" in summary
 
 
-def test_auto_measures_each_device_count_once_then_reads_the_cache(tmp_path):
+def test_auto_measures_each_device_count_once_then_reads_the_cache(tmp_path, monkeypatch):
     from lychee_exp.core.config import to_run_config
     from lychee_exp.sweep.placement import cache_path, measured_speedups, store_rate
     from lychee_exp.testing.jobs import compose_job
 
-    cfg = to_run_config(compose_job(["model=tiny_lychee", f"speedup.baseline_file={tmp_path / 'b.json'}"], tmp_path))
+    monkeypatch.setenv("LYCHEE_BASELINE_FILE", str(tmp_path / "b.json"))
+    cfg = to_run_config(compose_job(["model=tiny_lychee"], tmp_path))
     measured = []
 
     def measure(n: int) -> float:
@@ -191,11 +192,7 @@ def test_auto_measures_each_device_count_once_then_reads_the_cache(tmp_path):
     assert measured_speedups(cfg, "cpu", [1, 2, 4], measure) == {1: 1.0, 2: 1.5, 4: 2.4}
     assert measured == [1, 2, 4] and cache_path(cfg) == tmp_path / "scaling.json"
     # other training settings are other figures; the scaling benchmark's figure for the same settings is reused
-    other = to_run_config(
-        compose_job(
-            ["model=tiny_lychee", "data.train_group_size=2", f"speedup.baseline_file={tmp_path / 'b.json'}"], tmp_path
-        )
-    )
+    other = to_run_config(compose_job(["model=tiny_lychee", "data.train_group_size=2"], tmp_path))
     store_rate(other, "cpu", 1, 5.0, "bench")
     store_rate(other, "cpu", 2, 9.0, "bench")
     assert measured_speedups(other, "cpu", [2], measure) == {1: 1.0, 2: 1.8} and measured == [1, 2, 4]
@@ -203,7 +200,7 @@ def test_auto_measures_each_device_count_once_then_reads_the_cache(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not TWO_CORES, reason="needs 2 cores")
-def test_auto_prints_its_decision_and_records_it(tmp_path):
+def test_auto_prints_its_decision_and_records_it(tmp_path, monkeypatch):
     from conftest import TINY_RANKS
 
     def run(name: str, trials: int) -> str:
@@ -213,11 +210,12 @@ def test_auto_prints_its_decision_and_records_it(tmp_path):
             f"hydra.sweep.dir={tmp_path / name}",
             f"hydra.sweeper.n_trials={trials}",
         ]
-        command += ["hydra.sweeper.devices_per_trial=auto", f"speedup.baseline_file={tmp_path / 'cache' / 'b.json'}"]
+        command += ["hydra.sweeper.devices_per_trial=auto"]
         proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=900)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         return proc.stdout + proc.stderr
 
+    monkeypatch.setenv("LYCHEE_BASELINE_FILE", str(tmp_path / "cache" / "b.json"))
     out = run("first", 2)
     (line,) = [line for line in out.splitlines() if "x the trials per hour of 1 x 2" in line]
     assert "speedup 1.00x at 1, " in line and "x at 2 ->" in line

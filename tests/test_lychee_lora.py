@@ -44,7 +44,7 @@ RECIPE = [
     "optimizer.lr=5e-3",
     "optimizer.lr_scaling=none",
     "logger=csv",
-    "speedup.calibrate=false",
+    "trainer.measure_speedup=false",
 ]
 
 

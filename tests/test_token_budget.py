@@ -210,7 +210,7 @@ def test_ddp_budget_run_matches_one_process(tmp_path):
     """Whole runs at trainer.global_tokens_per_step = 2 budgets (what a sweep slot of 1 or 2 devices gets): 2
     ranks (accumulation 1) against one process (accumulation 2) on the same plan: every step's loss (1e-5
     relative), pre-clip gradient norm and the saved weights."""
-    common = [*TINY_RANKS, *UNEVEN, "speedup.calibrate=false", "trainer.max_steps=5", "optimizer.lr=1e-3"]
+    common = [*TINY_RANKS, *UNEVEN, "trainer.measure_speedup=false", "trainer.max_steps=5", "optimizer.lr=1e-3"]
     common += ["trainer.global_tokens_per_step=4096"]
     run_job([*common, "parallel=single", "gpus=1"], tmp_path / "single")
     run_job([*common, "parallel=ddp", "gpus=2"], tmp_path / "ddp")

@@ -213,7 +213,7 @@ SWEEP = [
     "trainer.save_model=false",
     # these sweeps search the per-device batch (lr_batch's global batch is test_device_slots')
     "trainer.global_batch_size=null",
-    "speedup.calibrate=false",
+    "trainer.measure_speedup=false",
     "hydra.sweeper.heartbeat_interval=1",
     "hydra.sweeper.pruner._target_=optuna.pruners.NopPruner",
     "~hydra.sweeper.pruner.n_startup_trials",

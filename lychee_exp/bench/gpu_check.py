@@ -107,7 +107,7 @@ def check_cli(strategy: str, work: Path, timeout_s: float, cuda_count: int) -> d
 def check_warm_sweep(work: Path, timeout_s: float) -> dict:
     """A 2-trial sweep on every visible GPU: trial 1 must run on the ranks trial 0 started (warm ranks)."""
     sweep = work / "warm_sweep"
-    args = ["-m", "hparams_search=lr_batch", *TINY_RUN, "parallel=ddp", "gpus=auto", "speedup.calibrate=false"]
+    args = ["-m", "hparams_search=lr_batch", *TINY_RUN, "parallel=ddp", "gpus=auto", "trainer.measure_speedup=false"]
     args += ["hydra.sweeper.n_trials=2", f"hydra.sweep.dir={sweep}"]
     ok, metrics, tail = run_lychee(args, sweep / "1", timeout_s)  # trial 1's metrics.json
     ok = ok and metrics.get("warm_ranks") is True

@@ -54,7 +54,7 @@ LYCHEE = [
     "trainer.checkpoint_every=0",
     "trainer.progress_bar=false",
     "logger=none",
-    "speedup.calibrate=false",
+    "trainer.measure_speedup=false",
     # the prompt every peer reads (one templated string, the MiniLM preset's before it took text pairs), so that
     # docs/benchmarks_own_batching.md's figures stay comparable
     "model.prompt.text_pair=false",

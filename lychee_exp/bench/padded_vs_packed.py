@@ -62,7 +62,7 @@ KEYS = (
 def run_variant(overrides: list[str], out: Path, threads: int) -> dict:
     """The run's metrics plus `tokens_per_cpu_s`: real tokens per second of this process's CPU time (all its
     threads) over the timed steps, which other jobs on the machine disturb far less than wall time."""
-    cfg = to_run_config(compose_job([*overrides, "trainer.progress_bar=false", "speedup.calibrate=false"], out))
+    cfg = to_run_config(compose_job([*overrides, "trainer.progress_bar=false", "trainer.measure_speedup=false"], out))
     plan = plan_devices("single", 1, cpu_threads_per_rank=threads)
     torch.set_num_threads(plan.threads_per_rank)
     reset_peak_memory(torch.device("cpu"))  # each variant's own peak (this process runs them all)

@@ -118,7 +118,7 @@ def child(name: str, spec: dict) -> dict:
                 "trainer.checkpoint_every=0",
                 "trainer.progress_bar=false",
                 "trainer.log_every=1000",
-                "speedup.calibrate=false",
+                "trainer.measure_speedup=false",
             ],
             out,
         )

@@ -8,7 +8,7 @@ batch grows with the devices). On CPU ranks each rank gets ONE thread, so that o
 Prints a table, writes bench.csv and bench.png into the output directory, and logs them to W&B (job_type=bench).
 Timings are measured side by side in one invocation; nothing is asserted. Each device count's figure also goes
 to the scaling cache that `hydra.sweeper.devices_per_trial=auto` reads (`scaling.json` next to
-`speedup.baseline_file`), so a sweep with the same settings calibrates nothing.
+the speedup baselines, lychee_exp.tracking.speedup.scaling_file), so a sweep with the same settings calibrates nothing.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def measure(counts: list[int], overrides: list[str], out: Path, steps: int) -> l
             "trainer.checkpoint_every=0",
             "trainer.progress_bar=false",
             "logger=none",
-            "speedup.calibrate=false",
+            "trainer.measure_speedup=false",  # the rows themselves are the comparison
         ]
         _, m = run_job([*overrides, *timed], out / f"devices_{count}")
         # the figure a sweep's devices_per_trial=auto would calibrate for these settings: it reuses it

@@ -35,7 +35,7 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="lychee-step-profile-"))
     run = [*SETTINGS, *MIXES["sample"], "parallel=single", "gpus=1", "data.batch_size=8", *overrides]
     run += [f"trainer.max_steps={args.steps}", "trainer.evaluate=false", "logger=none", "trainer.save_model=false"]
-    cfg = to_run_config(compose_job([*run, "trainer.progress_bar=false", "speedup.calibrate=false"], out))
+    cfg = to_run_config(compose_job([*run, "trainer.progress_bar=false", "trainer.measure_speedup=false"], out))
     plan = plan_devices("single", 1)
     torch.set_num_threads(plan.threads_per_rank)
     trainer = Trainer(cfg, DistEnv(), plan, out)

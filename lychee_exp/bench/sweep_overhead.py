@@ -122,7 +122,8 @@ def main() -> None:
     baselines = out / "baselines.json"
     if args.baselines:
         shutil.copyfile(args.baselines, baselines)
-    overrides = [*PRESETS[args.preset], f"speedup.baseline_file={baselines}", *overrides]
+    os.environ["LYCHEE_BASELINE_FILE"] = str(baselines)  # the sweeps' subprocesses inherit it
+    overrides = [*PRESETS[args.preset], *overrides]
     if args.devices_per_trial:  # only when asked: a commit older than slots (--against) has no such key
         overrides.append(f"hydra.sweeper.devices_per_trial={args.devices_per_trial}")
     if not args.baselines:

@@ -33,8 +33,8 @@ def sweep(out: Path, setting: str, trials: int, extra: list[str], cache: Path) -
     sweep_dir = out / f"devices_per_trial_{setting}"
     command = [sys.executable, "-m", "lychee_exp.run", "-m", "hparams_search=lr_batch", *TINY, *extra]
     command += [f"hydra.sweep.dir={sweep_dir}", f"hydra.sweeper.n_trials={trials}", "hydra.sweeper.sampler.seed=7"]
-    command += [f"hydra.sweeper.devices_per_trial={setting}", f"speedup.baseline_file={cache}"]
-    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
+    command += [f"hydra.sweeper.devices_per_trial={setting}"]
+    env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="0", LYCHEE_BASELINE_FILE=str(cache))
     began = time.monotonic()
     proc = subprocess.run(command, cwd=out, env=env, text=True, capture_output=True)
     wall = time.monotonic() - began

@@ -170,6 +170,9 @@ class TrainerConfig:
     max_steps: int = -1  # optimizer steps; > 0 overrides max_epochs
     eval_every: int = at_least(0, 0)  # optimizer steps between dev evaluations; 0 = after each epoch only
     evaluate: bool = True  # false: train only (throughput calibration and benchmarks)
+    # observed speedup over one device (lychee_exp.tracking.speedup): a multi-device run without a cached one-device
+    # figure times one in its launch's first phase; false: neither measured nor cached
+    measure_speedup: bool = True
     eval_before_training: bool = True
     grad_accum_steps: int = at_least(1, 1)
     # queries per optimizer step across every device; set, it decides the accumulation on each device count
@@ -222,18 +225,6 @@ class LoggerConfig:
 
 
 @dataclass
-class SpeedupConfig:
-    """Observed speedup = this run's train samples/s / the best single process's on the same hardware (CPU: one
-    process with all the run's threads; GPU: one GPU); speedup_vs_one_rank divides by one rank's (one device)."""
-
-    baseline_file: str = "outputs/throughput_baselines.json"  # cache of single-process throughput, by key
-    calibrate: bool = True  # without a cached baseline, time a few single-process steps before training
-    calibration_steps: int = at_least(1, 4)  # timed steps (after 2 warm-up steps)
-    baseline_samples_per_s: float = 0.0  # > 0: the best single process's figure (skips cache and calibration)
-    one_rank_samples_per_s: float = 0.0  # > 0: one rank's figure, for speedup_vs_one_rank (GPU: = the above)
-
-
-@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -246,7 +237,6 @@ class RunConfig:
     gpus: Any = "auto"  # an int, or auto (all visible GPUs; without CUDA, CPU ranks for the cores)
     optimized_metric: Metric = Metric["ndcg@10"]  # type: ignore[valid-type]
     output_dir: str = MISSING
-    speedup: SpeedupConfig = field(default_factory=SpeedupConfig)
 
 
 def register_schema() -> None:

@@ -1,9 +1,9 @@
-"""One training job in the Hydra process: check the config and the inputs, plan the devices, calibrate the
-speedup baseline, launch the ranks, write metrics.json from rank 0's results, and return the optimized metric."""
+"""One training job in the Hydra process: check the config and the inputs, plan the devices, launch the ranks
+(which measure their own speedup baseline, lychee_exp.recipe.baseline_phase), write metrics.json from rank 0's
+results, and return the optimized metric."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import logging
 import os
@@ -25,9 +25,8 @@ from lychee_exp.core.losses import LOSSES
 from lychee_exp.core.model_card import model_choice, resolve_model
 from lychee_exp.core.optim import OPTIMIZERS, with_global_batch
 from lychee_exp.job.results import write_results
-from lychee_exp.launch.cluster import is_main_process, job_devices, launched_externally, local_ranks, under_torchrun
-from lychee_exp.launch.launcher import launch, train_in_process
-from lychee_exp.tracking.speedup import resolve_baselines
+from lychee_exp.launch.cluster import is_main_process, job_devices, local_ranks, under_torchrun
+from lychee_exp.launch.launcher import launch
 
 log = logging.getLogger("lychee_exp")
 
@@ -98,18 +97,6 @@ def train_job(cfg: DictConfig) -> float:
     run_cfg = with_global_batch(run_cfg, job_devices(plan.num_devices))
     if is_main:
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))
-
-    if is_main:
-        # ranks started elsewhere (torchrun, other nodes) cannot wait for a calibration here: cache or given only
-        calibrate = run_cfg.speedup.calibrate and not launched_externally()
-        speedup = dataclasses.replace(run_cfg.speedup, calibrate=calibrate)
-        baseline, one_rank = resolve_baselines(
-            dataclasses.replace(run_cfg, speedup=speedup),
-            plan,
-            lambda cfg, one: train_in_process(cfg, one, output_dir, inputs),
-        )
-        speedup = dataclasses.replace(run_cfg.speedup, baseline_samples_per_s=baseline, one_rank_samples_per_s=one_rank)
-        run_cfg = dataclasses.replace(run_cfg, speedup=speedup)
     metrics = launch(run_cfg, plan, output_dir, job_log_file(), inputs, keep_ranks=trials_run_here())
     return write_results(run_cfg, plan, metrics, output_dir, is_main)
 

@@ -88,12 +88,6 @@ def is_main_process(environ: Mapping[str, str] = os.environ) -> bool:
     return spec is None or spec.node_rank == 0
 
 
-def launched_externally(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether the job spans processes this process does not start alone (torchrun, or several SLURM nodes):
-    then it cannot time a single-device baseline before the run."""
-    return under_torchrun(environ) or slurm_nodes(environ) is not None
-
-
 def local_ranks(environ: Mapping[str, str] = os.environ) -> int | None:
     """Ranks on this node when torchrun started them (None otherwise)."""
     return int(environ["LOCAL_WORLD_SIZE"]) if under_torchrun(environ) and "LOCAL_WORLD_SIZE" in environ else None

@@ -30,6 +30,7 @@ from lychee_exp.core.model import count_parameters, load_reranker, save_reranker
 from lychee_exp.core.optim import build_optimizer, optimizer_step, scaled_lr
 from lychee_exp.core.packing import packed_attention_path_of
 from lychee_exp.core.seeding import seed_everything
+from lychee_exp.recipe.baseline_phase import one_device_baseline, run_speedup
 from lychee_exp.recipe.checkpoint import TrainingState, restore_training_state, resume_path, save_training_state
 from lychee_exp.recipe.pending import PendingSteps
 from lychee_exp.recipe.progress import NO_HOOKS, Progress, StepFigures, StepHooks
@@ -37,7 +38,7 @@ from lychee_exp.recipe.step import WindowStep
 from lychee_exp.recipe.train_data import TrainData, build_train_data
 from lychee_exp.tracking.backends import NullLogger, run_logger
 from lychee_exp.tracking.console import log_eval, log_setup, log_train_step
-from lychee_exp.tracking.throughput import StepTimer, gpu_memory, log_hints, setup_facts, speedup_facts, summarize
+from lychee_exp.tracking.throughput import StepTimer, gpu_memory, log_hints, setup_facts, summarize
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +70,12 @@ class Trainer:
         self.tokenizer = self.encoder = self.model = self.train_model = self.precision = None
         self.data: TrainData | None = None
         self.lr, self.optimizer, self.scheduler, self.warmup_steps, self.scaler = 0.0, None, None, 0, None
+        self.loss_fn = self.resume_from = self.step = self.baseline = None  # baseline: recipe.baseline_phase's
         self.forward_chunks = 1
-        self.loss_fn = self.resume_from = self.step = None
         self.facts: dict = {}
         self.logger = NullLogger()
         # state of fit()
-        self.eval_time_s = 0.0
+        self.eval_time_s = self.eval_cpu_s = 0.0
         self.logged: list[StepFigures] = []  # steps read since the last logged training row
         self.pending = PendingSteps()  # steps whose figures are still on the device
         self.timer: StepTimer | None = None
@@ -126,17 +127,19 @@ class Trainer:
         )
 
     def evaluate(self) -> dict[str, float]:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         scorer = self.train_model if self.plan.strategy == "dp" else self.model  # DP: score on every GPU
         pairs, batch = self.data.dev_pairs, self.cfg.data.eval_batch_size
         mixed = self.cfg.data.teacher_weight  # > 0: the model's scores mixed with the teacher's, own as model_*
         metrics = ev.evaluate(scorer, self.encoder, pairs, batch, self.device, self.env, self.step.autocast, mixed)
         self.eval_time_s += time.perf_counter() - start
+        self.eval_cpu_s += time.process_time() - cpu_start
         return metrics
 
     # ----------------------------------------------------------------------------------------------- train
     def fit(self) -> dict:
         cfg, env = self.cfg, self.env
+        self.baseline = one_device_baseline(self)  # first: it puts back all the state it touches
         progress = self._restore() if self.resume_from else Progress()
         if progress.step == 0 and cfg.trainer.evaluate:
             progress.summary.update(ev.reference_metrics(self.data.dev_pairs) if env.is_main else {})
@@ -144,7 +147,7 @@ class Trainer:
                 initial = self._eval_and_log(0)
                 progress.summary.update({f"initial_{k}": v for k, v in initial.items()}, **initial)
                 progress.evaluated_at = 0
-        timer = self.timer = StepTimer(progress.step, self.data.total_steps, time.perf_counter() - self.eval_time_s)
+        timer = self.timer = StepTimer(progress.step, self.data.total_steps, *self._training_clock())
         self.logged = []
         show = env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()
         self.bar = tqdm(
@@ -166,7 +169,7 @@ class Trainer:
                 position = (progress.epoch, done) if done < num_batches else (progress.epoch + 1, 0)
                 stop = self._after_step(progress, position)
                 # the step's end stamp, after its stop-request collective; evaluations are not training time
-                timer.stamp(progress.step, time.perf_counter() - self.eval_time_s)
+                timer.stamp(progress.step, *self._training_clock())
                 if stop:  # preemption: checkpointed, the requeued job resumes
                     self.bar.close()
                     return {**progress.summary, "steps": progress.step, "preempted_at_step": progress.step}
@@ -176,10 +179,14 @@ class Trainer:
             if progress.evaluated_at != progress.step and not self.stopped:
                 self._evaluate_into(progress)
         self._read_steps()  # before the clock stops: the device may still be running queued steps
-        timer.stamp(progress.step, time.perf_counter() - self.eval_time_s)  # the last step's end, device drained
+        timer.stamp(progress.step, *self._training_clock())  # the last step's end, device drained
         self.bar.close()
         train_time = time.perf_counter() - train_start - (self.eval_time_s - eval_time_before)
         return self._finish(progress, timer, train_time)
+
+    def _training_clock(self) -> tuple[float, float]:
+        """Wall and CPU time now, less what dev evaluations took: the clocks the step timer reads."""
+        return time.perf_counter() - self.eval_time_s, time.process_time() - self.eval_cpu_s
 
     def _train_window(self, batches, first: int, micro_steps: int, step: int) -> None:
         """One optimizer step: forward and backward over the accumulation window, then the update. Its figures
@@ -242,21 +249,14 @@ class Trainer:
 
     def _finish(self, progress: Progress, timer: StepTimer, train_time: float) -> dict:
         """The run's metrics: its summary, setup facts, throughput over all ranks, times and speedup."""
-        env, summary, speedup = self.env, progress.summary, self.cfg.speedup
+        env, summary = self.env, progress.summary
         self._read_steps()
         throughput = summarize(env.gather_objects(timer.rank_record(self.device)))
         # kernels (and cuDNN's attention plans) are chosen per input shape: fewer shapes, fewer plans
         summary["distinct_shapes"] = len(set().union(*env.gather_objects(self.step.shapes)))
         summary.update(self.facts, **throughput, steps=progress.step, epochs=progress.epoch, stopped_early=self.stopped)
         summary.update(train_time_s=train_time, eval_time_s=self.eval_time_s)
-        summary.update(
-            speedup_facts(
-                summary["train_samples_per_s"],
-                speedup.baseline_samples_per_s,
-                speedup.one_rank_samples_per_s,
-                self.plan,
-            )
-        )
+        summary.update(run_speedup(self, summary["train_samples_per_s"], summary.get("train_cpu_share"), self.baseline))
         if env.is_main:
             log_hints(summary, self.cfg.data.num_workers)
         self.logger.log_summary({**summary, "peak_memory_mb": max(summary["peak_memory_mb_per_rank"])})

@@ -8,7 +8,7 @@ of single-device time t, slots of n devices finish the sweep in about
 and auto picks the n with the least wall(n) (a tie goes to the larger n: fewer trials in flight, less memory).
 s(n) is measured for this sweep's own training settings: a short calibration run per candidate n (training
 only, no evaluation or saving), each cached in `scaling.json` next to the speedup baselines
-(`speedup.baseline_file`), keyed by every setting that changes a step's speed, the device and n.
+(lychee_exp.tracking.speedup.scaling_file), keyed by every setting that changes a step's speed, the device and n.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from lychee_exp.core.atomic import write_json_atomic
 from lychee_exp.core.config import RunConfig
 from lychee_exp.core.errors import UserError
 from lychee_exp.sweep.slots import Slot, slot_env, slot_preexec
-from lychee_exp.tracking.speedup import throughput_settings
+from lychee_exp.tracking.speedup import scaling_file, throughput_settings
 
 log = logging.getLogger(__name__)
 CALIBRATION_STEPS = 6  # after 2 warm-up steps: a few seconds per candidate on CPU ranks
@@ -95,7 +95,7 @@ def _load(path: Path) -> dict:
 
 
 def cache_path(cfg: RunConfig) -> Path:
-    return Path(cfg.speedup.baseline_file).with_name("scaling.json")
+    return scaling_file()
 
 
 def device_name(device_type: str) -> str:
@@ -162,7 +162,7 @@ def calibrate(overrides: Sequence[str], slot: Slot, run_dir: Path) -> float:
         "trainer.checkpoint_every=0",
         "trainer.progress_bar=false",
         "logger=csv",
-        "speedup.calibrate=false",
+        "trainer.measure_speedup=false",
         f"hydra.run.dir={run_dir}",
     ]
     env = {**slot_env(slot), "WANDB_MODE": "disabled"}

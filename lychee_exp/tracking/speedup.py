@@ -1,13 +1,13 @@
-"""Observed speedup: a run's training throughput over a single process's on the same hardware, measured, never
-assumed. Two baselines, each matching the run in everything but the parallelism (model, sequence lengths, group
-size, per-device batch, precision, device type):
-- the best single process (`speedup`): on GPUs one GPU; on CPU ONE process with all the run's threads
-  (ranks x threads per rank), what a user would otherwise run on those cores;
-- one rank (`speedup_vs_one_rank`): one device, or on CPU one process with one rank's threads (the per-device
-  figure behind `scaling_efficiency`). On GPUs the two are the same run.
-Each comes from `speedup.*_samples_per_s` when given, else the cache (`speedup.baseline_file`, JSON keyed by the
-settings and thread count; written by every single-process run and calibration, readable, safe to delete), else
-a short calibration before training. `throughput.speedup_facts` turns them into the run's figures.
+"""Observed speedup, the one home of its measurement: a run's train samples/s over ONE device's at the same
+settings and per-device batch (one GPU; on CPU one rank with the run's threads per rank), and
+scaling_efficiency = speedup / devices.
+
+The one-device figure is a measured record (`Baseline`) keyed by throughput_settings and the device, cached in
+`baseline_file()` (env LYCHEE_BASELINE_FILE; JSON, written under its lock, readable, safe to delete). Every
+single-device run stores its own figure; a multi-device run without a cached one measures it in the first phase
+of its launch (lychee_exp/recipe/baseline_phase.py). A figure measured while the machine was shared (on CPU: the
+process got well under its threads' worth of CPU time), or a ratio above the device count, is not divided by:
+the run records `speedup_status` saying why instead of a `speedup`. Only reliable figures are cached.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -30,9 +31,22 @@ from lychee_exp.core.optim import uses_fused
 
 log = logging.getLogger(__name__)
 
+BASELINE_FILE_ENV = "LYCHEE_BASELINE_FILE"
+DEFAULT_BASELINE_FILE = "outputs/throughput_baselines.json"
+SHARED_CPU_SHARE = 0.75  # a CPU window with less of its threads' CPU time than this ran beside other work
+RATIO_TOLERANCE = 1.1  # timing noise allowed above the device count before a ratio is called impossible
 
 # data keys that do not change a training step's speed (the rest of data, and all of model and loss, may)
 _NOT_THROUGHPUT = ("name", "dev_file", "eval_batch_size", "max_dev_queries", "dev_split", "rerank_top_k")
+
+
+def baseline_file() -> Path:
+    return Path(os.environ.get(BASELINE_FILE_ENV) or DEFAULT_BASELINE_FILE)
+
+
+def scaling_file() -> Path:
+    """The sweeper's per-device-count throughput cache (devices_per_trial=auto), beside the baselines."""
+    return baseline_file().with_name("scaling.json")
 
 
 def throughput_settings(cfg: RunConfig, device_type: str) -> dict:
@@ -56,9 +70,16 @@ def throughput_settings(cfg: RunConfig, device_type: str) -> dict:
     }
 
 
+def one_device_description(plan: DevicePlan) -> str:
+    """What a speedup divides by, in words."""
+    if plan.device_type == "cuda":
+        return f"1 device (1 GPU, {torch.cuda.get_device_name(0)})"
+    threads = plan.threads_per_rank
+    return f"1 device (1 rank x {threads} thread{'s' if threads > 1 else ''}, CPU)"
+
+
 def baseline_key(cfg: RunConfig, plan: DevicePlan) -> str:
-    """The settings a single-process figure was measured at; `plan`: that single process (its threads). Readable
-    parts, a digest of all of throughput_settings, then the device."""
+    """Readable parts, a digest of all of throughput_settings, then the device (CPU: one rank's threads)."""
     m, p = cfg.model, cfg.model.prompt
     settings = json.dumps(throughput_settings(cfg, plan.device_type), sort_keys=True, default=str)
     device = torch.cuda.get_device_name(0) if plan.device_type == "cuda" else f"cpu x{plan.threads_per_rank} threads"
@@ -79,93 +100,81 @@ def baseline_key(cfg: RunConfig, plan: DevicePlan) -> str:
     return "|".join(str(part) for part in parts)
 
 
-def cached_baseline(cfg: RunConfig, plan: DevicePlan) -> float | None:
-    entry = read_json(Path(cfg.speedup.baseline_file)).get(baseline_key(cfg, plan))
+def cpu_share(cpu_s: float, wall_s: float, threads: int) -> float | None:
+    """The process's CPU time over a window / what its threads could have used; None without a window."""
+    return cpu_s / (wall_s * threads) if wall_s > 0 and threads > 0 else None
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One device's training throughput at a run's settings, and how it was measured. cpu_share: None on GPUs
+    (their steps leave the CPU waiting by design)."""
+
+    samples_per_s: float
+    source: str
+    cpu_share: float | None = None
+    measured_at: str = ""
+
+    def unreliable_because(self) -> str | None:
+        if self.samples_per_s <= 0:
+            return "no one-device figure measured"
+        if self.cpu_share is not None and self.cpu_share < SHARED_CPU_SHARE:
+            return f"machine shared (baseline at {100 * self.cpu_share:.0f}% CPU)"
+        return None
+
+
+def cached_baseline(cfg: RunConfig, plan: DevicePlan) -> Baseline | None:
+    """The cached reliable figure for one device of `plan` at cfg's settings, if any."""
+    entry = read_json(baseline_file()).get(baseline_key(cfg, plan))
     if not entry:
         return None
-    # said once per run, so that a figure measured on a busy machine can be found and deleted
+    fields = {f.name for f in dataclasses.fields(Baseline)}
+    baseline = Baseline(**{k: v for k, v in entry.items() if k in fields})
+    if baseline.unreliable_because():
+        return None
+    # said once per run, so that a figure can be found and deleted
     log.info(
-        "speedup: %d thread(s) per rank: baseline %.3g samples/s from %s, %s (%s)",
-        plan.threads_per_rank,
-        entry["samples_per_s"],
-        entry.get("source", "?"),
-        entry.get("measured_at", "?"),
-        cfg.speedup.baseline_file,
+        "speedup: one-device baseline %.3g samples/s from %s, %s (%s)",
+        baseline.samples_per_s,
+        baseline.source,
+        baseline.measured_at or "?",
+        baseline_file(),
     )
-    return float(entry["samples_per_s"])
+    return baseline
 
 
-def store_baseline(cfg: RunConfig, plan: DevicePlan, samples_per_s: float, source: str) -> None:
-    if samples_per_s <= 0:
-        return
-    entry = {"samples_per_s": samples_per_s, "source": source, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+def store_baseline(cfg: RunConfig, plan: DevicePlan, baseline: Baseline) -> bool:
+    """Caches a reliable figure (True); an unreliable one is only reported."""
+    reason = baseline.unreliable_because()
+    if reason:
+        log.info("speedup: one-device figure from %s not cached: %s", baseline.source, reason)
+        return False
+    entry = dataclasses.asdict(dataclasses.replace(baseline, measured_at=time.strftime("%Y-%m-%d %H:%M:%S")))
     # several runs (concurrent trials, sweep workers) may end together: read-change-write under the file's lock
-    update_json_locked(Path(cfg.speedup.baseline_file), lambda table: table.update({baseline_key(cfg, plan): entry}))
+    update_json_locked(baseline_file(), lambda table: table.update({baseline_key(cfg, plan): entry}))
+    return True
 
 
-def single_device_plan(plan: DevicePlan) -> DevicePlan:
-    """One rank of the run: one device, with one rank's threads on CPU."""
-    return dataclasses.replace(plan, strategy="single", num_devices=1)
+def speedup_facts(samples_per_s: float, baseline: Baseline | None, devices: int, plan: DevicePlan) -> dict:
+    """The run's speedup figures: `speedup` and `scaling_efficiency` when the baseline is reliable and the
+    ratio possible, else none of them and `speedup_status` saying why. `devices`: every device of the run."""
+    if baseline is None:
+        return {"speedup_status": "unmeasured: no one-device baseline (trainer.measure_speedup=false)"}
+    facts = {"baseline_samples_per_s": baseline.samples_per_s, "speedup_baseline": one_device_description(plan)}
+    if baseline.cpu_share is not None:
+        facts["baseline_cpu_share"] = baseline.cpu_share
+    reason = baseline.unreliable_because()
+    ratio = samples_per_s / baseline.samples_per_s if not reason else 0.0
+    if not reason and ratio > devices * RATIO_TOLERANCE:
+        reason = f"impossible ratio ({ratio:.2f}x on {devices} device(s)): a timing was disturbed"
+    if reason:
+        return {**facts, "speedup_status": f"unreliable: {reason}"}
+    return {**facts, "speedup": ratio, "scaling_efficiency": ratio / devices, "speedup_status": "measured"}
 
 
-def single_process_plan(plan: DevicePlan) -> DevicePlan:
-    """The best single process on the run's hardware: one GPU, or on CPU one process with every thread the
-    run's ranks use together."""
-    one = single_device_plan(plan)
-    if plan.device_type == "cuda":
-        return one
-    return dataclasses.replace(one, threads_per_rank=plan.num_devices * plan.threads_per_rank)
-
-
-def calibration_config(cfg: RunConfig) -> RunConfig:
-    """The run's config cut to warm-up + `calibration_steps` timed steps: no evaluation, saving or logging."""
-    trainer = dataclasses.replace(
-        cfg.trainer,
-        max_steps=cfg.speedup.calibration_steps + 2,
-        evaluate=False,
-        save_model=False,
-        checkpoint_every=0,
-        resume="never",
-        progress_bar=False,
-    )
-    return dataclasses.replace(cfg, trainer=trainer, logger=dataclasses.replace(cfg.logger, name="none"))
-
-
-def resolve_baselines(
-    cfg: RunConfig, plan: DevicePlan, train: Callable[[RunConfig, DevicePlan], dict]
-) -> tuple[float, float]:
-    """(best single process, one rank) samples/s for this run's setting; 0 = none (a single-process run is its
-    own). Without a given or cached figure a multi-device run calibrates: `train` (the launcher's in-process
-    runner) trains that single process for a few steps."""
-    process_cfg = cfg
-    if plan.device_type != "cuda" and plan.num_devices > 1:
-        # on CPU the one process does the whole step's work: every rank's queries in one batch, so that both
-        # sides train the same batches and only the parallel setup differs
-        data = dataclasses.replace(cfg.data, batch_size=cfg.data.batch_size * plan.num_devices)
-        process_cfg = dataclasses.replace(cfg, data=data)
-        if cfg.data.max_tokens_per_batch:  # a token budget is per device: the ranks' micro-batches, accumulated
-            accum = cfg.trainer.grad_accum_steps * plan.num_devices
-            process_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, grad_accum_steps=accum))
-    process = _baseline(process_cfg, plan, single_process_plan(plan), cfg.speedup.baseline_samples_per_s, train)
-    rank_plan = single_device_plan(plan)
-    if rank_plan == single_process_plan(plan):  # GPUs, or one CPU rank: the same single process
-        return process, cfg.speedup.one_rank_samples_per_s or process
-    return process, _baseline(cfg, plan, rank_plan, cfg.speedup.one_rank_samples_per_s, train)
-
-
-def _baseline(cfg: RunConfig, plan: DevicePlan, single: DevicePlan, given: float, train: Callable) -> float:
-    if given > 0:
-        return given
-    cached = cached_baseline(cfg, single)
-    if cached:
-        return cached
-    if single == dataclasses.replace(plan, strategy="single") or not cfg.speedup.calibrate:
-        return 0.0  # the run is that single process (its own baseline), or calibration is off
-    log.info(
-        "speedup: no baseline cached for one process with %d thread(s) per rank; timing %d steps",
-        single.threads_per_rank,
-        cfg.speedup.calibration_steps,
-    )
-    value = train(calibration_config(cfg), single)["train_samples_per_s"]
-    store_baseline(cfg, single, value, "calibration")
-    return value
+def speedup_note(metrics: dict) -> str:
+    """The console summary's speedup part: one ratio, or why there is none."""
+    if "speedup" in metrics:
+        return f"; speedup {metrics['speedup']:.2f}x over {metrics['speedup_baseline']}"
+    status = metrics.get("speedup_status")
+    return f"; no speedup ({status})" if status else ""

@@ -1,12 +1,13 @@
 """Training throughput and the numbers behind the multi-GPU guide's three questions:
 out of memory (peak memory per rank), no speedup (share of step time waiting for data), uneven GPU use
-(slowest / fastest rank); and the observed speedup over one device."""
+(slowest / fastest rank); and the CPU share of the timed window (lychee_exp.tracking.speedup judges it)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import resource
+import time
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from lychee_exp.core.devices import DevicePlan
 from lychee_exp.core.distributed import DistEnv, device_name
 from lychee_exp.core.optim import effective_batch_size
 from lychee_exp.tracking.keys import HISTORY
+from lychee_exp.tracking.speedup import cpu_share
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +33,13 @@ class StepTimer:
     other systems. `busy` is a rank's time outside collectives (data wait + forward): backward and the optimizer
     step wait for the slowest rank, so they would hide which rank is slow."""
 
-    def __init__(self, first_step: int, total_steps: int, now: float = 0.0):
+    def __init__(self, first_step: int, total_steps: int, now: float = 0.0, cpu_now: float | None = None):
         # a run too short to skip warm-up is timed whole (from `now`, before its first step) rather than not at all
         self.timed_from = first_step + WARMUP_STEPS if total_steps - first_step > WARMUP_STEPS else first_step
         self.start = now if self.timed_from == first_step else None
-        self.sums = {"time": 0.0, "wait": 0.0, "busy": 0.0, "queries": 0.0, "tokens": 0.0, "padded": 0.0}
+        # moved with `start`: the window's CPU time tells a machine shared with other work
+        self.cpu_start = time.process_time() if cpu_now is None else cpu_now
+        self.sums = {"time": 0.0, "wait": 0.0, "busy": 0.0, "queries": 0.0, "tokens": 0.0, "padded": 0.0, "cpu": 0.0}
 
     def add(
         self, step: int, end: float, wait: float, busy: float, queries: float, tokens: float, padded: float
@@ -44,13 +48,16 @@ class StepTimer:
         self.stamp(step, end)
         self.count(step, wait, busy, queries, tokens, padded)
 
-    def stamp(self, step: int, end: float) -> None:
-        """`end`: the step's end stamp on the training clock (wall clock less evaluation time so far). Stamping a
-        step again (after the device drained) moves the window's end."""
+    def stamp(self, step: int, end: float, cpu_end: float | None = None) -> None:
+        """`end`: the step's end stamp on the training clock (wall clock less evaluation time so far), `cpu_end`
+        the process's CPU time less evaluation's. Stamping a step again (after the device drained) moves the
+        window's end."""
+        cpu_end = time.process_time() if cpu_end is None else cpu_end
         if step == self.timed_from:
-            self.start = end
+            self.start, self.cpu_start = end, cpu_end
         elif step > self.timed_from and self.start is not None:
             self.sums["time"] = end - self.start
+            self.sums["cpu"] = cpu_end - self.cpu_start
 
     def count(self, step: int, wait: float, busy: float, queries: float, tokens: float, padded: float) -> None:
         """A timed step's work, whenever its figures are read from the device: `tokens` real (non-pad) tokens,
@@ -62,7 +69,10 @@ class StepTimer:
                 self.sums[key] += value
 
     def rank_record(self, device: torch.device) -> dict:
-        return {**self.sums, "peak_memory_mb": peak_memory_mb(device)}
+        # GPU steps leave the CPU waiting by design: a CPU share says something on CPU ranks only
+        threads = torch.get_num_threads()
+        share = cpu_share(self.sums["cpu"], self.sums["time"], threads) if device.type == "cpu" else None
+        return {**self.sums, "peak_memory_mb": peak_memory_mb(device), "cpu_share": share}
 
 
 def setup_facts(
@@ -157,6 +167,7 @@ def summarize(per_rank: list[dict]) -> dict:
         "data_wait_share": sum(r["wait"] / r["time"] if r["time"] else 0.0 for r in per_rank) / len(per_rank),
         "rank_time_spread": max(busy) / min(busy) if min(busy) > 0 else 1.0,
         "peak_memory_mb_per_rank": [r["peak_memory_mb"] for r in per_rank],
+        **({"train_cpu_share": main["cpu_share"]} if main.get("cpu_share") is not None else {}),
     }
 
 
@@ -173,34 +184,3 @@ def log_hints(facts: dict, num_workers: int) -> None:
             "CPU threads per rank, or length-skewed batches",
             facts["rank_time_spread"],
         )
-
-
-def baseline_description(plan: DevicePlan, one_rank: bool = False) -> str:
-    """What a speedup divides by, in words: the best single process on the same hardware (CPU: one process with
-    all the run's threads; GPU: one GPU), or with one_rank=True one rank (CPU: one rank's threads)."""
-    if plan.device_type == "cuda":
-        return f"1 GPU ({torch.cuda.get_device_name(0)})"
-    threads = plan.threads_per_rank * (1 if one_rank else plan.num_devices)
-    return f"1 process x {threads} thread{'s' if threads > 1 else ''} (CPU)"
-
-
-def speedup_facts(samples_per_s: float, baseline: float, one_rank: float, plan: DevicePlan) -> dict:
-    """speedup = samples/s / the best single process's (`baseline`); speedup_vs_one_rank = samples/s / one
-    rank's, and scaling_efficiency = that / devices. A single-process run without baselines is its own.
-    `speedup_baseline` and `speedup_vs_one_rank_baseline` say in words what was divided by."""
-    single = plan.num_devices == 1 and plan.strategy != "dp"
-    if baseline <= 0:
-        baseline = samples_per_s if single else 0.0
-    if one_rank <= 0:
-        one_rank = samples_per_s if single else 0.0
-    speedup = samples_per_s / baseline if baseline > 0 else float("nan")
-    per_device = samples_per_s / one_rank if one_rank > 0 else float("nan")
-    return {
-        "baseline_samples_per_s": baseline,
-        "speedup": speedup,
-        "speedup_baseline": baseline_description(plan) if baseline > 0 else "none measured",
-        "one_rank_samples_per_s": one_rank,
-        "speedup_vs_one_rank": per_device,
-        "scaling_efficiency": per_device / plan.num_devices,
-        "speedup_vs_one_rank_baseline": baseline_description(plan, one_rank=True) if one_rank > 0 else "none measured",
-    }

@@ -56,16 +56,15 @@ def workspace(entity: str, project: str, name: str = DEFAULT_NAME) -> ws.Workspa
             name="Scaling",
             is_open=True,
             panels=[
-                _scatter(world, s("speedup"), "speedup over the best single process vs devices"),
-                _scatter(world, s("speedup_vs_one_rank"), "speedup over one rank (one device) vs devices"),
+                _scatter(world, s("speedup"), "speedup over one device vs devices"),
                 _scatter(
                     world,
                     s("scaling_efficiency"),
-                    "scaling efficiency (speedup_vs_one_rank / devices) vs devices",
+                    "scaling efficiency (speedup / devices) vs devices",
                     range_y=(0, 1.1),
                 ),
                 _scatter(world, s(HISTORY["samples_per_s"]), "train samples/s vs devices"),
-                _scatter(world, s("baseline_samples_per_s"), "best single-process baseline samples/s"),
+                _scatter(world, s("baseline_samples_per_s"), "one-device baseline samples/s"),
             ],
         ),
         ws.Section(

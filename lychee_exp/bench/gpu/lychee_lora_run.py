@@ -69,7 +69,7 @@ def recipe_overrides(spec: dict) -> list[str]:
         "trainer.progress_bar=false",
         f"trainer.log_every={steps}",
         "logger=none",
-        "speedup.calibrate=false",
+        "trainer.measure_speedup=false",
         f"seed={spec.get('seed', 42)}",
     ]
     return [*overrides, *extra_overrides(spec)]

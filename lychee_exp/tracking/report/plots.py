@@ -80,7 +80,7 @@ def scaling(runs: Sequence[Run]) -> str:
     top = max(num_devices(r.metrics) or 1 for r in runs)
     ax1.plot([1, top], [1, top], "--", color="grey", lw=1, label="ideal (linear)")
     ax1.legend(fontsize=8, frameon=False)
-    ax1.set(xlabel="world size (devices)", ylabel="speedup over the best single process", title="Speedup")
+    ax1.set(xlabel="world size (devices)", ylabel="speedup over one device", title="Speedup")
     _scatter_by_group(ax2, runs, lambda r: num_devices(r.metrics), lambda r: r.get("scaling_efficiency"))
     ax2.axhline(1.0, ls="--", color="grey", lw=1)
     ax2.set(xlabel="world size (devices)", ylabel="speedup / world size", title="Scaling efficiency", ylim=(0, 1.1))

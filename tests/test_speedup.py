@@ -1,0 +1,198 @@
+"""Observed speedup (lychee_exp.tracking.speedup, lychee_exp.recipe.baseline_phase): one ratio over one device,
+its reliability rules, the baseline cache, and the launch's first phase that measures one device inside the
+ranks without changing the run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TINY_RANKS
+
+from lychee_exp.core.config import to_run_config
+from lychee_exp.core.devices import DevicePlan
+from lychee_exp.testing.equivalence import assert_same_training
+from lychee_exp.testing.jobs import run_job
+from lychee_exp.tracking.speedup import (
+    Baseline,
+    baseline_file,
+    cached_baseline,
+    cpu_share,
+    speedup_facts,
+    speedup_note,
+    store_baseline,
+)
+from lychee_exp.tracking.wandb_records import find_run_files, read_run
+
+CPU_RANKS = DevicePlan("ddp", "cpu", 2, 1)  # 2 ranks x 1 thread
+# dropout on: the phase's steps draw random numbers, which the run must not notice
+PHASED = [*TINY_RANKS, "parallel=ddp", "gpus=2", "parallel.cpu_threads_per_rank=1", "model.dropout=0.1"]
+
+
+def _metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch) -> Path:
+    path = tmp_path / "baselines.json"
+    monkeypatch.setenv("LYCHEE_BASELINE_FILE", str(path))
+    return path
+
+
+def test_speedup_is_one_ratio_over_one_device(monkeypatch):
+    facts = speedup_facts(30.0, Baseline(20.0, "test", cpu_share=0.95), 2, CPU_RANKS)
+    assert (facts["speedup"], facts["scaling_efficiency"], facts["speedup_status"]) == (1.5, 0.75, "measured")
+    assert facts["speedup_baseline"] == "1 device (1 rank x 1 thread, CPU)"
+    assert speedup_note(facts) == "; speedup 1.50x over 1 device (1 rank x 1 thread, CPU)"
+    assert not any(key.startswith("speedup_vs") for key in facts)  # one figure, not two
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda index=0: "H200")
+    gpu = speedup_facts(70.0, Baseline(10.0, "test"), 8, DevicePlan("ddp", "cuda", 8, 1))  # no CPU rule on GPUs
+    assert (gpu["speedup"], gpu["speedup_baseline"]) == (7.0, "1 device (1 GPU, H200)")
+
+
+def test_unreliable_figures_are_reported_not_divided():
+    shared = speedup_facts(30.0, Baseline(20.0, "test", cpu_share=0.41), 2, CPU_RANKS)
+    assert "speedup" not in shared and "scaling_efficiency" not in shared
+    assert shared["speedup_status"] == "unreliable: machine shared (baseline at 41% CPU)"
+    assert speedup_note(shared) == "; no speedup (unreliable: machine shared (baseline at 41% CPU))"
+    # the figure once recorded for 2 ranks on 2 cores: above the device count, so a timing was disturbed
+    impossible = speedup_facts(89.0, Baseline(20.0, "test", cpu_share=1.0), 2, CPU_RANKS)
+    assert "speedup" not in impossible
+    assert impossible["speedup_status"].startswith("unreliable: impossible ratio (4.45x on 2 device(s))")
+    assert speedup_facts(44.0, Baseline(20.0, "test", cpu_share=1.0), 2, CPU_RANKS)["speedup"] == 2.2  # tolerance
+    unmeasured = speedup_facts(30.0, None, 2, CPU_RANKS)
+    assert "speedup" not in unmeasured and unmeasured["speedup_status"].startswith("unmeasured")
+    assert cpu_share(1.5, 1.0, 2) == 0.75 and cpu_share(1.0, 0.0, 1) is None
+
+
+def test_only_reliable_baselines_are_cached(own_cache, tiny_cfg):
+    cfg, one = to_run_config(tiny_cfg), DevicePlan("single", "cpu", 1, 1)
+    assert baseline_file() == own_cache
+    assert not store_baseline(cfg, one, Baseline(20.0, "busy", cpu_share=0.5)) and not own_cache.exists()
+    assert store_baseline(cfg, one, Baseline(20.0, "quiet", cpu_share=0.9))
+    found = cached_baseline(cfg, one)
+    assert (found.samples_per_s, found.source, found.cpu_share) == (20.0, "quiet", 0.9) and found.measured_at
+    # a figure judged unreliable in the file (written by hand, or by an older rule) is never divided by
+    table = json.loads(own_cache.read_text())
+    (key,) = table
+    own_cache.write_text(json.dumps({key: {**table[key], "cpu_share": 0.3}}))
+    assert cached_baseline(cfg, one) is None
+
+
+def test_a_baseline_is_reused_only_under_the_same_step_settings(own_cache, tiny_cfg):
+    """A figure measured with another loss, chunking, bucketing or accumulation is another step's speed: dividing
+    by it once gave a 9.97x 'speedup' on 2 CPU ranks. Settings that leave the step alone (lr, seed, evaluation,
+    the dev file) share it, so a sweep's trials measure once."""
+    cfg = to_run_config(tiny_cfg)
+    plan = DevicePlan("single", "cpu", 1, 2)
+    store_baseline(cfg, plan, Baseline(5.0, "test", cpu_share=1.0))
+
+    def varied(section: str, **change):
+        return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **change)})
+
+    def figure(c, p=plan):
+        found = cached_baseline(c, p)
+        return found and found.samples_per_s
+
+    same = [
+        varied("optimizer", lr=3e-5),
+        varied("trainer", max_steps=7, evaluate=False, eval_every=3),
+        varied("data", dev_file="other.jsonl", eval_batch_size=3),
+        dataclasses.replace(cfg, seed=7),
+        # the key holds what auto and null resolve to on this device: 4 chunks and fused AdamW on CPU
+        varied("trainer", forward_chunks=4),
+        varied("optimizer", fused=True),
+    ]
+    assert cfg.trainer.forward_chunks == "auto" and cfg.optimizer.fused is None
+    assert [figure(c) for c in same] == [5.0] * len(same)
+    other = [
+        varied("loss", name="listwise"),
+        varied("trainer", forward_chunks=1),
+        varied("trainer", grad_accum_steps=2),
+        varied("data", bucket_by_length=True),
+        varied("data", random_negatives=1),
+        varied("model", dropout=0.1),
+        varied("optimizer", fused=False),
+    ]
+    assert [figure(c) for c in other] == [None] * len(other)
+    assert figure(cfg, DevicePlan("single", "cpu", 1, 1)) is None  # other thread count
+
+
+def _store_many(cfg, writer: int, count: int, start) -> None:
+    start.wait()  # every writer starts together, so that their read-change-write cycles overlap
+    for i in range(count):
+        plan = DevicePlan("single", "cpu", 1, 1000 * writer + i)
+        store_baseline(cfg, plan, Baseline(1.0 + i, f"w{writer}", cpu_share=1.0))
+
+
+def test_concurrent_baseline_writers_lose_no_entry(own_cache, tiny_cfg):
+    """Runs that end together (a sweep's concurrent trials, several sweep workers) each add their figure to the one
+    cache file: every entry written must be there afterwards, not just the last writer's table."""
+    cfg = to_run_config(tiny_cfg)
+    writers, count = 4, 25
+    context = multiprocessing.get_context("fork")  # the writers share this process's imports and environment
+    start = context.Barrier(writers)
+    procs = [context.Process(target=_store_many, args=(cfg, w, count, start)) for w in range(writers)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0] * writers
+    assert len(json.loads(own_cache.read_text())) == writers * count
+    found = [
+        cached_baseline(cfg, DevicePlan("single", "cpu", 1, 1000 * w + i)).samples_per_s
+        for w in range(writers)
+        for i in range(count)
+    ]
+    assert found == [1.0 + i for _ in range(writers) for i in range(count)]
+
+
+@pytest.mark.slow
+def test_the_baseline_phase_leaves_the_run_unchanged_and_caches_its_figure(tmp_path, own_cache):
+    """gpus=2 with the phase (nothing cached: rank 0 times one device first) trains the same losses, gradient
+    norms and final weights as with it off; its figure, when the machine was quiet enough, is cached under one
+    device's key (one rank's batch and threads), which later runs read (test_cluster's SLURM test)."""
+    with_phase, without = tmp_path / "with", tmp_path / "without"
+    run_job([*PHASED, "trainer.measure_speedup=false"], without)
+    assert not own_cache.exists() and "baseline_samples_per_s" not in _metrics(without)
+    run_job(PHASED, with_phase)
+    assert_same_training(with_phase, without, rtol=1e-6)
+    m = _metrics(with_phase)
+    assert m["baseline_samples_per_s"] > 0 and m["baseline_cpu_share"] > 0
+    assert m.get("speedup", 0.0) <= 2.2 and ("speedup" in m) == (m["speedup_status"] == "measured")
+    cached = json.loads(own_cache.read_text()) if own_cache.exists() else {}
+    if m["baseline_cpu_share"] < 0.75:  # a busy machine: reported, not cached
+        assert cached == {} and m["speedup_status"].startswith("unreliable: machine shared")
+        return
+    ((key, entry),) = cached.items()
+    assert key.endswith("|cpu x1 threads") and "|batch2|" in key and entry["source"].startswith("launch phase of ")
+    assert entry["samples_per_s"] == m["baseline_samples_per_s"]
+
+
+@pytest.mark.slow
+def test_a_run_on_a_loaded_machine_records_why_it_has_no_speedup(tmp_path, own_cache, no_wandb_key):
+    """Busy loops on every core while gpus=2 trains: the one-device figure is measured with a fraction of a
+    core, so the run records no speedup (never one above its 2 devices) but the reason, in metrics.json and
+    W&B, and caches nothing."""
+    import os
+
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range((os.cpu_count() or 2) + 1)]
+    try:
+        run_job([*PHASED, "logger=wandb"], tmp_path / "run")
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    m = _metrics(tmp_path / "run")
+    assert "speedup" not in m and "scaling_efficiency" not in m
+    assert m["baseline_cpu_share"] < 0.75
+    assert m["speedup_status"].startswith("unreliable: machine shared (baseline at ")
+    (record,) = [read_run(path) for path in find_run_files(tmp_path / "run")]
+    assert "speedup" not in record["summary"] and record["summary"]["speedup_status"] == m["speedup_status"]
+    assert not own_cache.exists()
