@@ -8,13 +8,12 @@ from pathlib import Path
 
 from lychee_exp.core.atomic import write_json_atomic
 from lychee_exp.core.config import RunConfig
-from lychee_exp.core.devices import DevicePlan
 from lychee_exp.tracking.speedup import speedup_note
 
 log = logging.getLogger("lychee_exp")
 
 
-def write_results(run_cfg: RunConfig, plan: DevicePlan, metrics: dict, output_dir: Path, is_main: bool) -> float:
+def write_results(run_cfg: RunConfig, metrics: dict, output_dir: Path, is_main: bool) -> float:
     """Writes metrics.json (main process) and returns the optimized metric (nan without an evaluation)."""
     metrics_path = output_dir / "metrics.json"
     metrics["optimized_metric"] = str(run_cfg.optimized_metric)

@@ -98,7 +98,7 @@ def train_job(cfg: DictConfig) -> float:
     if is_main:
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))
     metrics = launch(run_cfg, plan, output_dir, job_log_file(), inputs, keep_ranks=trials_run_here())
-    return write_results(run_cfg, plan, metrics, output_dir, is_main)
+    return write_results(run_cfg, metrics, output_dir, is_main)
 
 
 def with_model_resolved(cfg: DictConfig) -> DictConfig | dict:
