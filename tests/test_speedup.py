@@ -65,7 +65,8 @@ def test_unreliable_figures_are_reported_not_divided():
     impossible = speedup_facts(89.0, Baseline(20.0, "test", cpu_share=1.0), 2, CPU_RANKS)
     assert "speedup" not in impossible
     assert impossible["speedup_status"].startswith("unreliable: impossible ratio (4.45x on 2 device(s))")
-    assert speedup_facts(44.0, Baseline(20.0, "test", cpu_share=1.0), 2, CPU_RANKS)["speedup"] == 2.2  # tolerance
+    assert speedup_facts(40.0, Baseline(20.0, "test", cpu_share=1.0), 2, CPU_RANKS)["speedup"] == 2.0  # the bound
+    assert "speedup" not in speedup_facts(40.2, Baseline(20.0, "test", cpu_share=1.0), 2, CPU_RANKS)  # never above it
     unmeasured = speedup_facts(30.0, None, 2, CPU_RANKS)
     assert "speedup" not in unmeasured and unmeasured["speedup_status"].startswith("unmeasured")
     assert cpu_share(1.5, 1.0, 2) == 0.75 and cpu_share(1.0, 0.0, 1) is None

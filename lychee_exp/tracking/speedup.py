@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 BASELINE_FILE_ENV = "LYCHEE_BASELINE_FILE"
 DEFAULT_BASELINE_FILE = "outputs/throughput_baselines.json"
 SHARED_CPU_SHARE = 0.75  # a CPU window with less of its threads' CPU time than this ran beside other work
-RATIO_TOLERANCE = 1.1  # timing noise allowed above the device count before a ratio is called impossible
 
 # data keys that do not change a training step's speed (the rest of data, and all of model and loss, may)
 _NOT_THROUGHPUT = ("name", "dev_file", "eval_batch_size", "max_dev_queries", "dev_split", "rerank_top_k")
@@ -165,7 +164,7 @@ def speedup_facts(samples_per_s: float, baseline: Baseline | None, devices: int,
         facts["baseline_cpu_share"] = baseline.cpu_share
     reason = baseline.unreliable_because()
     ratio = samples_per_s / baseline.samples_per_s if not reason else 0.0
-    if not reason and ratio > devices * RATIO_TOLERANCE:
+    if not reason and ratio > devices:  # n devices cannot do more than n devices' work
         reason = f"impossible ratio ({ratio:.2f}x on {devices} device(s)): a timing was disturbed"
     if reason:
         return {**facts, "speedup_status": f"unreliable: {reason}"}
