@@ -166,13 +166,13 @@ def test_the_baseline_phase_leaves_the_run_unchanged_and_caches_its_figure(tmp_p
     assert_same_training(with_phase, without, rtol=1e-6)
     m = _metrics(with_phase)
     assert m["baseline_samples_per_s"] > 0 and m["baseline_cpu_share"] > 0
-    assert m.get("speedup", 0.0) <= 2.2 and ("speedup" in m) == (m["speedup_status"] == "measured")
+    assert m.get("speedup", 0.0) <= 2 and ("speedup" in m) == (m["speedup_status"] == "measured")
     cached = json.loads(own_cache.read_text()) if own_cache.exists() else {}
     if m["baseline_cpu_share"] < 0.75:  # a busy machine: reported, not cached
         assert cached == {} and m["speedup_status"].startswith("unreliable: machine shared")
         return
     ((key, entry),) = cached.items()
-    assert key.endswith("|cpu x1 threads") and "|batch2|" in key and entry["source"].startswith("launch phase of ")
+    assert key.endswith("|cpu x1 threads") and "|batch4|" in key and entry["source"].startswith("launch phase of ")
     assert entry["samples_per_s"] == m["baseline_samples_per_s"]
 
 
