@@ -23,7 +23,6 @@ from lychee_exp.launch.processes import free_port
 from lychee_exp.testing.baselines import seed_baseline
 from lychee_exp.testing.equivalence import assert_same_training
 from lychee_exp.testing.jobs import run_job
-from lychee_exp.tracking.speedup import RATIO_TOLERANCE
 
 REPO = Path(__file__).resolve().parent.parent
 # The tiny Lychee model, fp32, as tests/test_ddp.py: 2 ranks x batch 2 on any launch path must agree.
@@ -188,7 +187,7 @@ def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp, monk
     assert m["cpu_threads_per_rank"] == available_cores()
     # nothing cached: rank 0 timed one device itself; a figure, or the reason there is none, on one line
     assert m["baseline_samples_per_s"] > 0 and ("speedup" in m) == (m["speedup_status"] == "measured")
-    assert m.get("speedup", 0.0) <= 2 * RATIO_TOLERANCE and m["speedup_status"].startswith(("measured", "unreliable"))
+    assert m.get("speedup", 0.0) <= 2 and m["speedup_status"].startswith(("measured", "unreliable"))
     assert sum("samples/s on 2 device(s)" in line and "speedup" in line for line in outputs[0].splitlines()) == 1
 
 
