@@ -4,6 +4,9 @@ The story of a run: Hydra composes the config groups (conf/), the job checks the
 the devices, launches the ranks (lychee_exp.launch), which train with the recipe (lychee_exp.recipe), writes
 metrics.json from rank 0's results, and returns the optimized metric to whichever sweeper asked. A user mistake
 ends here as one line and exit code 2, a failed run as one line and exit code 1, Ctrl-C as one line and 130.
+
+The job (and through it torch and the training stack) is imported by the task function, once the config has
+composed: a misspelt key, `--help` or `--cfg job` is answered without loading torch.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from lychee_exp.core.config import register_schema
 from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.model_card import model_choice, resolve_model
-from lychee_exp.job.training_job import in_sweep, run_stamp, train_job
+from lychee_exp.job.context import in_sweep, run_stamp
 
 log = logging.getLogger("lychee_exp")
 
@@ -36,6 +39,8 @@ OmegaConf.register_new_resolver("lychee_stamp", run_stamp, use_cache=True, repla
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def hydra_main(cfg: DictConfig) -> float:
+    from lychee_exp.job.training_job import train_job
+
     try:
         return train_job(cfg)
     except (UserError, RunFailed) as err:

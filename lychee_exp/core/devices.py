@@ -2,16 +2,21 @@
 
 Without CUDA, `gpus=N` with parallel=ddp means N CPU ranks (gloo), each with an equal share of the cores, so
 that everything multi-device runs and is tested on a laptop or CI machine.
+
+torch is imported where a device is asked about, not at import: core.config checks `gpus` with parse_gpus, and a
+command whose config does not compose ends before torch is loaded.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from lychee_exp.core.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_AUTO_CPU_RANKS = 4  # beyond this, gloo CPU ranks mostly add communication
 
@@ -62,6 +67,8 @@ def parse_gpus(gpus: object) -> int | None:
 def plan_devices(
     strategy: str, gpus: object, cuda_count: int | None = None, cores: int | None = None, cpu_threads_per_rank: int = 0
 ) -> DevicePlan:
+    import torch
+
     requested = parse_gpus(gpus)
     cuda_count = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if cuda_count is None else cuda_count
     cores = available_cores() if cores is None else cores
@@ -87,6 +94,8 @@ def plan_devices(
 
 def torch_device(device_type: str, index: int = 0) -> torch.device:
     """The device a process of a plan trains on: CUDA device `index` (its local rank), or the CPU."""
+    import torch
+
     return torch.device("cuda", index) if device_type == "cuda" else torch.device("cpu")
 
 
@@ -95,4 +104,6 @@ def resolve_precision(precision: str, device: torch.device) -> str:
         return precision
     if device.type != "cuda":
         return "fp32"
+    import torch
+
     return "bf16" if torch.cuda.is_bf16_supported() else "fp16"

@@ -10,7 +10,6 @@ import dataclasses
 import math
 
 import torch
-from transformers import get_scheduler
 
 from lychee_exp.core.config import OptimizerConfig, RunConfig
 from lychee_exp.core.errors import UserError
@@ -108,6 +107,10 @@ def build_optimizer(cfg: OptimizerConfig, model: torch.nn.Module, lr: float, tot
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = OPTIMIZERS.lookup(cfg.name)(trainable, lr, cfg)
     warmup_steps = math.ceil(cfg.warmup_ratio * total_steps)
+    # here, not at import: transformers' schedules module pulls its trainer utilities (peft, accelerate), which the
+    # Hydra process, checking a config, does not need
+    from transformers import get_scheduler
+
     scheduler = get_scheduler(
         _SCHEDULES[cfg.scheduler], optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
     )

@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import secrets
-from datetime import datetime
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -24,27 +20,11 @@ from lychee_exp.core.inputs import RunInputs, load_inputs
 from lychee_exp.core.losses import LOSSES
 from lychee_exp.core.model_card import model_choice, resolve_model
 from lychee_exp.core.optim import OPTIMIZERS, with_global_batch
+from lychee_exp.job.context import in_sweep, run_stamp, trials_run_here  # noqa: F401  (run_stamp: re-exported)
 from lychee_exp.job.results import write_results
 from lychee_exp.launch.cluster import is_main_process, job_devices, local_ranks, under_torchrun
-from lychee_exp.launch.launcher import launch
 
 log = logging.getLogger("lychee_exp")
-
-
-def run_stamp() -> str:
-    """Run directory name. Under torchrun every rank computes it, so it must not depend on the moment:
-    it comes from the rendezvous id that all ranks share (launch/torchrun.sh sets LYCHEE_RUN_STAMP)."""
-    if os.environ.get("LYCHEE_RUN_STAMP"):
-        return os.environ["LYCHEE_RUN_STAMP"]
-    if under_torchrun():
-        run_id = os.environ["TORCHELASTIC_RUN_ID"]
-        return (
-            f"{datetime.now():%Y-%m-%d}_torchrun-{run_id}"
-            if run_id != "none"
-            else f"{datetime.now():%Y-%m-%d_%H-%M}_torchrun"
-        )
-    # the suffix keeps two runs started in the same second apart
-    return f"{datetime.now():%Y-%m-%d_%H-%M-%S}_{secrets.token_hex(2)}"
 
 
 def preflight(cfg: RunConfig) -> RunInputs:
@@ -97,6 +77,10 @@ def train_job(cfg: DictConfig) -> float:
     run_cfg = with_global_batch(run_cfg, job_devices(plan.num_devices))
     if is_main:
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))
+    # the launcher (and through it the recipe, transformers, peft) only once the checks passed: a user mistake
+    # is reported without loading the training stack
+    from lychee_exp.launch.launcher import launch
+
     metrics = launch(run_cfg, plan, output_dir, job_log_file(), inputs, keep_ranks=trials_run_here())
     return write_results(run_cfg, metrics, output_dir, is_main)
 
@@ -124,13 +108,3 @@ def _default_preset(hydra_cfg) -> str | None:
     primary = Path(main) / f"{hydra_cfg.job.config_name}.yaml"
     entries = OmegaConf.load(primary).get("defaults", []) if primary.is_file() else []
     return next((entry["model"] for entry in entries if isinstance(entry, DictConfig) and "model" in entry), None)
-
-
-def in_sweep() -> bool:
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def trials_run_here() -> bool:
-    """A sweep whose trials run one after another in this process (Hydra's basic launcher): the DDP ranks of
-    one trial can serve the next. Under submitit each trial is a job of its own, and its ranks end with it."""
-    return in_sweep() and str(HydraConfig.get().launcher.get("_target_", "")).endswith(".BasicLauncher")

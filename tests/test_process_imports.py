@@ -1,0 +1,81 @@
+"""What `python -m lychee_exp.run` loads before it answers a user mistake: nothing of torch for a config that does
+not compose, and none of the training stack (peft, the launcher, the recipe, trackers, the sweeper) for an input
+that fails the job's checks. Both answers are one line and exit 2 either way; the point is that they come in
+seconds, not after the ~10 s of imports a run needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from conftest import REPO_ROOT
+
+# The training stack: loaded by the launcher and the ranks, never before the checks passed. Adding one of these
+# back to the top of run.py, job/training_job.py or a module they import fails test_a_bad_input_...
+TRAINING_STACK = {
+    "peft",
+    "accelerate",
+    "torchmetrics",
+    "wandb",
+    "optuna",
+    "transformers.trainer_utils",
+    "lychee_exp.launch.launcher",
+    "lychee_exp.launch.ranks",
+    "lychee_exp.recipe",
+    "lychee_exp.core.evaluate",
+}
+# One process answers both mistakes in turn (each an exit 2), reporting after each which of the watched modules
+# it holds: one start instead of two.
+PROBE = textwrap.dedent(
+    """
+    import json, sys
+    from lychee_exp.run import main
+
+    watched = set(sys.argv[1].split(","))
+    report = {}
+    for case, args in json.loads(sys.argv[2]).items():
+        sys.argv = ["lychee-run", *args]
+        try:
+            main()
+        except SystemExit as stop:
+            report[case] = {"exit": stop.code, "loaded": sorted(m for m in sys.modules if m in watched)}
+    print(json.dumps(report))
+    """
+)
+
+
+def probe(cases: dict[str, list[str]], watched: set[str], cwd) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HYDRA_FULL_ERROR="0")
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, ",".join(sorted(watched)), json.dumps(cases)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_user_mistakes_are_answered_without_the_training_stack(tmp_path):
+    bad_lines = tmp_path / "train.jsonl"
+    bad_lines.write_text('{"query": "q", "pos": ["a"]}\nnot json\n')
+    run_dir = f"hydra.run.dir={tmp_path / 'run'}"
+    report = probe(
+        {
+            "misspelt key": ["optimizer.lrr=1", run_dir],
+            "bad data file": [f"data.train_file={bad_lines}", "logger=none", run_dir],
+        },
+        TRAINING_STACK | {"torch", "transformers", "lychee_exp.job.training_job"},
+        tmp_path,
+    )
+    misspelt, bad_file = report["misspelt key"], report["bad data file"]
+    assert misspelt == {"exit": 2, "loaded": []}  # not even torch: the config never composed
+    assert bad_file["exit"] == 2
+    # the job ran its checks (so the probe does see what is loaded); torch (device planning) and transformers'
+    # tokenizer (the token budget) may come with them, nothing else watched
+    assert set(bad_file["loaded"]) - {"torch", "transformers"} == {"lychee_exp.job.training_job"}, bad_file
