@@ -1,6 +1,7 @@
 """trec_eval metrics: NDCG@10 normalised over every judged relevant document (a relevant document the first stage
 missed costs), graded gains, MRR@10 in trec_eval's order, and agreement with pytrec_eval read from a written run
-file; the fixed-candidate protocol (torchmetrics) agrees with it when every relevant document is a candidate."""
+file; the fixed-candidate protocol (the same code, with its own tie order) agrees with it when every relevant
+document is a candidate."""
 
 from __future__ import annotations
 

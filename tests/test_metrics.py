@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -81,10 +82,31 @@ def test_hand_computed_example():
     labels = [0, 1, 0] + [0] * 11 + [1]
     query_index = [0] * 3 + [1] * 12
     metrics = ranking_metrics(scores, labels, query_index)
-    import math
 
     assert metrics["mrr@10"] == pytest.approx((1 / 2 + 0) / 2)
     assert metrics["ndcg@10"] == pytest.approx((1 / math.log2(3) + 0) / 2)
+
+
+def test_hand_computed_graded_gains_ties_and_a_query_without_relevant_documents():
+    """Rows of three queries interleaved. Ties keep the candidate order as the dev metrics always counted it: of
+    two equal scores the later row ranks first (the order the dev file's candidates were shuffled into)."""
+    rows = [  # (query, score, gain)
+        (0, 2.0, 0),
+        (2, -1.0, 1),
+        (0, 1.0, 3),
+        (1, 1.0, 0),
+        (0, 2.0, 1),  # ties with q0's first row, ranks above it
+        (2, -1.0, 0),
+        (1, 2.0, 0),  # q1: nothing relevant -> 0 for both metrics
+        (0, 0.5, 0),
+        (2, -1.0, 0),  # q2: three tied negative logits, the relevant row first -> ranked third
+    ]
+    metrics = ranking_metrics([s for _, s, _ in rows], [g for _, _, g in rows], [q for q, _, _ in rows])
+    # q0 in rank order: gains 1, 0, 3, 0 (ideal 3, 1); q2: gains 0, 0, 1 (ideal 1)
+    q0_ndcg = (1 / math.log2(2) + 3 / math.log2(4)) / (3 / math.log2(2) + 1 / math.log2(3))
+    q2_ndcg = (1 / math.log2(4)) / 1
+    assert metrics["ndcg@10"] == pytest.approx((q0_ndcg + 0 + q2_ndcg) / 3, abs=1e-12)
+    assert metrics["mrr@10"] == pytest.approx((1 + 0 + 1 / 3) / 3, abs=1e-12)
 
 
 def test_prefix_names_keys():

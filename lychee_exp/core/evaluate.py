@@ -8,25 +8,24 @@ papers report rerankers.
 NDCG uses graded gains (a dev line's `pos_labels`, else 1 per positive) with linear gain as trec_eval does;
 MRR counts any gain > 0 as relevant.
 
-Metrics come from torchmetrics' retrieval functions, per query, averaged over queries. Scoring is sharded
-across ranks and gathered, so every rank ends with the metrics a single process computes.
+Both protocols' metrics come from one implementation, core.ir.metrics (trec_eval's own code through
+pytrec_eval), per query, averaged over queries: a run's dev ndcg@10 and `rerank`'s are computed alike. Scoring is
+sharded across ranks and gathered, so every rank ends with the metrics a single process computes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections import defaultdict
 from typing import Callable, Sequence
 
 import torch
-from torchmetrics.functional.retrieval import retrieval_normalized_dcg, retrieval_reciprocal_rank
 
 from lychee_exp.core.data.groups import DevPairs
 from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.ir.candidates import RerankPairs
 from lychee_exp.core.ir.fusion import interpolate
-from lychee_exp.core.ir.metrics import trec_metrics
+from lychee_exp.core.ir.metrics import mean_metrics, per_query_metrics, trec_metrics
 from lychee_exp.core.prompt import PromptEncoder
 
 TOP_K = 10
@@ -36,19 +35,22 @@ log = logging.getLogger(__name__)
 def ranking_metrics(
     scores: Sequence[float], labels: Sequence[int], query_index: Sequence[int], prefix: str = ""
 ) -> dict[str, float]:
-    by_query: dict[int, list[int]] = defaultdict(list)
+    """NDCG@10 (graded, linear gain) and MRR@10 of each query's candidates, averaged over queries; a query with
+    no relevant candidate scores 0. Ties keep the (seeded, shuffled) candidate order: the later candidate of a
+    tie ranks first, as the dev metrics have always counted them (trec_eval would order ties by document id)."""
+    run: dict[str, dict[str, float]] = {}
+    qrels: dict[str, dict[str, int]] = {}
     for row, qi in enumerate(query_index):
-        by_query[qi].append(row)
-    ndcg, mrr = [], []
-    for rows in by_query.values():
-        raw = torch.tensor([float(scores[r]) for r in rows], dtype=torch.float64)
-        # Ranks 1..n instead of raw scores: torchmetrics' reciprocal rank ignores candidates scoring <= 0, and
-        # our scores are log-odds. Ties keep the (seeded, shuffled) candidate order, for both metrics alike.
-        preds = (torch.argsort(torch.argsort(raw, stable=True), stable=True) + 1).to(torch.float64)
-        target = torch.tensor([labels[r] for r in rows])  # graded gains: NDCG uses them, MRR only relevant/not
-        ndcg.append(retrieval_normalized_dcg(preds, target, top_k=TOP_K).item())
-        mrr.append(retrieval_reciprocal_rank(preds, target > 0, top_k=TOP_K).item())
-    return {f"{prefix}ndcg@{TOP_K}": sum(ndcg) / len(ndcg), f"{prefix}mrr@{TOP_K}": sum(mrr) / len(mrr)}
+        # documents named by their row; scored by their row's place in a stable sort of the scores, so that no
+        # two tie and trec_eval's order is the order described above
+        run.setdefault(str(qi), {})[str(row)] = 0.0
+        qrels.setdefault(str(qi), {})[str(row)] = int(labels[row])
+    for docs in run.values():
+        rows = sorted(docs, key=lambda doc: float(scores[int(doc)]))  # stable: rows in input order within a tie
+        docs.update({doc: float(place) for place, doc in enumerate(rows, start=1)})
+    rows = per_query_metrics(run, qrels, recall_at=TOP_K)
+    wanted = (f"ndcg@{TOP_K}", f"mrr@{TOP_K}")
+    return mean_metrics({qid: {name: row[name] for name in wanted} for qid, row in rows.items()}, prefix)
 
 
 def bm25_scores(pairs: DevPairs) -> list[float]:
