@@ -25,7 +25,6 @@ from lychee_exp.core.ir.commands import (
 )
 from lychee_exp.core.ir.mining import MineSummary
 from lychee_exp.core.ir.pipeline import mine_to_file, open_split
-from lychee_exp.core.model import model_dir
 from lychee_exp.core.model_card import check_trained_head
 from lychee_exp.core.outputs import interrupted_line, staged_output
 from lychee_exp.run import command_config, ctrl_c_raises, fail_as_one_line, stop_interrupted
@@ -55,6 +54,8 @@ def _mine_into(cfg: MineConfig, out: Path) -> MineSummary:
         return tqdm(items, desc=f"mine {cfg.split}", unit="query", disable=not show)
 
     if cfg.teacher == "reranker":  # before any scoring: a wrong path or model is one line
+        from lychee_exp.core.model import model_dir  # torch: here, so that a misspelt key is answered without it
+
         model_dir(cfg.model)
         check_trained_head(cfg.model)
     return mine_to_file(

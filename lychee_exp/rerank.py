@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 
 from lychee_exp.core.atomic import write_json_atomic, write_text_atomic
-from lychee_exp.core.devices import plan_devices
+from lychee_exp.core.devices import DevicePlan, plan_devices
 from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.ir.beir import dataset_dir, split_names
 from lychee_exp.core.ir.commands import RerankConfig, check_rerank_config, command_inputs, register_ir_schemas
@@ -26,10 +26,8 @@ from lychee_exp.core.ir.dense import DenseConfig, corpus_embeddings
 from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.pipeline import open_split
 from lychee_exp.core.ir.trec import write_run
-from lychee_exp.core.model import build_encoder, load_tokenizer, model_dir
 from lychee_exp.core.model_card import card_ranking, check_trained_head
 from lychee_exp.core.outputs import interrupted_line, staged_output
-from lychee_exp.launch.scoring import launch_rerank
 from lychee_exp.run import command_config, ctrl_c_raises, fail_as_one_line, stop_interrupted
 
 log = logging.getLogger("lychee_exp.rerank")
@@ -60,7 +58,17 @@ def rerank_command(cfg: RerankConfig) -> dict:
     return {**metrics, **timing}
 
 
+def launch_rerank(cfg: RerankConfig, plan: DevicePlan, out: Path) -> dict:
+    """The ranks that score (lychee_exp.launch.scoring), imported once the checks passed: a misspelt key or a
+    wrong path is answered without loading torch and the recipe."""
+    from lychee_exp.launch.scoring import launch_rerank as launch
+
+    return launch(cfg, plan, out)
+
+
 def _rerank_into(cfg: RerankConfig, out: Path) -> tuple[dict, dict]:
+    from lychee_exp.core.model import build_encoder, load_tokenizer, model_dir  # torch: once the config composed
+
     # preflight: the data, the first stage (its run cached for the ranks) and the model, before any rank starts
     corpus, split = open_split(cfg.dataset, cfg.split, need_qrels=False)
     if not split.qrels:

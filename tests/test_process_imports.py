@@ -1,7 +1,7 @@
-"""What `python -m lychee_exp.run` loads before it answers a user mistake: nothing of torch for a config that does
-not compose, and none of the training stack (peft, the launcher, the recipe, trackers, the sweeper) for an input
-that fails the job's checks. Both answers are one line and exit 2 either way; the point is that they come in
-seconds, not after the ~10 s of imports a run needs."""
+"""What `python -m lychee_exp.run` (and `mine`, `rerank`) loads before it answers a user mistake: nothing of torch
+for a config that does not compose, and none of the training stack (peft, the launcher, the recipe, trackers, the
+sweeper) for an input that fails the job's checks. The answers are one line and exit 2 either way; the point is
+that they come in seconds, not after the ~10 s of imports a run needs."""
 
 from __future__ import annotations
 
@@ -27,19 +27,18 @@ TRAINING_STACK = {
     "lychee_exp.recipe",
     "lychee_exp.core.evaluate",
 }
-# One process answers both mistakes in turn (each an exit 2), reporting after each which of the watched modules
-# it holds: one start instead of two.
+# One process answers the mistakes in turn (each an exit 2), reporting after each which of the watched modules it
+# holds (so far: the cases that must load least come first): one start instead of four.
 PROBE = textwrap.dedent(
     """
-    import json, sys
-    from lychee_exp.run import main
+    import importlib, json, sys
 
     watched = set(sys.argv[1].split(","))
     report = {}
-    for case, args in json.loads(sys.argv[2]).items():
-        sys.argv = ["lychee-run", *args]
+    for case, (command, *args) in json.loads(sys.argv[2]).items():
+        sys.argv = [command, *args]
         try:
-            main()
+            importlib.import_module(f"lychee_exp.{command}").main()
         except SystemExit as stop:
             report[case] = {"exit": stop.code, "loaded": sorted(m for m in sys.modules if m in watched)}
     print(json.dumps(report))
@@ -67,14 +66,17 @@ def test_user_mistakes_are_answered_without_the_training_stack(tmp_path):
     run_dir = f"hydra.run.dir={tmp_path / 'run'}"
     report = probe(
         {
-            "misspelt key": ["optimizer.lrr=1", run_dir],
-            "bad data file": [f"data.train_file={bad_lines}", "logger=none", run_dir],
+            "misspelt key": ["run", "optimizer.lrr=1", run_dir],
+            "mine, misspelt key": ["mine", "dataset=x", "out=y", "top_kk=3"],
+            "rerank, misspelt key": ["rerank", "dataset=x", "out=y", "top_kk=3"],
+            "bad data file": ["run", f"data.train_file={bad_lines}", "logger=none", run_dir],
         },
-        TRAINING_STACK | {"torch", "transformers", "lychee_exp.job.training_job"},
+        TRAINING_STACK | {"torch", "transformers", "lychee_exp.job.training_job", "lychee_exp.launch.scoring"},
         tmp_path,
     )
-    misspelt, bad_file = report["misspelt key"], report["bad data file"]
-    assert misspelt == {"exit": 2, "loaded": []}  # not even torch: the config never composed
+    for case in ("misspelt key", "mine, misspelt key", "rerank, misspelt key"):  # not even torch: nothing composed
+        assert report[case] == {"exit": 2, "loaded": []}, case
+    bad_file = report["bad data file"]
     assert bad_file["exit"] == 2
     # the job ran its checks (so the probe does see what is loaded); torch (device planning) and transformers'
     # tokenizer (the token budget) may come with them, nothing else watched

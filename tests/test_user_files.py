@@ -340,8 +340,9 @@ def test_a_document_judged_twice_is_one_line_naming_both_lines(tmp_path, ir_cach
 # ------------------------------------------------------------------------------------------------------- Ctrl-C
 def test_training_interrupted_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
     from lychee_exp import run
+    from lychee_exp.job import training_job
 
-    monkeypatch.setattr(run, "train_job", _interrupt)
+    monkeypatch.setattr(training_job, "train_job", _interrupt)  # run's task function imports it when it runs
     monkeypatch.setattr(sys, "argv", ["lychee-run", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"])
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
@@ -356,7 +357,9 @@ def test_training_interrupted_is_one_line_and_exit_130(tmp_path, monkeypatch, ca
 
 
 def test_ctrl_c_while_a_command_still_imports_is_one_line(tmp_path):
-    """Seconds go by importing torch before main() runs: lychee_exp/__init__ covers them for the commands."""
+    """Time goes by importing before main() runs (Hydra, numpy; torch only once the config composed): lychee_exp/
+    __init__ covers it for the commands. The signal comes once numpy is loaded: lychee_exp has been imported, and
+    main() has not handed Ctrl-C back yet (it would only after composing the config)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "lychee_exp.mine", f"out={tmp_path / 'out.jsonl'}"],
         stdout=subprocess.PIPE,
@@ -365,8 +368,8 @@ def test_ctrl_c_while_a_command_still_imports_is_one_line(tmp_path):
     )
     maps = Path(f"/proc/{proc.pid}/maps")
     deadline = time.monotonic() + 60
-    while "libtorch" not in maps.read_text() and time.monotonic() < deadline:
-        time.sleep(0.02)  # importing torch: lychee_exp/__init__ has run, main() has not
+    while "_multiarray_umath" not in maps.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)  # importing numpy (lychee_exp.mine's imports): lychee_exp/__init__ has run, main() has not
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130 and output == "interrupted (Ctrl-C) while starting; nothing written\n", output
