@@ -7,12 +7,13 @@ makes every process crawl (x10-x30) as soon as anything else runs beside it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import pytest
 import torch
@@ -107,6 +108,22 @@ def tiny_cfg(tmp_path) -> DictConfig:
 
 def run_tiny(output_dir: Path, *extra: str) -> tuple[float, dict]:
     return run_job([*TINY_OVERRIDES, *extra], output_dir)
+
+
+@contextlib.contextmanager
+def warm_ranks_kept() -> Iterator[None]:
+    """In-process DDP runs keep their ranks for the next run of the same setup, as a sweep's trials do
+    (lychee_exp.launch.warm_ranks): for tests whose runs show training math, not the launch. The setup includes
+    the environment, which pytest changes per test (PYTEST_CURRENT_TEST): ranks serve the runs of one test or
+    fixture. Closed at the end, so that no other test inherits them."""
+    from lychee_exp.launch.warm_ranks import close_warm_ranks
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("lychee_exp.job.training_job.trials_run_here", lambda: True)
+        try:
+            yield
+        finally:
+            close_warm_ranks()
 
 
 def run_cli(args: Sequence[str], run_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_RANKS
+from conftest import TINY_RANKS, warm_ranks_kept
 
 from lychee_exp.core.config import to_run_config
 from lychee_exp.core.devices import DevicePlan
@@ -160,9 +160,10 @@ def test_the_baseline_phase_leaves_the_run_unchanged_and_caches_its_figure(tmp_p
     norms and final weights as with it off; its figure, when the machine was quiet enough, is cached under one
     device's key (one rank's batch and threads), which later runs read (test_cluster's SLURM test)."""
     with_phase, without = tmp_path / "with", tmp_path / "without"
-    run_job([*PHASED, "trainer.measure_speedup=false"], without)
-    assert not own_cache.exists() and "baseline_samples_per_s" not in _metrics(without)
-    run_job(PHASED, with_phase)
+    with warm_ranks_kept():  # both runs on one start of ranks (the phase runs inside them either way)
+        run_job([*PHASED, "trainer.measure_speedup=false"], without)
+        assert not own_cache.exists() and "baseline_samples_per_s" not in _metrics(without)
+        run_job(PHASED, with_phase)
     assert_same_training(with_phase, without, rtol=1e-6)
     m = _metrics(with_phase)
     assert m["baseline_samples_per_s"] > 0 and m["baseline_cpu_share"] > 0
