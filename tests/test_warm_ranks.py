@@ -11,19 +11,16 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import optuna
 import pytest
-import torch
-import torch.distributed as dist
 from conftest import TINY_RANKS
 from optuna.trial import TrialState
+from warm_rank_jobs import form_group, never_forms, stuck_forming, summed
 
 from lychee_exp.core.config import to_run_config
 from lychee_exp.core.inputs import load_inputs
@@ -32,33 +29,6 @@ from lychee_exp.launch.warm_ranks import RankSetup, RanksFailed, WarmRanks, clos
 from lychee_exp.testing.equivalence import assert_same_training
 
 SETUP = RankSetup(world_size=2, device_type="cpu", threads=1, backend="gloo", timeout_s=20)
-
-
-# Module level, so that spawned ranks can import them.
-def form_group(setup: RankSetup) -> int:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=setup.timeout_s))
-    return dist.get_rank()
-
-
-def summed(rank: int, value: float, fault: str = "", fault_rank: int = 1) -> dict:
-    """All-reduces value over the ranks; `fault` makes fault_rank raise, die or hang first."""
-    if rank == fault_rank and fault == "raise":
-        raise ValueError(f"bad value on rank {rank}")
-    if rank == fault_rank and fault == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if rank == fault_rank and fault == "hang":
-        time.sleep(3600)
-    total = torch.tensor([value])
-    dist.all_reduce(total)
-    return {"rank": rank, "pid": os.getpid(), "sum": total.item()}
-
-
-def never_forms(setup: RankSetup) -> None:
-    raise RuntimeError("no network here")
-
-
-def stuck_forming(setup: RankSetup) -> None:
-    time.sleep(3600)  # a rendezvous that never completes, and never fails
 
 
 @pytest.fixture
@@ -257,10 +227,10 @@ OUTCOME = ("ndcg@10", "mrr@10", "train_loss", "initial_ndcg@10", "steps", "effec
 
 @pytest.mark.slow
 def test_warm_trials_equal_fresh_process_trials(tmp_path):
-    """Three of the four (lr, batch) points, in the sampler's seeded order, on warm ranks and on fresh ranks
-    per trial: the same metrics, and the warm sweep's later trials ran on the first one's ranks."""
+    """The first two (lr, batch) points in the sampler's seeded order (they differ in both), on warm ranks and on
+    fresh ranks per trial: the same metrics, and the warm sweep's second trial ran on the first one's ranks."""
     args = [
-        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.n_trials=2",
         "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
         "optimizer.lr=choice(0.001,0.0003)",
         "data.batch_size=choice(1,2)",
@@ -269,7 +239,7 @@ def test_warm_trials_equal_fresh_process_trials(tmp_path):
     warm, fresh = tmp_path / "warm", tmp_path / "fresh"
     for proc in (_sweep(warm, *args), _sweep(fresh, *args, "parallel.warm_ranks=false")):
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    for number in range(3):
+    for number in range(2):
         w, f = _metrics(warm / str(number)), _metrics(fresh / str(number))
         assert w["base_lr"] == f["base_lr"] and w["per_device_batch_size"] == f["per_device_batch_size"]
         assert {k: w[k] for k in OUTCOME} == pytest.approx({k: f[k] for k in OUTCOME}, abs=1e-6), number
@@ -280,55 +250,64 @@ def test_warm_trials_equal_fresh_process_trials(tmp_path):
         assert (warm / str(number) / "logs" / "warm" / "1" / "stderr.log").is_file()
         # each step's loss and pre-clip gradient norm: a gradient scaled on reused ranks shows here
         assert_same_training(warm / str(number), fresh / str(number), weights=False)
-    assert {_metrics(warm / str(n))["per_device_batch_size"] for n in range(3)} == {1, 2}  # shapes changed
+    # the reused ranks got another learning rate and another batch shape
+    assert len({_metrics(warm / str(n))["base_lr"] for n in range(2)}) == 2
+    assert {_metrics(warm / str(n))["per_device_batch_size"] for n in range(2)} == {1, 2}
     rows, fresh_rows = _rows(warm), _rows(fresh)
-    assert [r["warm_ranks"] for r in rows] == ["False", "True", "True"]
+    assert [r["warm_ranks"] for r in rows] == ["False", "True"]
     assert all(0 <= float(r["overhead_s"]) < float(r["duration_s"]) for r in rows)
-    # the point of warm ranks: trials 1 and 2 pay less than half the start-up of the same trials on fresh ranks
-    warm_overhead = sum(float(r["overhead_s"]) for r in rows[1:])
-    fresh_overhead = sum(float(r["overhead_s"]) for r in fresh_rows[1:])
+    # the point of warm ranks: trial 1 pays less than half the start-up of the same trial on fresh ranks
+    warm_overhead, fresh_overhead = float(rows[1]["overhead_s"]), float(fresh_rows[1]["overhead_s"])
     assert warm_overhead < 0.5 * fresh_overhead, (warm_overhead, fresh_overhead)
+
+
+# One sweep shows every kind of failed trial, each in a trial of its own (lychee_exp.testing.faults: several
+# comma-separated faults): trial 0 runs out of memory at batch 2 (step 1, rank 0) and is retried; trials 2 and 4
+# raise and are killed (step 2, rank 1), each on the ranks that the trial before it kept.
+FAULTS = "0:1:oom:0:2,1:2:raise:2,1:2:kill:4"
+FAILED = {"raise": 2, "kill": 4}
+
+
+@pytest.fixture(scope="module")
+def faulty_sweep(tmp_path_factory) -> tuple[Path, str, optuna.Study]:
+    sweep = tmp_path_factory.mktemp("faults") / "sweep"
+    proc = _sweep(
+        sweep,
+        "hydra.sweeper.n_trials=6",
+        "hydra.sweeper.max_failure_rate=0.5",
+        "data.batch_size=2",
+        env={"LYCHEE_FAULT": FAULTS},
+        timeout=600,  # six trials, four of them on new ranks (three sweeps of 400 s before)
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    study = optuna.load_study(study_name="lr_batch", storage=f"sqlite:///{sweep / 'optuna.db'}")
+    return sweep, proc.stdout + proc.stderr, study
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault, reason", [("raise", "crashed: rank 1 failed: RuntimeError"), ("kill", "SIGKILL")])
-def test_a_failed_trial_is_followed_by_fresh_ranks(tmp_path, fault, reason):
-    """LYCHEE_FAULT fires on rank 1 in trial 1 only: that trial fails with one reason, the sweep goes on,
-    and trial 2 starts new ranks; trials 0 and 2 are complete."""
-    sweep = tmp_path / "sweep"
-    proc = _sweep(
-        sweep,
-        "hydra.sweeper.n_trials=3",
-        "hydra.sweeper.max_failure_rate=0.5",
-        "data.batch_size=2",
-        env={"LYCHEE_FAULT": f"1:2:{fault}:1"},
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    study = optuna.load_study(study_name="lr_batch", storage=f"sqlite:///{sweep / 'optuna.db'}")
-    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
-    assert reason in study.trials[1].user_attrs["fail_reason"]
-    assert "Traceback" not in proc.stdout + proc.stderr
-    assert [_metrics(sweep / str(n))["warm_ranks"] for n in (0, 2)] == [False, False]
-    assert "warm ranks of an earlier trial" in (sweep / "1" / "run.log").read_text()  # trial 1 failed on reused ranks
+def test_a_failed_trial_is_followed_by_fresh_ranks(faulty_sweep, fault, reason):
+    """LYCHEE_FAULT fires on rank 1 in one trial only: that trial fails with one reason, the sweep goes on, and
+    the next trial starts new ranks and completes."""
+    sweep, output, study = faulty_sweep
+    failed = FAILED[fault]
+    states = [t.state for t in study.trials]
+    assert states[failed - 1 : failed + 2] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE], states
+    assert reason in study.trials[failed].user_attrs["fail_reason"]
+    assert "Traceback" not in output
+    assert _metrics(sweep / str(failed + 1))["warm_ranks"] is False
+    assert "warm ranks of an earlier trial" in (sweep / str(failed) / "run.log").read_text()  # failed on reused ranks
     if fault == "raise":
-        assert "RuntimeError: injected fault" in (sweep / "1" / "logs" / "warm" / "1" / "stderr.log").read_text()
+        rank1 = (sweep / str(failed) / "logs" / "warm" / "1" / "stderr.log").read_text()
+        assert "RuntimeError: injected fault" in rank1
 
 
 @pytest.mark.slow
-def test_an_oom_trial_retries_on_fresh_ranks_and_completes(tmp_path):
+def test_an_oom_trial_retries_on_fresh_ranks_and_completes(faulty_sweep):
     """The injected OOM fires at batch 2 only (as a real one would): the retry with half the batch and twice the
     accumulation completes on new ranks, and its result is the trial's."""
-    sweep = tmp_path / "sweep"
-    proc = _sweep(
-        sweep,
-        "hydra.sweeper.n_trials=2",
-        "hydra.sweeper.max_failure_rate=0.5",
-        "data.batch_size=2",
-        env={"LYCHEE_FAULT": "0:1:oom:0:2"},  # trial 0 runs out of memory at step 1 while its batch is 2
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    study = optuna.load_study(study_name="lr_batch", storage=f"sqlite:///{sweep / 'optuna.db'}")
-    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.COMPLETE]
+    sweep, _, study = faulty_sweep
+    assert [t.state for t in study.trials[:2]] == [TrialState.COMPLETE, TrialState.COMPLETE]
     assert study.trials[0].user_attrs["oom_retry"] == {"batch_size": 1, "grad_accum_steps": 2}
     assert "LYCHEE_FAULT oom fired" in (sweep / "0" / "logs" / "warm" / "0" / "stderr.log").read_text()
     assert "warm ranks, kept for the next trial" in (sweep / "0-oom-retry" / "run.log").read_text()  # new ranks
@@ -336,3 +315,4 @@ def test_an_oom_trial_retries_on_fresh_ranks_and_completes(tmp_path):
     assert (retried["per_device_batch_size"], retried["grad_accum_steps"], retried["steps"]) == (1, 2, 4)
     assert study.trials[0].value == pytest.approx(retried["ndcg@10"])
     assert _metrics(sweep / "1")["warm_ranks"] is True  # the retry ended well: its ranks serve the next trial
+    assert [t.number for t in study.trials if "oom_retry" in t.user_attrs] == [0]  # only the batch-2 run ran out

@@ -2,7 +2,8 @@
 LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang|oom>[:<trial>[:<batch>]] makes that rank fail right after that
 optimizer step (oom: as a CUDA out-of-memory error would); with a trial number (-1: any), only in that sweep
 trial (the sweep's other trials run normally); with a batch, only while data.batch_size is at least that (so
-an OOM retry with half the batch completes, as it would on a real GPU).
+an OOM retry with half the batch completes, as it would on a real GPU). Several faults, comma-separated, fire
+each in its own rank/trial (one sweep then shows several failures); where two match, the first is the one.
 
 The trainer asks `fault_hook` once at setup; without LYCHEE_FAULT (always, outside tests) it gets None and its
 loop calls nothing."""
@@ -20,16 +21,17 @@ import torch
 
 def fault_hook(rank: int, trial_number: int = -1, batch_size: int = 0) -> Callable[[int], None] | None:
     """A per-step callback that fires this rank's injected fault, or None when no fault targets this rank."""
-    spec = os.environ.get("LYCHEE_FAULT")
-    if not spec:
-        return None
-    fault_rank, fault_step, action, *rest = spec.split(":")
-    trial, min_batch = (int(rest[0]) if rest else -1), (int(rest[1]) if len(rest) > 1 else 0)
-    if int(fault_rank) != rank or trial not in (-1, trial_number) or batch_size < min_batch:
-        return None
+    for spec in filter(None, os.environ.get("LYCHEE_FAULT", "").split(",")):
+        fault_rank, fault_step, action, *rest = spec.split(":")
+        trial, min_batch = (int(rest[0]) if rest else -1), (int(rest[1]) if len(rest) > 1 else 0)
+        if int(fault_rank) == rank and trial in (-1, trial_number) and batch_size >= min_batch:
+            return _after_step(int(fault_step), action, rank)
+    return None
 
+
+def _after_step(fault_step: int, action: str, rank: int) -> Callable[[int], None]:
     def after_step(step: int) -> None:
-        if step == int(fault_step):
+        if step == fault_step:
             _fire(action, rank, step)
 
     return after_step
