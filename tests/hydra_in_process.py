@@ -10,14 +10,16 @@ import logging
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
 from hydra.core.global_hydra import GlobalHydra
 
 
-def run_in_process(main: Callable[[], None], argv: list[str], cwd: Path, capfd, monkeypatch):
-    """main() with sys.argv = argv in cwd; its SystemExit is the exit code, output read at the fd (capfd)."""
+def run_in_process(main: Callable[[], None], argv: list[str], cwd: Path, capfd, monkeypatch, timeout: float = 300):
+    """main() with sys.argv = argv in cwd; its SystemExit is the exit code, output read at the fd (capfd); a
+    run past `timeout` seconds raises TimeoutError (as subprocess.run's timeout would end a hung process)."""
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "argv", list(argv))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # restored afterwards, whatever main() sets
@@ -25,12 +27,17 @@ def run_in_process(main: Callable[[], None], argv: list[str], cwd: Path, capfd, 
     sigint = signal.getsignal(signal.SIGINT)
     GlobalHydra.instance().clear()
     capfd.readouterr()  # only this run's output
-    code = 0
+    code, began = 0, time.monotonic()
+    alarm = signal.signal(signal.SIGALRM, _timed_out)
+    outer = signal.getitimer(signal.ITIMER_REAL)[0]  # pytest-timeout's own alarm, if any: put back below
+    signal.setitimer(signal.ITIMER_REAL, min(timeout, outer) if outer else timeout)
     try:
         main()
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     finally:
+        signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - began), 0.001) if outer else 0)
+        signal.signal(signal.SIGALRM, alarm)
         out, err = capfd.readouterr()
         GlobalHydra.instance().clear()
         # Hydra configured logging for this run (its handlers hold the captured streams): give it back
@@ -41,3 +48,7 @@ def run_in_process(main: Callable[[], None], argv: list[str], cwd: Path, capfd, 
         logging.root.handlers[:], logging.root.level = root, level
         signal.signal(signal.SIGINT, sigint)
     return subprocess.CompletedProcess(argv, code, out, err)
+
+
+def _timed_out(signum, frame):
+    raise TimeoutError("the in-process run took longer than its timeout")
