@@ -19,6 +19,7 @@ import optuna
 import pytest
 import yaml
 from conftest import TINY_RANKS
+from hydra_in_process import run_in_process
 from optuna.trial import TrialState
 
 from lychee_exp.sweep.storage import (
@@ -480,9 +481,24 @@ hydra:
         "global-tokens-without-a-budget",
     ],
 )
-def test_bad_sweep_configs_get_one_line_before_any_trial(tmp_path, params, args, expected):
+def test_bad_sweep_configs_get_one_line_before_any_trial(tmp_path, capfd, monkeypatch, params, args, expected):
+    # `python -m lychee_exp.run -m ...` run in this process (a process start is seconds of imports); the case
+    # below runs as a real process, where anything else on stdout or stderr would show too
+    from lychee_exp.run import main
+
+    proc = run_in_process(main, _bad_command(tmp_path, params, args)[2:], tmp_path, capfd, monkeypatch)
+    _assert_one_line_before_any_trial(tmp_path, proc, expected)
+
+
+def test_a_bad_sweep_config_on_a_real_command_line_gets_one_line_before_any_trial(tmp_path):
+    command = _bad_command(tmp_path, "optimizer.lrr: interval(1e-5, 1e-3)", [])
+    proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=120)
+    _assert_one_line_before_any_trial(tmp_path, proc, "hydra.sweeper.params.optimizer.lrr: 'optimizer.lrr' is not")
+
+
+def _bad_command(tmp_path: Path, params: str, args: list[str]) -> list[str]:
     searchpath = _write_search(tmp_path, "bad", BAD_PARAMS.format(params=params))
-    command = [
+    return [
         sys.executable,
         "-m",
         "lychee_exp.run",
@@ -494,7 +510,9 @@ def test_bad_sweep_configs_get_one_line_before_any_trial(tmp_path, params, args,
         searchpath,
         *args,
     ]
-    proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=120)
+
+
+def _assert_one_line_before_any_trial(tmp_path: Path, proc: subprocess.CompletedProcess, expected: str) -> None:
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert proc.returncode == 2, lines
     assert len(lines) == 1 and lines[0].startswith(f"error: {expected}") and lines[0] in proc.stderr, lines

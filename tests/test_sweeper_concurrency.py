@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 import optuna
 import pytest
 from hydra.core.utils import JobReturn, JobStatus
+from hydra_in_process import run_in_process
 from optuna.trial import TrialState
 
 from lychee_exp.sweep.dispatch import launch_mode
@@ -23,13 +25,27 @@ from lychee_exp.sweep.trials import Pending, TrialRunner, TrialSettings
 APPS = Path(__file__).resolve().parent / "sweep_apps"
 
 
-def _sleepy(tmp_path: Path, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, float]:
-    command = [sys.executable, str(APPS / "sleepy.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
-    began = time.monotonic()
-    proc = subprocess.run(command, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=timeout)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return proc, time.monotonic() - began
+@pytest.fixture
+def sleepy(tmp_path, capfd, monkeypatch):
+    """sleepy(*args): `python tests/sweep_apps/sleepy.py -m <args>` in tmp_path, run in this process (a process
+    start is seconds of imports); cli=True, for the timings of trials in flight under submitit: as a real
+    process, as a user runs it. Asserts exit 0; -> (the run, its wall time)."""
+    monkeypatch.syspath_prepend(str(APPS))  # as `python sleepy.py` has it: claim_checking_sampler imports
+
+    def sleepy(*args: str, cli: bool = False) -> tuple[subprocess.CompletedProcess, float]:
+        argv = [str(APPS / "sleepy.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
+        began = time.monotonic()
+        if cli:
+            env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
+            command = [sys.executable, *argv]
+            proc = subprocess.run(command, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=240)
+        else:
+            script = lambda: runpy.run_path(argv[0], run_name="__main__")  # noqa: E731
+            proc = run_in_process(script, argv, tmp_path, capfd, monkeypatch)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        return proc, time.monotonic() - began
+
+    return sleepy
 
 
 def _stamps(tmp_path: Path) -> dict[int, dict]:
@@ -46,9 +62,9 @@ def _max_overlap(stamps: dict[int, dict]) -> int:
 
 
 @pytest.mark.slow
-def test_submitit_local_runs_n_jobs_trials_at_once(tmp_path):
+def test_submitit_local_runs_n_jobs_trials_at_once(sleepy, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    proc, wall = _sleepy(tmp_path, "hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=4", "sleep_s=8")
+    proc, wall = sleepy("hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=4", "sleep_s=8", cli=True)
     stamps = _stamps(tmp_path)
     assert sorted(stamps) == [0, 1, 2, 3] and len({s["pid"] for s in stamps.values()}) == 4  # 4 job processes
     assert _max_overlap(stamps) >= 3, stamps
@@ -59,17 +75,17 @@ def test_submitit_local_runs_n_jobs_trials_at_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_slot_takes_the_next_trial_as_soon_as_its_trial_ends(tmp_path):
+def test_a_slot_takes_the_next_trial_as_soon_as_its_trial_ends(sleepy, tmp_path):
     # trial 0 sleeps 14 s, the others 1 s: with n_jobs=2, trials 1 and 2 run in the second slot while trial 0
     # still runs (in batches of 2, trial 2 would wait for trial 0)
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    _sleepy(
-        tmp_path,
+    sleepy(
         "hydra/launcher=submitit_local",
         "hydra.sweeper.n_jobs=2",
         "hydra.sweeper.n_trials=3",
         "first_s=14",
         "sleep_s=1",
+        cli=True,
     )
     stamps = _stamps(tmp_path)
     assert sorted(stamps) == [0, 1, 2]
@@ -97,7 +113,7 @@ def test_the_failure_rate_stops_new_trials_and_waits_for_those_in_flight(tmp_pat
 
 
 @pytest.mark.slow
-def test_sigkill_with_trials_in_flight_then_the_same_command_finishes_the_study(tmp_path):
+def test_sigkill_with_trials_in_flight_then_the_same_command_finishes_the_study(sleepy, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     command = [sys.executable, str(APPS / "sleepy.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     command += ["hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2", "sleep_s=3"]
@@ -116,7 +132,7 @@ def test_sigkill_with_trials_in_flight_then_the_same_command_finishes_the_study(
         time.sleep(0.2)
     proc.kill()
     proc.wait(timeout=30)
-    _sleepy(tmp_path, *command[4:])
+    sleepy(*command[4:])
     study = optuna.load_study(study_name="sleepy", storage=storage)
     states = [(t.state, t.user_attrs.get("interrupted", False), t.user_attrs.get("retry_of")) for t in study.trials]
     assert states == [
@@ -134,14 +150,14 @@ def test_sigkill_with_trials_in_flight_then_the_same_command_finishes_the_study(
     assert {t.params["x"] for t in study.trials[2:]} == {t.params["x"] for t in study.trials[:2]}
 
 
-def test_a_sweep_killed_before_it_claimed_its_trial_is_finished_by_the_same_command(tmp_path):
+def test_a_sweep_killed_before_it_claimed_its_trial_is_finished_by_the_same_command(sleepy, tmp_path):
     # the killed worker's study.ask() left trial 0 RUNNING, with neither heartbeat nor worker (optuna never finds
     # it stale): the re-run recovers it after the grace period instead of waiting for it forever
     storage = f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}"
     (tmp_path / "sweep").mkdir()
     optuna.create_study(storage=storage, study_name="sleepy").ask({"x": optuna.distributions.FloatDistribution(0, 1)})
     overrides = ["hydra.sweeper.n_trials=1", "sleep_s=0", "hydra.sweeper.heartbeat_interval=1"]
-    _sleepy(tmp_path, *overrides, "hydra.sweeper.grace_period=2", timeout=120)  # a hang is this timeout
+    sleepy(*overrides, "hydra.sweeper.grace_period=2")  # a hang: run_in_process's timeout
     study = optuna.load_study(study_name="sleepy", storage=storage)
     assert [(t.state, t.user_attrs.get("retry_of")) for t in study.trials] == [
         (TrialState.FAIL, None),
@@ -150,10 +166,10 @@ def test_a_sweep_killed_before_it_claimed_its_trial_is_finished_by_the_same_comm
     assert "no worker claimed it within 2 s" in study.trials[0].user_attrs["fail_reason"]
 
 
-def test_the_sampler_draws_after_the_worker_has_claimed_the_trial(tmp_path):
+def test_the_sampler_draws_after_the_worker_has_claimed_the_trial(sleepy, tmp_path):
     # other workers fail a trial left unclaimed for grace_period: a slow sampler must not leave it so
     sampler = "hydra.sweeper.sampler._target_=claim_checking_sampler.ClaimCheckingSampler"
-    _sleepy(tmp_path, "hydra.sweeper.n_trials=2", "sleep_s=0", sampler, timeout=120)
+    sleepy("hydra.sweeper.n_trials=2", "sleep_s=0", sampler)
     study = optuna.load_study(study_name="sleepy", storage=f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2 and all("x" in t.params for t in study.trials)
 
@@ -181,8 +197,8 @@ def test_two_workers_with_two_slots_each_share_one_postgres_study(tmp_path, post
     assert _max_overlap(stamps) >= 3  # more than one worker's slots at once
 
 
-def test_the_basic_launcher_runs_trials_one_at_a_time(tmp_path):
-    proc, _ = _sleepy(tmp_path, "hydra.sweeper.n_jobs=3", "hydra.sweeper.n_trials=3", "sleep_s=0.5")
+def test_the_basic_launcher_runs_trials_one_at_a_time(sleepy, tmp_path):
+    proc, _ = sleepy("hydra.sweeper.n_jobs=3", "hydra.sweeper.n_trials=3", "sleep_s=0.5")
     assert _max_overlap(_stamps(tmp_path)) == 1
     [line] = [line for line in proc.stdout.splitlines() if "n_jobs=3" in line]
     assert "BasicLauncher runs trials one at a time" in line

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import optuna
 import pytest
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra_in_process import run_in_process
 from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
@@ -30,18 +32,33 @@ from lychee_exp.sweep.space import build_space
 APPS = Path(__file__).resolve().parent / "sweep_apps"
 
 
-def _run(tmp_path: Path, app: str, *args: str, multirun: bool = True, timeout: float = 180):
+def _argv(tmp_path: Path, app: str, args: tuple[str, ...], multirun: bool) -> list[str]:
     flags = [a for a in args if a.startswith("--")]  # argparse wants them before the overrides
-    command = [
-        sys.executable,
+    return [
         str(APPS / f"{app}.py"),
         *(["-m"] if multirun else []),
         *flags,
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
         *(a for a in args if a not in flags),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
-    return subprocess.run(command, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=timeout)
+
+
+@pytest.fixture
+def run(tmp_path, capfd, monkeypatch):
+    """run(app, *args): `python tests/sweep_apps/<app>.py -m <args>` in tmp_path, run in this process (the
+    sweeper's behaviour, without a process start); cli=True: as a real process (the end-to-end tests)."""
+    monkeypatch.syspath_prepend(str(APPS))  # as `python <app>.py` has it: custom_search_space.configure imports
+
+    def run(app: str, *args: str, multirun: bool = True, cli: bool = False) -> subprocess.CompletedProcess:
+        argv = _argv(tmp_path, app, args, multirun)
+        if cli:
+            env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
+            command = [sys.executable, *argv]
+            return subprocess.run(command, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=180)
+        script = lambda: runpy.run_path(argv[0], run_name="__main__")  # noqa: E731
+        return run_in_process(script, argv, tmp_path, capfd, monkeypatch)
+
+    return run
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -244,7 +261,7 @@ def test_the_plugin_shell_is_cheap_and_the_sweeper_does_not_import_the_training_
 
 # ------------------------------------------------------------------------------------ the examples, ported
 @pytest.mark.parametrize("with_commandline", [True, False])
-def test_sphere_example(tmp_path, with_commandline):
+def test_sphere_example(run, tmp_path, with_commandline):
     args = [
         "hydra.job.chdir=True",
         "hydra.sweeper.n_trials=20",
@@ -254,7 +271,7 @@ def test_sphere_example(tmp_path, with_commandline):
     ]
     if with_commandline:
         args += ["x=choice(0, 1, 2)", "y=0"]  # y: a fixed value
-    _ok(_run(tmp_path, "sphere", *args))
+    _ok(run("sphere", *args))
     results, best = _results(tmp_path), _study(tmp_path, "sphere").best_trial
     assert results["name"] == "optuna" and results["best_value"] == best.value
     assert results["best_params"]["x"] == best.params["x"]
@@ -265,8 +282,8 @@ def test_sphere_example(tmp_path, with_commandline):
     assert results["best_value"] <= 2.27  # upstream's bound for TPE on this function
 
 
-def test_a_plain_app_gets_ten_tpe_trials_with_integer_values(tmp_path):
-    proc = _run(tmp_path, "sphere", "hydra.sweeper.n_trials=10", "x=int(interval(-5.0, 5.0))")
+def test_a_plain_app_gets_ten_tpe_trials_with_integer_values(run, tmp_path):
+    proc = run("sphere", "hydra.sweeper.n_trials=10", "x=int(interval(-5.0, 5.0))", cli=True)  # end to end
     _ok(proc)
     study = _study(tmp_path, "sphere")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 10
@@ -281,15 +298,15 @@ def test_a_plain_app_gets_ten_tpe_trials_with_integer_values(tmp_path):
     assert (tmp_path / "sweep" / "optimization_history.html").is_file()
 
 
-def test_deviation_a_grid_over_range_includes_its_stop(tmp_path):
+def test_deviation_a_grid_over_range_includes_its_stop(run, tmp_path):
     # upstream's grid: [1, 2] (range's stop left out); its other samplers include 3, as every sampler here
-    _ok(_run(tmp_path, "sphere", "hydra/sweeper/sampler=grid", "x=range(1,3)", "y=0"))
+    _ok(run("sphere", "hydra/sweeper/sampler=grid", "x=range(1,3)", "y=0"))
     assert sorted(t.params["x"] for t in _study(tmp_path, "sphere").trials) == [1, 2, 3]
 
 
-def test_launch_jobs_with_nothing_to_search_runs_the_fixed_config(tmp_path):
+def test_launch_jobs_with_nothing_to_search_runs_the_fixed_config(run, tmp_path):
     # upstream's test_launch_jobs: no params, n_trials=8, n_jobs=3 on the basic launcher; sweep() returns None
-    proc = _run(tmp_path, "sphere", "hydra.sweeper.params=null", "hydra.sweeper.n_trials=8", "hydra.sweeper.n_jobs=3")
+    proc = run("sphere", "hydra.sweeper.params=null", "hydra.sweeper.n_trials=8", "hydra.sweeper.n_jobs=3")
     _ok(proc)
     trials = _study(tmp_path, "sphere").trials
     assert [(t.state, t.params, t.value) for t in trials] == [(TrialState.COMPLETE, {}, 2.0)] * 8  # x=1, y=1
@@ -323,8 +340,8 @@ def test_sweep_returns_none_in_process(hydra_sweep_runner):
 
 
 @pytest.mark.parametrize("n_trials", [20, 10, 1])
-def test_grid_example(tmp_path, n_trials):
-    _ok(_run(tmp_path, "sphere", "--config-name=grid", f"hydra.sweeper.n_trials={n_trials}"))
+def test_grid_example(run, tmp_path, n_trials):
+    _ok(run("sphere", "--config-name=grid", f"hydra.sweeper.n_trials={n_trials}"))
     results = _results(tmp_path)
     bv, x, y, z = results["best_value"], *(results["best_params"][k] for k in "xyz")
     if n_trials >= 12:  # upstream's expected values
@@ -334,16 +351,16 @@ def test_grid_example(tmp_path, n_trials):
     assert len({tuple(t.params.values()) for t in trials}) == len(trials)  # each grid point at most once
 
 
-def test_deviation_the_grid_includes_ranges_stop(tmp_path):
+def test_deviation_the_grid_includes_ranges_stop(run, tmp_path):
     # upstream's grid leaves range's stop out: y=range(-1.0, 1.0, step=1) is {-1, 0} there (2 x 2 x 2 = 8 points,
     # and upstream asserts best y in [-1, 0] for fewer trials); here every sampler, the grid too, includes it
-    _ok(_run(tmp_path, "sphere", "--config-name=grid", "hydra.sweeper.n_trials=20"))
+    _ok(run("sphere", "--config-name=grid", "hydra.sweeper.n_trials=20"))
     trials = _study(tmp_path, "sphere").trials
     assert len(trials) == 12 and {t.params["y"] for t in trials} == {-1.0, 0.0, 1.0}
 
 
 @pytest.mark.parametrize("sampler, with_commandline", [("random", True), ("random", False), ("nsgaii", False)])
-def test_multi_objective_example(tmp_path, sampler, with_commandline):
+def test_multi_objective_example(run, tmp_path, sampler, with_commandline):
     args = [
         "hydra.job.chdir=True",
         "hydra.sweeper.n_trials=10",
@@ -352,7 +369,7 @@ def test_multi_objective_example(tmp_path, sampler, with_commandline):
     ]
     if with_commandline:
         args += ["x=range(0, 5)", "y=range(0, 3)"]
-    proc = _run(tmp_path, "multi_objective", *args)
+    proc = run("multi_objective", *args)
     _ok(proc)
     results = _results(tmp_path)
     assert results["name"] == "optuna" and "best_value" not in results and results["solutions"]
@@ -366,10 +383,9 @@ def test_multi_objective_example(tmp_path, sampler, with_commandline):
         assert not any(_dominates(b["values"], a["values"]) for b in results["solutions"])
 
 
-def test_custom_search_space_example(tmp_path):
+def test_custom_search_space_example(run, tmp_path):
     _ok(
-        _run(
-            tmp_path,
+        run(
             "custom_search_space",
             "hydra.job.chdir=True",
             "hydra/sweeper/sampler=random",
@@ -382,10 +398,9 @@ def test_custom_search_space_example(tmp_path):
 
 
 @pytest.mark.parametrize("max_failure_rate", [0.5, 1.0])
-def test_failure_rate(tmp_path, max_failure_rate):
+def test_failure_rate(run, tmp_path, max_failure_rate):
     # upstream's case: 20 trials, n_jobs=2, every trial raises; 0.5: the trial's error is on stderr; 1.0: it is not
-    proc = _run(
-        tmp_path,
+    proc = run(
         "sphere",
         "hydra.job.chdir=True",
         "hydra.sweeper.n_trials=20",
@@ -409,9 +424,8 @@ def test_failure_rate(tmp_path, max_failure_rate):
         assert "best_value" not in _results(tmp_path)
 
 
-def test_nan_and_exceptions_fail_their_trial_and_the_sweep_goes_on(tmp_path):
-    proc = _run(
-        tmp_path,
+def test_nan_and_exceptions_fail_their_trial_and_the_sweep_goes_on(run, tmp_path):
+    proc = run(
         "sphere",
         "hydra.sweeper.n_trials=8",
         "hydra/sweeper/sampler=random",
@@ -428,9 +442,8 @@ def test_nan_and_exceptions_fail_their_trial_and_the_sweep_goes_on(tmp_path):
 
 
 @pytest.mark.parametrize("sampler", ["tpe", "random", "cmaes", "nsgaii", "grid", "gp", "qmc"])
-def test_every_sampler_of_the_group_runs(tmp_path, sampler):
-    proc = _run(
-        tmp_path,
+def test_every_sampler_of_the_group_runs(run, tmp_path, sampler):
+    proc = run(
         "sphere",
         f"hydra/sweeper/sampler={sampler}",
         "hydra.sweeper.n_trials=3",
@@ -443,10 +456,10 @@ def test_every_sampler_of_the_group_runs(tmp_path, sampler):
     assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 3
 
 
-def test_lightning_hydra_template_config_drives_an_app_of_its_shape(tmp_path):
+def test_lightning_hydra_template_config_drives_an_app_of_its_shape(run, tmp_path):
     # conf/mnist_like/hparams_search/mnist_optuna.yaml: the template's file with hydra_optuna_sweeper ->
     # lychee_optuna_sweeper and optuna -> lychee_optuna, nothing else; hydra.mode MULTIRUN in the file, so no -m
-    proc = _run(tmp_path, "mnist_like", "hparams_search=mnist_optuna", multirun=False)
+    proc = run("mnist_like", "hparams_search=mnist_optuna", multirun=False, cli=True)  # end to end
     _ok(proc)
     study = _study(tmp_path, "sweep")  # study_name null: the sweep directory's name
     values = [t.value for t in study.trials]
@@ -458,21 +471,20 @@ def test_lightning_hydra_template_config_drives_an_app_of_its_shape(tmp_path):
     assert results["best_value"] == max(values) and results["best_params"] == study.best_trial.params
 
 
-def test_deviation_n_trials_is_the_studys_total_and_a_rerun_resumes(tmp_path):
+def test_deviation_n_trials_is_the_studys_total_and_a_rerun_resumes(run, tmp_path):
     # upstream: n_trials more trials on every invocation, job directories numbered from 0 again (overwritten)
-    _ok(_run(tmp_path, "sphere", "hydra.sweeper.n_trials=3"))
-    _ok(_run(tmp_path, "sphere", "hydra.sweeper.n_trials=3"))  # the study has its 3: no trial runs
+    _ok(run("sphere", "hydra.sweeper.n_trials=3"))
+    _ok(run("sphere", "hydra.sweeper.n_trials=3"))  # the study has its 3: no trial runs
     assert len(_study(tmp_path, "sphere").trials) == 3
-    _ok(_run(tmp_path, "sphere", "hydra.sweeper.n_trials=5"))  # 2 more, in new directories
+    _ok(run("sphere", "hydra.sweeper.n_trials=5"))  # 2 more, in new directories
     assert [t.number for t in _study(tmp_path, "sphere").trials] == [0, 1, 2, 3, 4]
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["0", "1", "2", "3", "4"]
 
 
-def test_deviation_a_study_is_always_stored(tmp_path):
+def test_deviation_a_study_is_always_stored(run, tmp_path):
     # upstream: storage null keeps the study in memory, study_name null is a random name
     _ok(
-        _run(
-            tmp_path,
+        run(
             "sphere",
             "hydra.sweeper.n_trials=2",
             "hydra.sweeper.storage=null",
@@ -490,10 +502,10 @@ def test_deviation_the_failure_rate_default_is_a_quarter():
     assert OmegaConf.load(APPS / "conf" / "sphere.yaml").hydra.sweeper.max_failure_rate == 0.0
 
 
-def test_deviation_upstreams_module_path_is_not_provided(tmp_path):
+def test_deviation_upstreams_module_path_is_not_provided(run, tmp_path):
     # upstream's own `_target_` (hydra_plugins.hydra_optuna_sweeper...) needs the rename: nothing stands in for it
     old = "hydra.sweeper._target_=hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
-    proc = _run(tmp_path, "mnist_like", "hparams_search=mnist_optuna", old, multirun=False)
+    proc = run("mnist_like", "hparams_search=mnist_optuna", old, multirun=False)
     assert proc.returncode != 0 and "hydra_plugins.hydra_optuna_sweeper" in proc.stderr
     assert not (tmp_path / "sweep" / "optuna.db").exists()
 
@@ -554,9 +566,17 @@ BAD = [
         "motpe",
     ],
 )
-def test_every_bad_sweep_input_is_one_line_and_exit_2(tmp_path, app, args, expected):
-    proc = _run(tmp_path, app, *args)
+def test_every_bad_sweep_input_is_one_line_and_exit_2(run, tmp_path, app, args, expected):
+    proc = run(app, *args)
     lines = _lines(proc)
     assert proc.returncode == 2, lines
     assert lines == _errors(proc) and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), lines
     assert not (tmp_path / "sweep" / "optuna.db").exists()  # no study, no trial
+
+
+def test_a_bad_sweep_input_on_a_real_command_line_is_one_line_and_exit_2(run, tmp_path):
+    # the cases above run in this process; this one is the process itself: nothing else on stdout or stderr
+    app, args, expected = BAD[0]
+    proc = run(app, *args, cli=True)
+    assert proc.returncode == 2 and _lines(proc) == _errors(proc) == [f"error: {expected}"], _lines(proc)
+    assert not (tmp_path / "sweep" / "optuna.db").exists()

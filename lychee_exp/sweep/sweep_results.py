@@ -16,7 +16,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-import optuna.visualization as vis
 import yaml
 from optuna.trial import TrialState
 
@@ -128,6 +127,9 @@ def _overhead(duration: float | str, metrics: dict) -> str:
 
 
 def _write_plots(study: Any, sweep_dir: Path) -> None:
+    # imported here: plotly, pandas and scipy cost a second, which a sweep ended by a bad config never needs
+    import optuna.visualization as vis
+
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if not complete:
         return
