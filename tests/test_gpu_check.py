@@ -187,6 +187,21 @@ def test_ablation_rows_whose_key_is_missing_are_skipped_naming_it():
     assert names[:2] == ["defaults", "before"] and len(names) == len(set(names))
 
 
+@pytest.fixture(scope="module")
+def built_weights(tmp_path_factory) -> Runner:
+    """The check's weights phase, run once (one worker) for the tests that train both systems from its weights."""
+    runner = Runner(tmp_path_factory.mktemp("weights"), tiny=True, warmup=1, timed=1, budget=Budget(600))
+    assert runner.build_weights()["passed"] is True
+    return runner
+
+
+def runner_from(built: Runner, work, warmup: int, timed: int) -> Runner:
+    """A runner of its own (work dir, steps) whose runs load the built weights and check their fingerprint."""
+    runner = Runner(work, tiny=True, warmup=warmup, timed=timed, budget=Budget(600))
+    runner.model_dir, runner.fingerprint = built.model_dir, built.fingerprint
+    return runner
+
+
 @pytest.mark.slow
 def test_tiny_dry_run_runs_every_phase_and_writes_every_key(tmp_path):
     out = tmp_path / "gpu_check.json"
@@ -244,11 +259,10 @@ def test_tiny_ablation_dry_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_lychee_exp_and_hf_trainer_do_the_same_math(tmp_path):
+def test_lychee_exp_and_hf_trainer_do_the_same_math(built_weights, tmp_path):
     """Without LoRA dropout (whose masks come from different random streams) the two systems' losses agree step
     after step: same weights, batches, loss, AdamW settings, schedule and clipping."""
-    runner = Runner(tmp_path, tiny=True, warmup=1, timed=4, budget=Budget(600))
-    assert runner.build_weights()["passed"] is True
+    runner = runner_from(built_weights, tmp_path, warmup=1, timed=4)
     # one forward per batch, as HF does: forward chunks are other bf16 GEMM shapes (losses apart by ~3e-4)
     rows = [
         runner.run(system, "lora_1p5b_2048", overrides=["model.lora.dropout=0.0", "trainer.forward_chunks=1"])
@@ -261,7 +275,7 @@ def test_lychee_exp_and_hf_trainer_do_the_same_math(tmp_path):
 
 
 @pytest.mark.slow
-def test_hf_times_the_rows_of_lychee_exps_window(tmp_path):
+def test_hf_times_the_rows_of_lychee_exps_window(built_weights, tmp_path):
     """On the long-tailed mix under its token budget, HF's timed rows are the prompts of lychee_exp's timed
     micro-batches (compared as the multiset of prompt lengths its loader yields), its warm-up a separate slice."""
     import dataclasses
@@ -271,8 +285,7 @@ def test_hf_times_the_rows_of_lychee_exps_window(tmp_path):
     from lychee_exp.core.distributed import DistEnv
     from lychee_exp.recipe.trainer import Trainer
 
-    runner = Runner(tmp_path, tiny=True, warmup=2, timed=3, budget=Budget(600))
-    assert runner.build_weights()["passed"] is True
+    runner = runner_from(built_weights, tmp_path, warmup=2, timed=3)
     mix = runner.mixes["long_tailed"]
     spec = {"system": "ours", "seed": 42, "model_dir": str(runner.model_dir), "packing": "auto", "warmup": 2,
             "timed": 3, "data": str(runner.data(mix, 2)), "mix": dataclasses.asdict(mix)}  # fmt: skip

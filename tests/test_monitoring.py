@@ -1,5 +1,6 @@
-"""The seed guide's monitoring: TensorBoard event files on rank 0 with W&B's key names, read back with
-TensorBoard's own reader; rank 0's GPU memory and utilisation in the step line, W&B and TensorBoard."""
+"""The seed guide's monitoring: a DDP run's offline W&B record, and TensorBoard event files on rank 0 with W&B's
+key names, read back with TensorBoard's own reader (one 2-rank run, shared); rank 0's GPU memory and utilisation in
+the step line, W&B and TensorBoard."""
 
 from __future__ import annotations
 
@@ -37,17 +38,55 @@ def _scalars(log_dir: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
-def test_tensorboard_beside_wandb_on_rank_0_with_the_same_keys(tmp_path, no_wandb_key, monkeypatch):
-    run_dir = tmp_path / "run"
-    monkeypatch.setenv("LYCHEE_BASELINE_FILE", str(tmp_path / "baselines.json"))
-    overrides = [*TINY, "parallel=ddp", "gpus=2", "logger=wandb", "logger.tensorboard=true"]
-    seed_baseline(overrides, run_dir, 1000.0)
-    run_job(overrides, run_dir)
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> Path:
+    """One 2-rank job with W&B (offline: no key anywhere) and TensorBoard, read by the tests of both loggers."""
+    tmp = tmp_path_factory.mktemp("ddp_loggers")
+    run_dir = tmp / "run"
+    overrides = [*TINY, "parallel=ddp", "gpus=2", "logger=wandb", "logger.tensorboard=true", "logger.tags=[smoke]"]
+    overrides += ["optimizer.lr=1e-3"]
+    with pytest.MonkeyPatch.context() as env:  # as the no_wandb_key fixture, for the module
+        env.delenv("WANDB_API_KEY", raising=False)
+        env.delenv("WANDB_MODE", raising=False)
+        env.setenv("HOME", str(tmp / "home"))
+        env.setenv("WANDB_CONFIG_DIR", str(tmp / "wandb-config"))
+        env.setenv("LYCHEE_BASELINE_FILE", str(tmp / "baselines.json"))
+        seed_baseline(overrides, run_dir, 1000.0)  # a cached one-device figure: a speedup whatever the load
+        run_job(overrides, run_dir)
+    return run_dir
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    with (run_dir / "metrics.csv").open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_ddp_run_writes_one_offline_wandb_run_matching_metrics(ddp_run):
+    run_dir = ddp_run
+    files = find_run_files(run_dir)
+    assert len(files) == 1 and "offline-run" in str(files[0])
+    record, metrics = read_run(files[0]), json.loads((run_dir / "metrics.json").read_text())
+    assert record["summary"]["effective_batch_size"] == metrics["effective_batch_size"] == 4
+    assert record["summary"]["speedup"] == pytest.approx(metrics["speedup"])
+    assert record["summary"]["num_devices"] == 2
+    # the summary keeps the best dev figure: every evaluation (steps 0, 2, 4 here) counts
+    dev = [float(r[HISTORY["dev_ndcg"]]) for r in _rows(run_dir) if r.get(HISTORY["dev_ndcg"])]
+    assert dev[0] == pytest.approx(metrics["initial_ndcg@10"]) and dev[-1] == pytest.approx(metrics["ndcg@10"])
+    assert record["summary"]["dev/ndcg@10"]["max"] == pytest.approx(max(dev))
+    config = record["config"]
+    assert config["num_devices"] == 2 and config["effective_batch_size"] == 4 and config["grad_accum_steps"] == 1
+    assert config["optimizer"]["lr"] == pytest.approx(1e-3) and config["lr"] == pytest.approx(metrics["lr"])
+    assert record["run"]["job_type"] == "train" and record["run"]["group"] == run_dir.name
+    assert record["run"]["tags"] == ["smoke"]
+    assert [row["train/loss"] for row in record["history"] if "train/loss" in row]  # per-step history
+
+
+def test_tensorboard_beside_wandb_on_rank_0_with_the_same_keys(ddp_run):
+    run_dir = ddp_run
     assert len(list(run_dir.glob("**/events.out.tfevents.*"))) == 1  # one writer: rank 0's
     scalars = _scalars(run_dir / "tensorboard")
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    with (run_dir / "metrics.csv").open() as handle:
-        rows = list(csv.DictReader(handle))
+    rows = _rows(run_dir)
     for key in HISTORY_KEYS:
         logged = {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
         assert logged and scalars[key].keys() == logged.keys(), key

@@ -18,6 +18,7 @@ recorded as skipped; a required one skipped fails the check). Each prints its se
   hf_compiled          (only with --hf-compile) HF with torch_compile=True on both mixes
 --ablation runs instead one lychee_exp row per speed lever (lychee_exp.bench.gpu.timed_runs.ABLATION), budget 450 s.
 --tiny (alias --dry-run) runs every phase on the CPU with the tiny Qwen2 and tiny mixes, a few steps each.
+(--tiny --ablation runs its rows in one worker process: on a CPU a run's cost is mostly its imports.)
 Writes one JSON (commit, device, per-check figures and pass/fail) and exits 1 if a check failed.
 """
 
@@ -227,7 +228,8 @@ def main() -> int:
     budget = timed.Budget(args.budget_s)
     with tempfile.TemporaryDirectory(prefix="lychee_gpu_check_") as tmp:
         work = Path(tmp)
-        runner = timed.Runner(work, args.tiny, warmup, timed_steps, budget)
+        # the CPU dry run of the ablation: its rows in one worker process (its cost there is the processes' start)
+        runner = timed.Runner(work, args.tiny, warmup, timed_steps, budget, one_process=args.tiny and args.ablation)
         for check_name, kind, check in plan(args, runner, work, cuda_count):
             t0 = time.perf_counter()
             if runner.fingerprint is None and check_name != "weights" and kind in ("ours", "hf", "hf_compiled"):
@@ -251,6 +253,7 @@ def main() -> int:
                   f"{json.dumps(brief)[:1500]}", flush=True)  # fmt: skip
             if result["passed"] is False and result.get("tail"):
                 print(result["tail"], flush=True)
+        runner.close()
         profile = (report["checks"].get("ablation") or {}).get("profile")
         if profile and "share" in profile:
             print(f"gpu_check: profile of the defaults row ({profile['clock']}): shares {profile['share']}")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from lychee_exp.bench.gpu.lychee_lora_run import has_key
 from lychee_exp.bench.gpu.mixes import Mix, full_mixes, model_dir, tiny_mixes, write_mix
+from lychee_exp.bench.gpu.worker import Served
 
 REPO = Path(__file__).resolve().parents[3]
 FIRST_GUESS_S = {False: 60.0, True: 10.0}  # a run's seconds before any was measured (GPU, --tiny)
@@ -65,8 +66,10 @@ class Budget:
 class Runner:
     """Starts workers in `work`, one at a time, within the budget, and keeps the pace they set."""
 
-    def __init__(self, work: Path, tiny: bool, warmup: int, timed: int, budget: Budget):
+    def __init__(self, work: Path, tiny: bool, warmup: int, timed: int, budget: Budget, one_process: bool = False):
         self.work, self.tiny, self.warmup, self.timed, self.budget = work, tiny, warmup, timed, budget
+        self.one_process = one_process  # every run in one served worker (only --tiny --ablation: worker.Served)
+        self.served: Served | None = None
         self.mixes = tiny_mixes() if tiny else full_mixes()
         self.model_dir = model_dir(work, tiny)
         self.count = 0
@@ -124,17 +127,13 @@ class Runner:
             env.setdefault("OMP_NUM_THREADS", "1")
         started = time.perf_counter()
         limit = self.budget.left - 5
-        cmd = [sys.executable, "-m", "lychee_exp.bench.gpu.worker", str(spec_file), str(out_file)]
         try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-12:])
+            code, tail = self.worker(spec_file, out_file, env, limit)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {limit:.0f} s (the time budget)", "seconds": round(limit, 1)}
         seconds = time.perf_counter() - started
         self.pace[kind] = max(self.pace.get(kind, 0.0), seconds)
-        row = (
-            json.loads(out_file.read_text()) if out_file.is_file() else {"error": f"no result; exit {proc.returncode}"}
-        )
+        row = json.loads(out_file.read_text()) if out_file.is_file() else {"error": f"no result; exit {code}"}
         row["seconds"] = round(seconds, 1)
         if "fingerprints" in row and self.fingerprint:
             row["same_weights"] = row["fingerprints"]["weights"] == self.fingerprint
@@ -143,6 +142,20 @@ class Runner:
         what = " ".join(str(x) for x in (system, mix_key, extra.get("overrides") or "") if x)
         print(f"gpu_check:   run {self.count} ({what}): {seconds:.1f} s, {self.budget.left:.0f} s left", flush=True)
         return row
+
+    def worker(self, spec_file: Path, out_file: Path, env: dict, limit: float) -> tuple[int | None, str]:
+        """(exit status, the output's last lines) of one run: a fresh process, or the served one."""
+        if self.one_process:
+            if self.served is None or self.served.proc.poll() is not None:  # (a new one after a timeout)
+                self.served = Served(self.work, env, REPO)
+            return self.served.run(spec_file, out_file, limit)
+        cmd = [sys.executable, "-m", "lychee_exp.bench.gpu.worker", str(spec_file), str(out_file)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
+        return proc.returncode, "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-12:])
+
+    def close(self) -> None:
+        if self.served is not None:
+            self.served.close()
 
 
 def ok(row: dict) -> bool:
