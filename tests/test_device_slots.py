@@ -15,6 +15,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from lychee_exp.core.errors import UserError
+from lychee_exp.sweep.device_slots import parse
 from lychee_exp.sweep.placement import candidates, decide, wall_time
 from lychee_exp.sweep.slots import Devices, machine_devices, plan_slots, run_slots, slot_env
 
@@ -78,10 +80,20 @@ def test_auto_minimises_the_expected_wall_time():
     assert candidates(8) == [1, 2, 4, 8] and candidates(6) == [1, 2, 3, 6]
 
 
+BAD_SETTING = "error: hydra.sweeper.devices_per_trial={}: use all, auto or a positive number of devices"
+
+
 @pytest.mark.parametrize("value", ["0", "many", "-1"])
-def test_a_bad_devices_per_trial_is_one_line_before_any_trial(tmp_path, value):
+def test_a_bad_devices_per_trial_is_refused_with_one_line(value):
+    with pytest.raises(UserError) as refused:
+        parse(value)
+    assert f"error: {refused.value}" == BAD_SETTING.format(value)
+
+
+def test_a_bad_devices_per_trial_is_one_line_before_any_trial(tmp_path):
+    """The command line's side of the refusal above (one value: the others take the same path)."""
     proc = subprocess.run(
-        _sleepy(tmp_path, f"hydra.sweeper.devices_per_trial={value}"),
+        _sleepy(tmp_path, "hydra.sweeper.devices_per_trial=many"),
         cwd=tmp_path,
         env=_env(),
         text=True,
@@ -89,9 +101,7 @@ def test_a_bad_devices_per_trial_is_one_line_before_any_trial(tmp_path, value):
         timeout=120,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [
-        f"error: hydra.sweeper.devices_per_trial={value}: use all, auto or a positive number of devices"
-    ]
+    assert proc.stderr.strip().splitlines() == [BAD_SETTING.format("many")]
     assert not _stamps(tmp_path)
 
 
@@ -120,7 +130,7 @@ def test_one_device_per_trial_runs_two_trials_at_once_on_their_own_cores(tmp_pat
 @pytest.mark.slow
 @pytest.mark.skipif(not TWO_CORES, reason="needs 2 cores")
 def test_sigkill_of_a_slotted_sweep_then_the_same_command_finishes_the_study(tmp_path):
-    command = _sleepy(tmp_path, "hydra.sweeper.devices_per_trial=1", "hydra.sweeper.n_trials=4", "sleep_s=6")
+    command = _sleepy(tmp_path, "hydra.sweeper.devices_per_trial=1", "hydra.sweeper.n_trials=4", "sleep_s=4")
     command += ["hydra.sweeper.heartbeat_interval=1"]
     proc = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
@@ -149,6 +159,10 @@ def test_sigkill_of_a_slotted_sweep_then_the_same_command_finishes_the_study(tmp
     assert len(trials) == 4 + len(interrupted)
 
 
+# lr_batch's search over the effective batch, at its smallest: 2 or 4 micro-steps a step on one device, not 16
+SMALL_BATCHES = "trainer.global_batch_size=choice(4,8)"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not TWO_CORES, reason="needs 2 cores")
 def test_lr_batch_with_one_device_per_trial_runs_two_training_trials_at_once(tmp_path):
@@ -157,7 +171,7 @@ def test_lr_batch_with_one_device_per_trial_runs_two_training_trials_at_once(tmp
     sweep = tmp_path / "sweep"
     command = [sys.executable, "-m", "lychee_exp.run", "-m", "hparams_search=lr_batch", *TINY_RANKS]
     command += ["trainer.save_model=false", f"hydra.sweep.dir={sweep}", "hydra.sweeper.heartbeat_interval=1"]
-    command += ["hydra.sweeper.n_trials=2", "hydra.sweeper.devices_per_trial=1"]
+    command += ["hydra.sweeper.n_trials=2", "hydra.sweeper.devices_per_trial=1", SMALL_BATCHES]
     proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     study = _study(tmp_path, "lr_batch")
@@ -203,26 +217,29 @@ def test_auto_measures_each_device_count_once_then_reads_the_cache(tmp_path, mon
 def test_auto_prints_its_decision_and_records_it(tmp_path, monkeypatch):
     from conftest import TINY_RANKS
 
-    def run(name: str, trials: int) -> str:
+    def run(name: str, *args: str) -> str:
         command = [sys.executable, "-m", "lychee_exp.run", "-m", "hparams_search=lr_batch", *TINY_RANKS]
-        command += [
-            "trainer.save_model=false",
-            f"hydra.sweep.dir={tmp_path / name}",
-            f"hydra.sweeper.n_trials={trials}",
-        ]
-        command += ["hydra.sweeper.devices_per_trial=auto"]
+        command += ["trainer.save_model=false", f"hydra.sweep.dir={tmp_path / name}", "hydra.sweeper.n_trials=2"]
+        command += ["hydra.sweeper.devices_per_trial=auto", SMALL_BATCHES, *args]
         proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=900)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         return proc.stdout + proc.stderr
 
     monkeypatch.setenv("LYCHEE_BASELINE_FILE", str(tmp_path / "cache" / "b.json"))
-    out = run("first", 2)
+    out = run("first")
     (line,) = [line for line in out.splitlines() if "x the trials per hour of 1 x 2" in line]
     assert "speedup 1.00x at 1, " in line and "x at 2 ->" in line
+    assert out.count("samples/s (calibrated)") == 2
     summary = (tmp_path / "first" / "optimization_results.yaml").read_text()
     assert "setting: auto" in summary and "speedups:" in summary
     assert sorted(p.name for p in (tmp_path / "first" / "calibration").iterdir()) == ["1_devices", "2_devices"]
     cached = json.loads((tmp_path / "cache" / "scaling.json").read_text())
     assert len(cached) == 2
-    run("second", 1)  # the same settings: the figures come from the cache
+    # Another sweep of the same settings: the figures come from the cache. It works on the first one's study,
+    # whose trials are done, so that it decides and runs no trial.
+    url = f"sqlite:///{tmp_path / 'first' / 'optuna.db'}"
+    again = run("second", f"hydra.sweeper.storage={url}", "hydra.sweeper.study_name=lr_batch")
+    assert "x the trials per hour of 1 x 2" in again and "samples/s (calibrated)" not in again
+    assert again.count("samples/s from ") == 2
     assert not (tmp_path / "second" / "calibration").exists()
+    assert len(optuna.load_study(study_name="lr_batch", storage=url).trials) == 2
