@@ -7,6 +7,7 @@ test asserts on them as on a real process; each test file keeps its end-to-end r
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ def run_in_process(main: Callable[[], None], argv: list[str], cwd: Path, capfd, 
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "argv", list(argv))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # restored afterwards, whatever main() sets
+    environ = dict(os.environ)  # a job's hydra.job.env_set (a trial's LYCHEE_TRIAL) stays in os.environ after it
     root, level = logging.root.handlers[:], logging.root.level
     sigint = signal.getsignal(signal.SIGINT)
     GlobalHydra.instance().clear()
@@ -47,6 +49,8 @@ def run_in_process(main: Callable[[], None], argv: list[str], cwd: Path, capfd, 
                 handler.close()
         logging.root.handlers[:], logging.root.level = root, level
         signal.signal(signal.SIGINT, sigint)
+        os.environ.clear()
+        os.environ.update(environ)
     return subprocess.CompletedProcess(argv, code, out, err)
 
 

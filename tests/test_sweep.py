@@ -72,6 +72,22 @@ def _sweep(tmp_path: Path, *args: str, timeout: float = 400, **kw) -> subprocess
     return proc
 
 
+@pytest.fixture
+def sweep_here(tmp_path, capfd, monkeypatch):
+    """sweep_here(*args): _sweep's command run in this process (torch and the sweeper imported once for all): for
+    single-device sweeps whose behaviour is the sweeper's; the other sweeps here are the command line itself."""
+    from lychee_exp.run import main
+
+    for key, value in _env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("LYCHEE_FAULT", raising=False)
+
+    def sweep_here(*args: str) -> subprocess.CompletedProcess:
+        return run_in_process(main, _command(tmp_path / "sweep", *args)[2:], tmp_path, capfd, monkeypatch, 400)
+
+    return sweep_here
+
+
 def _study(sweep_dir: Path, name: str = "lr_batch", url: str | None = None) -> optuna.Study:
     return optuna.load_study(study_name=name, storage=url or f"sqlite:///{sweep_dir / 'optuna.db'}")
 
@@ -130,9 +146,8 @@ def test_four_trial_ddp_sweep_and_its_results(tmp_path):
 
 
 @pytest.mark.slow
-def test_diverging_trial_fails_and_the_sweep_goes_on(tmp_path):
-    proc = _sweep(
-        tmp_path,
+def test_diverging_trial_fails_and_the_sweep_goes_on(sweep_here, tmp_path):
+    proc = sweep_here(
         *SINGLE,
         "optimizer.lr=choice(0.001,1e30)",
         "optimizer.max_grad_norm=0",
@@ -153,9 +168,8 @@ def test_diverging_trial_fails_and_the_sweep_goes_on(tmp_path):
 
 
 @pytest.mark.slow
-def test_too_many_failures_stop_the_sweep(tmp_path):
-    proc = _sweep(
-        tmp_path,
+def test_too_many_failures_stop_the_sweep(sweep_here, tmp_path):
+    proc = sweep_here(
         *SINGLE,
         "optimizer.lr=choice(1e30)",
         "optimizer.max_grad_norm=0",
@@ -171,23 +185,10 @@ def test_too_many_failures_stop_the_sweep(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_oom_trial_is_retried_once_with_half_the_batch(tmp_path):
-    env = _env(LYCHEE_FAULT="0:1:oom")  # every attempt runs out of memory at step 1
-    proc = subprocess.run(
-        _command(
-            tmp_path / "sweep",
-            *SINGLE,
-            "hydra.sweeper.n_trials=1",
-            "hydra.sweeper.oom_retry=true",
-            "data.batch_size=2",
-            "trainer.grad_accum_steps=1",
-        ),
-        cwd=tmp_path,
-        env=env,
-        text=True,
-        capture_output=True,
-        timeout=300,
-    )
+def test_an_oom_trial_is_retried_once_with_half_the_batch(sweep_here, tmp_path, monkeypatch):
+    monkeypatch.setenv("LYCHEE_FAULT", "0:1:oom")  # every attempt runs out of memory at step 1
+    args = ["hydra.sweeper.n_trials=1", "hydra.sweeper.oom_retry=true", "data.batch_size=2"]
+    proc = sweep_here(*SINGLE, *args, "trainer.grad_accum_steps=1")
     # its only trial failed, retry included: the sweep ends with one line and exit 1 (no trial completed)
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
     assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
