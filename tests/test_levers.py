@@ -216,9 +216,9 @@ def test_bad_lever_values_are_one_line_errors(tmp_path):
 
 
 def test_every_training_process_gets_the_cublas_workspace_setting():
-    """Set on import of the module every training process imports, before any GEMM; a user's value wins."""
+    """Set on import of the recipe every training process runs (train_on_rank), before any GEMM; a user's value wins."""
     env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
-    code = "import os, lychee_exp.run; print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'))"
+    code = "import os, lychee_exp.recipe.rank_training; print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True)
     assert out.stdout.strip() == ":4096:8", out.stderr[-2000:]
     env["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
