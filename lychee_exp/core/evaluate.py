@@ -38,16 +38,16 @@ def ranking_metrics(
     """NDCG@10 (graded, linear gain) and MRR@10 of each query's candidates, averaged over queries; a query with
     no relevant candidate scores 0. Ties keep the (seeded, shuffled) candidate order: the later candidate of a
     tie ranks first, as the dev metrics have always counted them (trec_eval would order ties by document id)."""
-    run: dict[str, dict[str, float]] = {}
-    qrels: dict[str, dict[str, int]] = {}
+    by_query: dict[str, list[int]] = {}
     for row, qi in enumerate(query_index):
-        # documents named by their row; scored by their row's place in a stable sort of the scores, so that no
-        # two tie and trec_eval's order is the order described above
-        run.setdefault(str(qi), {})[str(row)] = 0.0
-        qrels.setdefault(str(qi), {})[str(row)] = int(labels[row])
-    for docs in run.values():
-        rows = sorted(docs, key=lambda doc: float(scores[int(doc)]))  # stable: rows in input order within a tie
-        docs.update({doc: float(place) for place, doc in enumerate(rows, start=1)})
+        by_query.setdefault(str(qi), []).append(row)
+    # documents named by their row, scored by their place in a stable sort of the scores: no two tie, and
+    # trec_eval's order is the order described above
+    run = {
+        qid: {str(row): float(place) for place, row in enumerate(sorted(rows, key=lambda r: float(scores[r])), 1)}
+        for qid, rows in by_query.items()
+    }
+    qrels = {qid: {str(row): int(labels[row]) for row in rows} for qid, rows in by_query.items()}
     rows = per_query_metrics(run, qrels, recall_at=TOP_K)
     wanted = (f"ndcg@{TOP_K}", f"mrr@{TOP_K}")
     return mean_metrics({qid: {name: row[name] for name in wanted} for qid, row in rows.items()}, prefix)

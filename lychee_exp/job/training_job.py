@@ -20,7 +20,7 @@ from lychee_exp.core.inputs import RunInputs, load_inputs
 from lychee_exp.core.losses import LOSSES
 from lychee_exp.core.model_card import model_choice, resolve_model
 from lychee_exp.core.optim import OPTIMIZERS, with_global_batch
-from lychee_exp.job.context import in_sweep, run_stamp, trials_run_here  # noqa: F401  (run_stamp: re-exported)
+from lychee_exp.job.context import in_sweep, trials_run_here
 from lychee_exp.job.results import write_results
 from lychee_exp.launch.cluster import is_main_process, job_devices, local_ranks, under_torchrun
 
