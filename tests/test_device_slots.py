@@ -130,8 +130,10 @@ def test_one_device_per_trial_runs_two_trials_at_once_on_their_own_cores(tmp_pat
 @pytest.mark.slow
 @pytest.mark.skipif(not TWO_CORES, reason="needs 2 cores")
 def test_sigkill_of_a_slotted_sweep_then_the_same_command_finishes_the_study(tmp_path):
+    # trial 0 ends 3 s before the others: when it is done, the other slot's trial is seconds from its end (two
+    # trials of one length would end together, and a kill just after both would leave nothing in flight)
     command = _sleepy(tmp_path, "hydra.sweeper.devices_per_trial=1", "hydra.sweeper.n_trials=4", "sleep_s=4")
-    command += ["hydra.sweeper.heartbeat_interval=1"]
+    command += ["first_s=1", "hydra.sweeper.heartbeat_interval=1"]
     proc = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
     while True:  # a trial done, the next in flight

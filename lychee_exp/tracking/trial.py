@@ -64,20 +64,34 @@ def open_storage(url: str, heartbeat_interval: int | None = None, grace_period: 
     import optuna
 
     # sqlite: wait for the writer instead of failing with "database is locked" (rank 0 reports while the
-    # sweeper beats); servers: drop connections that died while a long trial ran.
-    engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+    # sweeper beats), and let the begin hook below open each transaction; servers: drop connections that died
+    # while a long trial ran.
+    sqlite = url.startswith("sqlite")
+    engine = {"connect_args": {"timeout": 60, "isolation_level": None}} if sqlite else {"pool_pre_ping": True}
     last: Exception | None = None
     for attempt in range(3):  # workers starting together may race to create the schema
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(
+                storage = optuna.storages.RDBStorage(
                     url, engine_kwargs=engine, heartbeat_interval=heartbeat_interval, grace_period=grace_period
                 )
+            if sqlite:
+                _write_locked_transactions(storage.engine)
+            return storage
         except Exception as err:
             last = err
             time.sleep(1 + attempt)
     raise UserError(f"hydra.sweeper.storage={masked(url)}: cannot open it: {str(last).splitlines()[0]}")
+
+
+def _write_locked_transactions(engine: Any) -> None:
+    """SQLite ignores optuna's SELECT ... FOR UPDATE, so two workers could both read a queued trial as WAITING
+    and both run it (3 processes popping 40 queued trials ran 47). BEGIN IMMEDIATE takes the write lock when a
+    transaction opens, which makes each read-then-write atomic across processes."""
+    from sqlalchemy import event
+
+    event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
 
 
 @functools.lru_cache(maxsize=4)
