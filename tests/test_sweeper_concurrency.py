@@ -29,11 +29,11 @@ UNTIL_4 = "until=[0/started,1/started,2/started,3/started]"
 @pytest.fixture
 def sleepy(tmp_path, capfd, monkeypatch):
     """sleepy(*args): `python tests/sweep_apps/sleepy.py -m <args>` in tmp_path, run in this process (a process
-    start is seconds of imports); cli=True, for the timings of trials in flight under submitit: as a real
-    process, as a user runs it. Asserts exit 0; -> (the run, its wall time)."""
+    start is seconds of imports); cli=True: as a real process, as a user runs it (trials in flight under
+    submitit, end to end). Asserts the exit code (0 unless `code`); -> (the run, its wall time)."""
     monkeypatch.syspath_prepend(str(APPS))  # as `python sleepy.py` has it: claim_checking_sampler imports
 
-    def sleepy(*args: str, cli: bool = False) -> tuple[subprocess.CompletedProcess, float]:
+    def sleepy(*args: str, cli: bool = False, code: int = 0) -> tuple[subprocess.CompletedProcess, float]:
         argv = [str(APPS / "sleepy.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
         began = time.monotonic()
         if cli:
@@ -43,7 +43,7 @@ def sleepy(tmp_path, capfd, monkeypatch):
         else:
             script = lambda: runpy.run_path(argv[0], run_name="__main__")  # noqa: E731
             proc = run_in_process(script, argv, tmp_path, capfd, monkeypatch)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        assert proc.returncode == code, (proc.stdout + proc.stderr)[-3000:]
         return proc, time.monotonic() - began
 
     return sleepy
@@ -88,7 +88,6 @@ def test_a_slot_takes_the_next_trial_as_soon_as_its_trial_ends(sleepy, tmp_path)
         "first_s=120",
         "sleep_s=1",
         "until=[2/stamps.json]",
-        cli=True,
     )
     stamps = _stamps(tmp_path)
     assert sorted(stamps) == [0, 1, 2]
@@ -96,17 +95,13 @@ def test_a_slot_takes_the_next_trial_as_soon_as_its_trial_ends(sleepy, tmp_path)
 
 
 @pytest.mark.slow
-def test_the_failure_rate_stops_new_trials_and_waits_for_those_in_flight(tmp_path):
+def test_the_failure_rate_stops_new_trials_and_waits_for_those_in_flight(sleepy, tmp_path):
     # n_trials=4, rate 0.25: the sweep stops at 2 failures; trial 0 runs until trial 2 (the second failure) has
     # ended (at most 120 s; a fixed 12 s once ended first on a loaded machine): it is waited for and recorded, and
     # no 4th trial starts
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    command = [sys.executable, str(APPS / "sleepy.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     args = ["hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=2", "hydra.sweeper.max_failure_rate=0.25"]
-    args += ["first_s=120", "sleep_s=0.5", "until=[2/stamps.json]", "fail=true"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
-    proc = subprocess.run([*command, *args], cwd=tmp_path, env=env, text=True, capture_output=True, timeout=240)
-    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    proc, _ = sleepy(*args, "first_s=120", "sleep_s=0.5", "until=[2/stamps.json]", "fail=true", code=1)
     study = optuna.load_study(study_name="sleepy", storage=f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
     assert [t.state for t in study.trials] == [TrialState.FAIL] * 3
     assert study.trials[0].user_attrs["fail_reason"] == "crashed: RuntimeError: job 0 fails on purpose"
