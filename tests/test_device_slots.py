@@ -108,7 +108,14 @@ def test_a_bad_devices_per_trial_is_one_line_before_any_trial(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not TWO_CORES, reason="needs 2 cores")
 def test_one_device_per_trial_runs_two_trials_at_once_on_their_own_cores(tmp_path):
-    args = ["hydra.sweeper.devices_per_trial=1", "hydra.sweeper.n_trials=4", "sleep_s=4"]
+    # trials 0 and 1 (one per slot: no slot is free before one of them ends) each run until both have started
+    # (at most 120 s); trials 2 and 3 end as soon as they start
+    args = [
+        "hydra.sweeper.devices_per_trial=1",
+        "hydra.sweeper.n_trials=4",
+        "sleep_s=120",
+        "until=[0/started,1/started]",
+    ]
     proc = subprocess.run(
         _sleepy(tmp_path, *args), cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=300
     )
@@ -130,10 +137,11 @@ def test_one_device_per_trial_runs_two_trials_at_once_on_their_own_cores(tmp_pat
 @pytest.mark.slow
 @pytest.mark.skipif(not TWO_CORES, reason="needs 2 cores")
 def test_sigkill_of_a_slotted_sweep_then_the_same_command_finishes_the_study(tmp_path):
-    # trial 0 ends 3 s before the others: when it is done, the other slot's trial is seconds from its end (two
-    # trials of one length would end together, and a kill just after both would leave nothing in flight)
-    command = _sleepy(tmp_path, "hydra.sweeper.devices_per_trial=1", "hydra.sweeper.n_trials=4", "sleep_s=4")
-    command += ["first_s=1", "hydra.sweeper.heartbeat_interval=1"]
+    # trial 0 ends after 1 s, the others run until the test writes `release` (at most 120 s): when trial 0 is
+    # done, the other slot's trial is surely in flight (two trials of one length could end together, and a kill
+    # just after both would leave nothing in flight)
+    command = _sleepy(tmp_path, "hydra.sweeper.devices_per_trial=1", "hydra.sweeper.n_trials=4", "sleep_s=120")
+    command += ["first_s=1", "until=[release]", "hydra.sweeper.heartbeat_interval=1"]
     proc = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
     while True:  # a trial done, the next in flight
@@ -147,6 +155,7 @@ def test_sigkill_of_a_slotted_sweep_then_the_same_command_finishes_the_study(tmp
         time.sleep(0.2)
     proc.kill()  # the slot workers die with it (and leave their trials RUNNING)
     proc.wait(timeout=30)
+    (tmp_path / "sweep" / "release").touch()  # the re-run's trials end as soon as they start
     done_before = {t.number for t in _study(tmp_path).trials if t.state == TrialState.COMPLETE}
     runs_before = {n: s["start"] for n, s in _stamps(tmp_path).items()}
     rerun = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=300)
@@ -165,17 +174,62 @@ def test_sigkill_of_a_slotted_sweep_then_the_same_command_finishes_the_study(tmp
 SMALL_BATCHES = "trainer.global_batch_size=choice(4,8)"
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not TWO_CORES, reason="needs 2 cores")
-def test_lr_batch_with_one_device_per_trial_runs_two_training_trials_at_once(tmp_path):
+def _lr_batch(sweep: Path, *args: str) -> str:
+    """An lr_batch sweep of 2 tiny trials with devices_per_trial=auto from the command line; -> its output."""
     from conftest import TINY_RANKS
 
-    sweep = tmp_path / "sweep"
     command = [sys.executable, "-m", "lychee_exp.run", "-m", "hparams_search=lr_batch", *TINY_RANKS]
-    command += ["trainer.save_model=false", f"hydra.sweep.dir={sweep}", "hydra.sweeper.heartbeat_interval=1"]
-    command += ["hydra.sweeper.n_trials=2", "hydra.sweeper.devices_per_trial=1", SMALL_BATCHES]
-    proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=600)
+    command += ["trainer.save_model=false", f"hydra.sweep.dir={sweep}", "hydra.sweeper.n_trials=2"]
+    command += ["hydra.sweeper.devices_per_trial=auto", "hydra.sweeper.heartbeat_interval=1", SMALL_BATCHES, *args]
+    proc = subprocess.run(command, cwd=sweep.parent, env=_env(), text=True, capture_output=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory) -> tuple[Path, str]:
+    """One auto sweep that measures 1 and 2 devices (nothing cached) and runs its trials as it decided;
+    -> (its directory, holding its sweep and the cache, and its output)."""
+    root = tmp_path_factory.mktemp("auto")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LYCHEE_BASELINE_FILE", str(root / "cache" / "b.json"))
+        return root, _lr_batch(root / "first")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TWO_CORES, reason="needs 2 cores")
+def test_auto_prints_its_decision_and_records_it(calibrated):
+    root, out = calibrated
+    (line,) = [line for line in out.splitlines() if "x the trials per hour of 1 x 2" in line]
+    assert "speedup 1.00x at 1, " in line and "x at 2 ->" in line
+    assert out.count("samples/s (calibrated)") == 2
+    summary = (root / "first" / "optimization_results.yaml").read_text()
+    assert "setting: auto" in summary and "speedups:" in summary
+    assert sorted(p.name for p in (root / "first" / "calibration").iterdir()) == ["1_devices", "2_devices"]
+    cached = json.loads((root / "cache" / "scaling.json").read_text())
+    assert len(cached) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TWO_CORES, reason="needs 2 cores")
+def test_auto_from_the_cache_runs_lr_batch_one_device_per_trial_two_training_trials_at_once(
+    calibrated, tmp_path, monkeypatch
+):
+    """Another sweep of the same settings reads the calibration's figures from the cache (the first sweep's
+    entries, their 2-device figure set to 1.5x the 1-device one: it decides one device per trial, and shows that
+    it read them), then runs lr_batch's two trials at once, one device each."""
+    cache = json.loads((calibrated[0] / "cache" / "scaling.json").read_text())
+    (one,) = [key for key in cache if key.endswith("|n=1")]
+    (two,) = [key for key in cache if key.endswith("|n=2")]
+    cache[two]["samples_per_s"] = 1.5 * cache[one]["samples_per_s"]
+    (tmp_path / "scaling.json").write_text(json.dumps(cache))
+    monkeypatch.setenv("LYCHEE_BASELINE_FILE", str(tmp_path / "b.json"))
+    sweep = tmp_path / "sweep"
+    out = _lr_batch(sweep)
+    assert "samples/s (calibrated)" not in out and out.count("samples/s from ") == 2
+    assert not (sweep / "calibration").exists()
+    (line,) = [line for line in out.splitlines() if "x the trials per hour of 1 x 2" in line]
+    assert "devices_per_trial=1: 2 slot(s); speedup 1.00x at 1, 1.50x at 2 ->" in line
     study = _study(tmp_path, "lr_batch")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     a, b = study.trials
@@ -212,36 +266,3 @@ def test_auto_measures_each_device_count_once_then_reads_the_cache(tmp_path, mon
     store_rate(other, "cpu", 1, 5.0, "bench")
     store_rate(other, "cpu", 2, 9.0, "bench")
     assert measured_speedups(other, "cpu", [2], measure) == {1: 1.0, 2: 1.8} and measured == [1, 2, 4]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not TWO_CORES, reason="needs 2 cores")
-def test_auto_prints_its_decision_and_records_it(tmp_path, monkeypatch):
-    from conftest import TINY_RANKS
-
-    def run(name: str, *args: str) -> str:
-        command = [sys.executable, "-m", "lychee_exp.run", "-m", "hparams_search=lr_batch", *TINY_RANKS]
-        command += ["trainer.save_model=false", f"hydra.sweep.dir={tmp_path / name}", "hydra.sweeper.n_trials=2"]
-        command += ["hydra.sweeper.devices_per_trial=auto", SMALL_BATCHES, *args]
-        proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=900)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-        return proc.stdout + proc.stderr
-
-    monkeypatch.setenv("LYCHEE_BASELINE_FILE", str(tmp_path / "cache" / "b.json"))
-    out = run("first")
-    (line,) = [line for line in out.splitlines() if "x the trials per hour of 1 x 2" in line]
-    assert "speedup 1.00x at 1, " in line and "x at 2 ->" in line
-    assert out.count("samples/s (calibrated)") == 2
-    summary = (tmp_path / "first" / "optimization_results.yaml").read_text()
-    assert "setting: auto" in summary and "speedups:" in summary
-    assert sorted(p.name for p in (tmp_path / "first" / "calibration").iterdir()) == ["1_devices", "2_devices"]
-    cached = json.loads((tmp_path / "cache" / "scaling.json").read_text())
-    assert len(cached) == 2
-    # Another sweep of the same settings: the figures come from the cache. It works on the first one's study,
-    # whose trials are done, so that it decides and runs no trial.
-    url = f"sqlite:///{tmp_path / 'first' / 'optuna.db'}"
-    again = run("second", f"hydra.sweeper.storage={url}", "hydra.sweeper.study_name=lr_batch")
-    assert "x the trials per hour of 1 x 2" in again and "samples/s (calibrated)" not in again
-    assert again.count("samples/s from ") == 2
-    assert not (tmp_path / "second" / "calibration").exists()
-    assert len(optuna.load_study(study_name="lr_batch", storage=url).trials) == 2

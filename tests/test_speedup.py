@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -154,20 +155,45 @@ def test_concurrent_baseline_writers_lose_no_entry(own_cache, tiny_cfg):
     assert found == [1.0 + i for _ in range(writers) for i in range(count)]
 
 
+@pytest.fixture(scope="module")
+def phased_runs(tmp_path_factory) -> Path:
+    """gpus=2 three times on one start of ranks (the phase and its figure are measured inside the ranks either
+    way): without the phase, with it (nothing cached: rank 0 times one device first), then with busy loops on
+    every core. Each has its own baseline cache (LYCHEE_* goes to the ranks with each job, not at their start)."""
+    root = tmp_path_factory.mktemp("phased")
+    with pytest.MonkeyPatch.context() as patch, warm_ranks_kept():
+        for key in ("WANDB_API_KEY", "WANDB_MODE"):  # no W&B API key: the loaded run's record goes offline
+            patch.delenv(key, raising=False)
+        patch.setenv("HOME", str(root / "home"))
+        patch.setenv("WANDB_CONFIG_DIR", str(root / "wandb-config"))
+        patch.setenv("LYCHEE_BASELINE_FILE", str(root / "without.json"))
+        run_job([*PHASED, "trainer.measure_speedup=false"], root / "without")
+        patch.setenv("LYCHEE_BASELINE_FILE", str(root / "with.json"))
+        run_job(PHASED, root / "with")
+        patch.setenv("LYCHEE_BASELINE_FILE", str(root / "loaded.json"))
+        cores = os.cpu_count() or 2
+        loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores + 1)]
+        try:  # evaluation shows nothing here: off
+            run_job([*PHASED, "logger=wandb", "trainer.evaluate=false"], root / "loaded")
+        finally:
+            for loop in loops:
+                loop.kill()
+                loop.wait()
+    return root
+
+
 @pytest.mark.slow
-def test_the_baseline_phase_leaves_the_run_unchanged_and_caches_its_figure(tmp_path, own_cache):
-    """gpus=2 with the phase (nothing cached: rank 0 times one device first) trains the same losses, gradient
-    norms and final weights as with it off; its figure, when the machine was quiet enough, is cached under one
-    device's key (one rank's batch and threads), which later runs read (test_cluster's SLURM test)."""
-    with_phase, without = tmp_path / "with", tmp_path / "without"
-    with warm_ranks_kept():  # both runs on one start of ranks (the phase runs inside them either way)
-        run_job([*PHASED, "trainer.measure_speedup=false"], without)
-        assert not own_cache.exists() and "baseline_samples_per_s" not in _metrics(without)
-        run_job(PHASED, with_phase)
+def test_the_baseline_phase_leaves_the_run_unchanged_and_caches_its_figure(phased_runs):
+    """gpus=2 with the phase trains the same losses, gradient norms and final weights as with it off; its figure,
+    when the machine was quiet enough, is cached under one device's key (one rank's batch and threads), which
+    later runs read (test_cluster's SLURM test)."""
+    with_phase, without = phased_runs / "with", phased_runs / "without"
+    assert not (phased_runs / "without.json").exists() and "baseline_samples_per_s" not in _metrics(without)
     assert_same_training(with_phase, without, rtol=1e-6)
     m = _metrics(with_phase)
     assert m["baseline_samples_per_s"] > 0 and m["baseline_cpu_share"] > 0
     assert m.get("speedup", 0.0) <= 2 and ("speedup" in m) == (m["speedup_status"] == "measured")
+    own_cache = phased_runs / "with.json"
     cached = json.loads(own_cache.read_text()) if own_cache.exists() else {}
     if m["baseline_cpu_share"] < 0.75:  # a busy machine: reported, not cached
         assert cached == {} and m["speedup_status"].startswith("unreliable: machine shared")
@@ -178,23 +204,14 @@ def test_the_baseline_phase_leaves_the_run_unchanged_and_caches_its_figure(tmp_p
 
 
 @pytest.mark.slow
-def test_a_run_on_a_loaded_machine_records_why_it_has_no_speedup(tmp_path, own_cache, no_wandb_key):
+def test_a_run_on_a_loaded_machine_records_why_it_has_no_speedup(phased_runs):
     """Busy loops on every core while gpus=2 trains: the one-device figure is measured with a fraction of a
     core, so the run records no speedup (never one above its 2 devices) but the reason, in metrics.json and
     W&B, and caches nothing."""
-    import os
-
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range((os.cpu_count() or 2) + 1)]
-    try:
-        run_job([*PHASED, "logger=wandb"], tmp_path / "run")
-    finally:
-        for loop in loops:
-            loop.kill()
-            loop.wait()
-    m = _metrics(tmp_path / "run")
+    m = _metrics(phased_runs / "loaded")
     assert "speedup" not in m and "scaling_efficiency" not in m
     assert m["baseline_cpu_share"] < 0.75
     assert m["speedup_status"].startswith("unreliable: machine shared (baseline at ")
-    (record,) = [read_run(path) for path in find_run_files(tmp_path / "run")]
+    (record,) = [read_run(path) for path in find_run_files(phased_runs / "loaded")]
     assert "speedup" not in record["summary"] and record["summary"]["speedup_status"] == m["speedup_status"]
-    assert not own_cache.exists()
+    assert not (phased_runs / "loaded.json").exists()

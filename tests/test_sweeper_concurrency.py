@@ -23,16 +23,17 @@ from lychee_exp.sweep.dispatch import launch_mode
 from lychee_exp.sweep.trials import Pending, TrialRunner, TrialSettings
 
 APPS = Path(__file__).resolve().parent / "sweep_apps"
+UNTIL_4 = "until=[0/started,1/started,2/started,3/started]"
 
 
 @pytest.fixture
 def sleepy(tmp_path, capfd, monkeypatch):
     """sleepy(*args): `python tests/sweep_apps/sleepy.py -m <args>` in tmp_path, run in this process (a process
-    start is seconds of imports); cli=True, for the timings of trials in flight under submitit: as a real
-    process, as a user runs it. Asserts exit 0; -> (the run, its wall time)."""
+    start is seconds of imports); cli=True: as a real process, as a user runs it (trials in flight under
+    submitit, end to end). Asserts the exit code (0 unless `code`); -> (the run, its wall time)."""
     monkeypatch.syspath_prepend(str(APPS))  # as `python sleepy.py` has it: claim_checking_sampler imports
 
-    def sleepy(*args: str, cli: bool = False) -> tuple[subprocess.CompletedProcess, float]:
+    def sleepy(*args: str, cli: bool = False, code: int = 0) -> tuple[subprocess.CompletedProcess, float]:
         argv = [str(APPS / "sleepy.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
         began = time.monotonic()
         if cli:
@@ -42,7 +43,7 @@ def sleepy(tmp_path, capfd, monkeypatch):
         else:
             script = lambda: runpy.run_path(argv[0], run_name="__main__")  # noqa: E731
             proc = run_in_process(script, argv, tmp_path, capfd, monkeypatch)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        assert proc.returncode == code, (proc.stdout + proc.stderr)[-3000:]
         return proc, time.monotonic() - began
 
     return sleepy
@@ -64,28 +65,29 @@ def _max_overlap(stamps: dict[int, dict]) -> int:
 @pytest.mark.slow
 def test_submitit_local_runs_n_jobs_trials_at_once(sleepy, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    proc, wall = sleepy("hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=4", "sleep_s=8", cli=True)
+    # each trial waits until all four have started (at most 120 s): at once, however slow the starts
+    proc, wall = sleepy("hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=4", "sleep_s=120", UNTIL_4, cli=True)
     stamps = _stamps(tmp_path)
     assert sorted(stamps) == [0, 1, 2, 3] and len({s["pid"] for s in stamps.values()}) == 4  # 4 job processes
     assert _max_overlap(stamps) >= 3, stamps
     study = optuna.load_study(study_name="sleepy", storage=f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
     assert any("up to 4 trials at once" in line for line in proc.stdout.splitlines())
-    print(f"4 trials of 8 s, n_jobs=4, submitit_local: {wall:.1f} s wall, {_max_overlap(stamps)} at once")
+    print(f"4 trials, n_jobs=4, submitit_local: {wall:.1f} s wall, {_max_overlap(stamps)} at once")
 
 
 @pytest.mark.slow
 def test_a_slot_takes_the_next_trial_as_soon_as_its_trial_ends(sleepy, tmp_path):
-    # trial 0 sleeps 14 s, the others 1 s: with n_jobs=2, trials 1 and 2 run in the second slot while trial 0
-    # still runs (in batches of 2, trial 2 would wait for trial 0)
+    # trial 0 runs until trial 2 has ended (at most 120 s), the others 1 s: with n_jobs=2, trials 1 and 2 run in
+    # the second slot while trial 0 still runs (in batches of 2, trial 2 would wait for trial 0's 120 s)
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sleepy(
         "hydra/launcher=submitit_local",
         "hydra.sweeper.n_jobs=2",
         "hydra.sweeper.n_trials=3",
-        "first_s=14",
+        "first_s=120",
         "sleep_s=1",
-        cli=True,
+        "until=[2/stamps.json]",
     )
     stamps = _stamps(tmp_path)
     assert sorted(stamps) == [0, 1, 2]
@@ -93,16 +95,13 @@ def test_a_slot_takes_the_next_trial_as_soon_as_its_trial_ends(sleepy, tmp_path)
 
 
 @pytest.mark.slow
-def test_the_failure_rate_stops_new_trials_and_waits_for_those_in_flight(tmp_path):
-    # n_trials=4, rate 0.25: the sweep stops at 2 failures; trial 0 (slow) is still in flight then: it is waited
-    # for and recorded, and no 4th trial starts
+def test_the_failure_rate_stops_new_trials_and_waits_for_those_in_flight(sleepy, tmp_path):
+    # n_trials=4, rate 0.25: the sweep stops at 2 failures; trial 0 runs until trial 2 (the second failure) has
+    # ended (at most 120 s; a fixed 12 s once ended first on a loaded machine): it is waited for and recorded, and
+    # no 4th trial starts
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    command = [sys.executable, str(APPS / "sleepy.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     args = ["hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=2", "hydra.sweeper.max_failure_rate=0.25"]
-    args += ["first_s=12", "sleep_s=0.5", "fail=true"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
-    proc = subprocess.run([*command, *args], cwd=tmp_path, env=env, text=True, capture_output=True, timeout=240)
-    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    proc, _ = sleepy(*args, "first_s=120", "sleep_s=0.5", "until=[2/stamps.json]", "fail=true", code=1)
     study = optuna.load_study(study_name="sleepy", storage=f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
     assert [t.state for t in study.trials] == [TrialState.FAIL] * 3
     assert study.trials[0].user_attrs["fail_reason"] == "crashed: RuntimeError: job 0 fails on purpose"
@@ -116,8 +115,9 @@ def test_the_failure_rate_stops_new_trials_and_waits_for_those_in_flight(tmp_pat
 def test_sigkill_with_trials_in_flight_then_the_same_command_finishes_the_study(sleepy, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     command = [sys.executable, str(APPS / "sleepy.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    command += ["hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2", "sleep_s=3"]
-    command += ["hydra.sweeper.heartbeat_interval=1"]
+    command += ["hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=2"]
+    # the trials run until the test writes `release` (at most 120 s): both are surely in flight at the kill
+    command += ["hydra.sweeper.heartbeat_interval=1", "sleep_s=120", "until=[release]"]
     env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     storage, deadline = f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}", time.monotonic() + 120
@@ -132,6 +132,7 @@ def test_sigkill_with_trials_in_flight_then_the_same_command_finishes_the_study(
         time.sleep(0.2)
     proc.kill()
     proc.wait(timeout=30)
+    (tmp_path / "sweep" / "release").touch()
     sleepy(*command[4:])
     study = optuna.load_study(study_name="sleepy", storage=storage)
     states = [(t.state, t.user_attrs.get("interrupted", False), t.user_attrs.get("retry_of")) for t in study.trials]
@@ -178,7 +179,10 @@ def test_the_sampler_draws_after_the_worker_has_claimed_the_trial(sleepy, tmp_pa
 def test_two_workers_with_two_slots_each_share_one_postgres_study(tmp_path, postgres_url):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     command = [sys.executable, str(APPS / "sleepy.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    command += ["hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=6", "sleep_s=4"]
+    command += ["hydra/launcher=submitit_local", "hydra.sweeper.n_jobs=2", "hydra.sweeper.n_trials=6"]
+    # trials 0-2 (the first four trials take all four slots) each run until all three have started (at most
+    # 120 s): three at once needs both workers' slots; the others end as soon as they have started
+    command += ["sleep_s=120", "until=[0/started,1/started,2/started]"]
     command += [f"hydra.sweeper.storage={postgres_url}", "hydra.sweeper.sampler.seed=1"]
     workers = []
     for worker in range(2):
