@@ -189,16 +189,23 @@ def test_ablation_rows_whose_key_is_missing_are_skipped_naming_it():
 
 @pytest.fixture(scope="module")
 def built_weights(tmp_path_factory) -> Runner:
-    """The check's weights phase, run once (one worker) for the tests that train both systems from its weights."""
-    runner = Runner(tmp_path_factory.mktemp("weights"), tiny=True, warmup=1, timed=1, budget=Budget(600))
+    """The check's weights phase, run once for the tests that train both systems from its weights, in one served
+    worker that their runs reuse, as --tiny --ablation runs its rows (test_tiny_dry_run_... keeps the dry run's
+    fresh process per run; here each run's cost would be mostly its imports)."""
+    runner = Runner(
+        tmp_path_factory.mktemp("weights"), tiny=True, warmup=1, timed=1, budget=Budget(600), one_process=True
+    )
     assert runner.build_weights()["passed"] is True
-    return runner
+    yield runner
+    if runner.served is not None:  # nothing left for it to write: no need to wait for its interpreter's exit
+        runner.served.proc.kill()
+        runner.served.proc.wait()
 
 
 def runner_from(built: Runner, work, warmup: int, timed: int) -> Runner:
     """A runner of its own (work dir, steps) whose runs load the built weights and check their fingerprint."""
-    runner = Runner(work, tiny=True, warmup=warmup, timed=timed, budget=Budget(600))
-    runner.model_dir, runner.fingerprint = built.model_dir, built.fingerprint
+    runner = Runner(work, tiny=True, warmup=warmup, timed=timed, budget=Budget(600), one_process=True)
+    runner.model_dir, runner.fingerprint, runner.served = built.model_dir, built.fingerprint, built.served
     return runner
 
 

@@ -72,15 +72,20 @@ def _sweep(tmp_path: Path, *args: str, timeout: float = 400, **kw) -> subprocess
     return proc
 
 
+def _env_here(monkeypatch) -> None:
+    """_env() in this process's environment, for a sweep run in this process (restored after the test)."""
+    for key, value in _env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("LYCHEE_FAULT", raising=False)
+
+
 @pytest.fixture
 def sweep_here(tmp_path, capfd, monkeypatch):
     """sweep_here(*args): _sweep's command run in this process (torch and the sweeper imported once for all): for
     single-device sweeps whose behaviour is the sweeper's; the other sweeps here are the command line itself."""
     from lychee_exp.run import main
 
-    for key, value in _env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("LYCHEE_FAULT", raising=False)
+    _env_here(monkeypatch)
 
     def sweep_here(*args: str) -> subprocess.CompletedProcess:
         return run_in_process(main, _command(tmp_path / "sweep", *args)[2:], tmp_path, capfd, monkeypatch, 400)
@@ -384,21 +389,16 @@ hydra:
 
 
 @pytest.mark.slow
-def test_a_lightning_hydra_template_search_config_ports_by_its_sweeper_name(tmp_path):
+def test_a_lightning_hydra_template_search_config_ports_by_its_sweeper_name(tmp_path, capfd, monkeypatch):
+    from lychee_exp.run import main
+
     searchpath = _write_search(tmp_path, "mnist_optuna", LIGHTNING_TEMPLATE)
     # hydra.mode=MULTIRUN in the file: no -m, as in the template
     tiny = [a for a in TINY if not a.startswith("data.batch_size")]  # the file's params drive the search
-    command = [
-        sys.executable,
-        "-m",
-        "lychee_exp.run",
-        "hparams_search=mnist_optuna",
-        *tiny,
-        *SINGLE,
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        searchpath,
-    ]
-    proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=300)
+    argv = ["lychee_exp.run", "hparams_search=mnist_optuna", *tiny, *SINGLE, f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    _env_here(monkeypatch)
+    # in this process: the behaviour is the config's port (the sweep command line itself: the tests above)
+    proc = run_in_process(main, [*argv, searchpath], tmp_path, capfd, monkeypatch, 300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     study = _study(tmp_path / "sweep", name="sweep")  # study_name null: the sweep directory's name
     assert len(_counted_finished(study)) == 2

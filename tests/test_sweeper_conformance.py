@@ -339,9 +339,32 @@ def test_sweep_returns_none_in_process(hydra_sweep_runner):
         assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 8
 
 
+class _Uncaptured:
+    """capfd's stand-in for a module-scoped run, whose output no test reads."""
+
+    @staticmethod
+    def readouterr() -> tuple[str, str]:
+        return "", ""
+
+
+@pytest.fixture(scope="module")
+def grid_of_20(tmp_path_factory) -> Path:
+    """The grid example with n_trials=20 (more than its 12 points), swept once for the two tests that read it."""
+    where = tmp_path_factory.mktemp("grid_of_20")
+    argv = _argv(where, "sphere", ("--config-name=grid", "hydra.sweeper.n_trials=20"), True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(APPS))
+        script = lambda: runpy.run_path(argv[0], run_name="__main__")  # noqa: E731
+        _ok(run_in_process(script, argv, where, _Uncaptured(), patch))
+    return where
+
+
 @pytest.mark.parametrize("n_trials", [20, 10, 1])
-def test_grid_example(run, tmp_path, n_trials):
-    _ok(run("sphere", "--config-name=grid", f"hydra.sweeper.n_trials={n_trials}"))
+def test_grid_example(run, tmp_path, request, n_trials):
+    if n_trials == 20:
+        tmp_path = request.getfixturevalue("grid_of_20")
+    else:
+        _ok(run("sphere", "--config-name=grid", f"hydra.sweeper.n_trials={n_trials}"))
     results = _results(tmp_path)
     bv, x, y, z = results["best_value"], *(results["best_params"][k] for k in "xyz")
     if n_trials >= 12:  # upstream's expected values
@@ -351,11 +374,10 @@ def test_grid_example(run, tmp_path, n_trials):
     assert len({tuple(t.params.values()) for t in trials}) == len(trials)  # each grid point at most once
 
 
-def test_deviation_the_grid_includes_ranges_stop(run, tmp_path):
+def test_deviation_the_grid_includes_ranges_stop(grid_of_20):
     # upstream's grid leaves range's stop out: y=range(-1.0, 1.0, step=1) is {-1, 0} there (2 x 2 x 2 = 8 points,
     # and upstream asserts best y in [-1, 0] for fewer trials); here every sampler, the grid too, includes it
-    _ok(run("sphere", "--config-name=grid", "hydra.sweeper.n_trials=20"))
-    trials = _study(tmp_path, "sphere").trials
+    trials = _study(grid_of_20, "sphere").trials
     assert len(trials) == 12 and {t.params["y"] for t in trials} == {-1.0, 0.0, 1.0}
 
 
