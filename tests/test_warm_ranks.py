@@ -285,7 +285,6 @@ def faulty_sweep(tmp_path_factory) -> tuple[Path, str, optuna.Study]:
         "hydra.sweeper.n_trials=6",
         "hydra.sweeper.max_failure_rate=0.5",
         "data.batch_size=2",
-        "trainer.eval_before_training=false",  # no test here reads initial_*: seven trials' evaluations fewer
         env={"LYCHEE_FAULT": FAULTS},
         timeout=600,  # six trials, four of them on new ranks (three sweeps of 400 s before)
     )
