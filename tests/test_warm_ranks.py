@@ -19,6 +19,7 @@ from pathlib import Path
 import optuna
 import pytest
 from conftest import TINY_RANKS
+from hydra_in_process import run_in_process
 from optuna.trial import TrialState
 from warm_rank_jobs import form_group, never_forms, stuck_forming, summed
 
@@ -191,22 +192,21 @@ SWEEP = [
 ]
 
 
-def _sweep(sweep_dir: Path, *args: str, env: dict | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
+def _sweep_args(sweep_dir: Path, *args: str) -> list[str]:
+    return ["-m", "hparams_search=lr_batch", *SWEEP, f"hydra.sweep.dir={sweep_dir}", *args]
+
+
+def _sweep_env() -> dict:
     environ = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
     environ.pop("LYCHEE_FAULT", None)
+    return environ
+
+
+def _sweep(sweep_dir: Path, *args: str, env: dict | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lychee_exp.run",
-            "-m",
-            "hparams_search=lr_batch",
-            *SWEEP,
-            f"hydra.sweep.dir={sweep_dir}",
-            *args,
-        ],
+        [sys.executable, "-m", "lychee_exp.run", *_sweep_args(sweep_dir, *args)],
         cwd=sweep_dir.parent,
-        env={**environ, **(env or {})},
+        env={**_sweep_env(), **(env or {})},
         text=True,
         capture_output=True,
         timeout=timeout,
@@ -226,9 +226,13 @@ OUTCOME = ("ndcg@10", "mrr@10", "train_loss", "initial_ndcg@10", "steps", "effec
 
 
 @pytest.mark.slow
-def test_warm_trials_equal_fresh_process_trials(tmp_path):
+def test_warm_trials_equal_fresh_process_trials(tmp_path, capfd, monkeypatch):
     """The first two (lr, batch) points in the sampler's seeded order (they differ in both), on warm ranks and on
-    fresh ranks per trial: the same metrics, and the warm sweep's second trial ran on the first one's ranks."""
+    fresh ranks per trial: the same metrics, and the warm sweep's second trial ran on the first one's ranks. The
+    warm sweep is the command line; the fresh one runs in this process (its ranks start fresh either way, and
+    the sweep command's start-up is the warm one's)."""
+    from lychee_exp.run import main
+
     args = [
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.sampler._target_=optuna.samplers.BruteForceSampler",
@@ -237,7 +241,12 @@ def test_warm_trials_equal_fresh_process_trials(tmp_path):
         "data.num_workers=1",  # a rank's DataLoader workers are its children: a warm rank must be able to have them
     ]
     warm, fresh = tmp_path / "warm", tmp_path / "fresh"
-    for proc in (_sweep(warm, *args), _sweep(fresh, *args, "parallel.warm_ranks=false")):
+    warm_proc = _sweep(warm, *args)
+    for key, value in _sweep_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("LYCHEE_FAULT", raising=False)
+    fresh_args = ["lychee_exp.run", *_sweep_args(fresh, *args, "parallel.warm_ranks=false")]
+    for proc in (warm_proc, run_in_process(main, fresh_args, tmp_path, capfd, monkeypatch, 400)):
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     for number in range(2):
         w, f = _metrics(warm / str(number)), _metrics(fresh / str(number))

@@ -1,0 +1,51 @@
+"""What the cluster tests share (test_cluster, test_cluster_preemption, test_cluster_sweeps): the tiny Lychee
+model on 2 ranks, an environment without the machine's own SLURM variables, and a CLI run watched until training
+has begun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import TINY_RANKS
+
+REPO = Path(__file__).resolve().parent.parent
+# The tiny Lychee model, fp32, as tests/test_ddp.py: 2 ranks x batch 2 on any launch path must agree.
+TINY_MULTI = [
+    *TINY_RANKS,
+    "data.random_negatives=0",
+    "data.batch_size=2",
+    "optimizer.lr=1e-3",
+    "trainer.save_model=false",
+]
+
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def cluster_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    env.pop("PYTHONWARNINGS", None)
+    return {**env, "HYDRA_FULL_ERROR": "0", **extra}
+
+
+def start_until_step_2(args: list[str], cwd: Path, rank0_logs: str, timeout_s: float) -> subprocess.Popen:
+    """`python -m lychee_exp.run <args>`, returned once rank 0's log (the glob under cwd) shows step 2."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lychee_exp.run", *args],
+        cwd=cwd,
+        env=cluster_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + timeout_s
+    while not any("step 2/" in p.read_text() for p in cwd.glob(rank0_logs)):
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    return proc

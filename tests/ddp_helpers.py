@@ -1,0 +1,47 @@
+"""What the DDP tests share (test_ddp, test_ddp_resume, test_ddp_devices): the tiny Lychee path on CPU ranks,
+a run's metrics, losses and weights, and the CLI as a subprocess."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import TINY_RANKS
+from safetensors.torch import load_file
+
+# Tiny Lychee path, fp32, no dropout: one process with batch 2b and 2 ranks with batch b must agree.
+TINY_DDP = [
+    *TINY_RANKS,
+    "optimizer.lr=1e-3",
+    # no speedup baseline phase: these runs compare training, not throughput
+    "trainer.measure_speedup=false",
+]
+
+
+def run_metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def run_losses(run_dir: Path, key: str = "train/loss") -> list[float]:
+    with (run_dir / "metrics.csv").open() as handle:
+        return [float(row[key]) for row in csv.DictReader(handle) if row.get(key)]
+
+
+def run_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model" / "model.safetensors"))
+
+
+def start_cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "lychee_exp.run", *args],
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
