@@ -175,6 +175,16 @@ def test_the_sampler_draws_after_the_worker_has_claimed_the_trial(sleepy, tmp_pa
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2 and all("x" in t.params for t in study.trials)
 
 
+def test_the_same_command_on_a_finished_study_runs_no_trial(sleepy, tmp_path):
+    # n_trials is the study's total: running the finished sweep's command again adds nothing and rewrites no run
+    sleepy("hydra.sweeper.n_trials=2", "sleep_s=0")
+    stamps = {p: p.read_text() for p in (tmp_path / "sweep").glob("*/stamps.json")}
+    sleepy("hydra.sweeper.n_trials=2", "sleep_s=0")
+    study = optuna.load_study(study_name="sleepy", storage=f"sqlite:///{tmp_path / 'sweep' / 'optuna.db'}")
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2 and len(stamps) == 2
+    assert {p: p.read_text() for p in (tmp_path / "sweep").glob("*/stamps.json")} == stamps
+
+
 @pytest.mark.slow
 def test_two_workers_with_two_slots_each_share_one_postgres_study(tmp_path, postgres_url):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
