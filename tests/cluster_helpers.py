@@ -4,7 +4,6 @@ has begun."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +12,6 @@ from pathlib import Path
 
 from conftest import TINY_RANKS
 
-REPO = Path(__file__).resolve().parent.parent
 # The tiny Lychee model, fp32, as tests/test_ddp.py: 2 ranks x batch 2 on any launch path must agree.
 TINY_MULTI = [
     *TINY_RANKS,
@@ -22,10 +20,6 @@ TINY_MULTI = [
     "optimizer.lr=1e-3",
     "trainer.save_model=false",
 ]
-
-
-def metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
 
 
 def cluster_env(**extra: str) -> dict:

@@ -8,6 +8,7 @@ makes every process crawl (x10-x30) as soon as anything else runs beside it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -104,6 +105,11 @@ def compose_cfg() -> Callable[..., DictConfig]:
 @pytest.fixture
 def tiny_cfg(tmp_path) -> DictConfig:
     return compose_config(TINY_OVERRIDES, tmp_path)
+
+
+def run_metrics(run_dir: Path) -> dict:
+    """The metrics.json a run wrote, whole (tests assert on keys the sweep's own reader leaves out)."""
+    return json.loads((run_dir / "metrics.json").read_text())
 
 
 def run_tiny(output_dir: Path, *extra: str) -> tuple[float, dict]:

@@ -1,10 +1,9 @@
 """What the DDP tests share (test_ddp, test_ddp_resume, test_ddp_devices): the tiny Lychee path on CPU ranks,
-a run's metrics, losses and weights, and the CLI as a subprocess."""
+a run's losses and weights, and the CLI as a subprocess."""
 
 from __future__ import annotations
 
 import csv
-import json
 import os
 import subprocess
 import sys
@@ -21,10 +20,6 @@ TINY_DDP = [
     # no speedup baseline phase: these runs compare training, not throughput
     "trainer.measure_speedup=false",
 ]
-
-
-def run_metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
 
 
 def run_losses(run_dir: Path, key: str = "train/loss") -> list[float]:

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_helpers import REPO, TINY_MULTI, cluster_env, metrics
+from cluster_helpers import TINY_MULTI, cluster_env
+from conftest import REPO_ROOT, run_metrics
 
 from lychee_exp.core.devices import available_cores
 from lychee_exp.core.errors import Preempted, RunFailed, UserError
@@ -60,7 +61,7 @@ def in_process_ddp(tmp_path_factory) -> Path:
 
 
 def _assert_same_training(run_dir: Path, reference: Path) -> None:
-    got, want = metrics(run_dir), metrics(reference)
+    got, want = run_metrics(run_dir), run_metrics(reference)
     assert got["num_devices"] == want["num_devices"] == 2 and got["steps"] == 4
     assert _losses(run_dir) == pytest.approx(_losses(reference), abs=1e-5)
     # every step's pre-clip gradient norm too: a gradient off by a constant factor leaves the losses alone
@@ -124,7 +125,7 @@ def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp, monk
     args += ["trainer.global_batch_size=4"]  # 2 x 2 ranks over both agents: accumulation 1, as the reference
     agents = [
         subprocess.Popen(
-            ["bash", str(REPO / "launch/torchrun.sh"), *args],
+            ["bash", str(REPO_ROOT / "launch/torchrun.sh"), *args],
             cwd=tmp_path,
             text=True,
             stdout=subprocess.PIPE,
@@ -143,7 +144,7 @@ def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp, monk
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
     assert [a.returncode for a in agents] == [0, 0], [out[-3000:] for out in outputs]
     _assert_same_training(run_dir, in_process_ddp)
-    m = metrics(run_dir)
+    m = run_metrics(run_dir)
     # one rank per agent: each takes the share of the cores the in-process rule gives one local rank
     assert m["cpu_threads_per_rank"] == available_cores()
     # nothing cached: rank 0 timed one device itself; a figure, or the reason there is none, on one line
@@ -168,7 +169,7 @@ def test_faked_slurm_nodes_match_in_process_ddp(tmp_path, in_process_ddp, monkey
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [n.returncode for n in nodes] == [0, 0], [out[-3000:] for out in outputs]
     _assert_same_training(run_dir, in_process_ddp)
-    m = metrics(run_dir)
+    m = run_metrics(run_dir)
     assert m["num_processes"] == 2 and m["cpu_threads_per_rank"] == 1
     assert m["speedup"] == pytest.approx(m["train_samples_per_s"] / 1000.0)  # the cached baseline
 

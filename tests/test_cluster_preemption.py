@@ -8,7 +8,8 @@ import signal
 
 import pytest
 import torch
-from cluster_helpers import TINY_MULTI, metrics, start_until_step_2
+from cluster_helpers import TINY_MULTI, start_until_step_2
+from conftest import run_metrics
 
 from lychee_exp.testing.jobs import run_job
 
@@ -29,7 +30,7 @@ def test_damaged_latest_checkpoint_resumes_from_the_previous_one(tmp_path, caplo
     reports = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
     assert len(reports) == 1 and "step_000004" in reports[0] and "\n" not in reports[0]
     assert any("resumed from" in r.getMessage() and "step_000002 at step 2 " in r.getMessage() for r in caplog.records)
-    assert metrics(tmp_path)["steps"] == 6
+    assert run_metrics(tmp_path)["steps"] == 6
 
 
 @pytest.mark.slow
@@ -47,7 +48,7 @@ def test_signal_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
     run_job([*train, "trainer.resume=auto"], run_dir)
     resumed = [p.read_text() for p in run_dir.glob("logs/**/0/stderr.log") if "resumed from" in p.read_text()]
     assert len(resumed) == 1 and f"at step {stopped['step']} " in resumed[0], resumed
-    assert metrics(run_dir)["steps"] == 30
+    assert run_metrics(run_dir)["steps"] == 30
 
 
 @pytest.mark.slow
@@ -75,4 +76,4 @@ def test_slurm_local_job_is_requeued_and_finishes_the_same_run(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     job_log = "".join(p.read_text() for p in (sweep / ".submitit").glob("*/*_log.*"))
     assert "Requeued job" in job_log and "resumed from" in (sweep / "0" / "run.log").read_text()
-    assert metrics(sweep / "0")["steps"] == 60
+    assert run_metrics(sweep / "0")["steps"] == 60

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster_helpers import REPO, TINY_MULTI, cluster_env, metrics
+from cluster_helpers import TINY_MULTI, cluster_env
+from conftest import REPO_ROOT, run_metrics
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def test_sweep_trials_as_submitit_jobs(submitit_sweep):
     first, second = study.trials[:2]
     assert second.datetime_start < first.datetime_complete and first.datetime_start < second.datetime_complete
     for trial in (first, second):  # each job trained on its 2 ranks: both reported memory and wrote their own log
-        m = metrics(sweep / str(trial.number))
+        m = run_metrics(sweep / str(trial.number))
         assert m["num_devices"] == m["num_processes"] == 2 and len(m["peak_memory_mb_per_rank"]) == 2, trial.number
         assert all(mb > 0 for mb in m["peak_memory_mb_per_rank"]), trial.number
         logs = sorted(p.parent.name for p in (sweep / str(trial.number)).glob("logs/**/stderr.log"))
@@ -108,7 +109,7 @@ def test_sweep_array_script_runs_a_worker(tmp_path):
     proc = subprocess.run(
         [
             "bash",
-            str(REPO / "launch/slurm/sweep_array.sbatch"),
+            str(REPO_ROOT / "launch/slurm/sweep_array.sbatch"),
             "hparams_search=lr_batch",
             "hydra.sweeper.n_trials=1",
             "gpus=2",
@@ -124,9 +125,9 @@ def test_sweep_array_script_runs_a_worker(tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (sweep / "0" / "metrics.json").is_file() and metrics(sweep / "0")["num_devices"] == 2
+    assert (sweep / "0" / "metrics.json").is_file() and run_metrics(sweep / "0")["num_devices"] == 2
     refused = subprocess.run(
-        ["bash", str(REPO / "launch/slurm/sweep_array.sbatch")],
+        ["bash", str(REPO_ROOT / "launch/slurm/sweep_array.sbatch")],
         cwd=tmp_path,
         text=True,
         capture_output=True,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import warm_ranks_kept
-from ddp_helpers import TINY_DDP, run_losses, run_metrics, run_weights
+from conftest import run_metrics, warm_ranks_kept
+from ddp_helpers import TINY_DDP, run_losses, run_weights
 
 from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.errors import UserError

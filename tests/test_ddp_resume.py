@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import warm_ranks_kept
-from ddp_helpers import TINY_DDP, run_metrics, start_cli
+from conftest import run_metrics, warm_ranks_kept
+from ddp_helpers import TINY_DDP, start_cli
 
 from lychee_exp.core.errors import RunFailed
 from lychee_exp.testing.equivalence import assert_same_training

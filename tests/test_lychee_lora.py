@@ -4,10 +4,9 @@ model that reloads with the scores the run ended with."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from conftest import run_metrics
 from safetensors.torch import load_file
 
 from lychee_exp.core.config import to_run_config
@@ -57,23 +56,19 @@ def runs(tmp_path_factory):
     return single, ddp
 
 
-def _metrics(run_dir):
-    return json.loads((run_dir / "metrics.json").read_text())
-
-
 def test_recipe_is_lora_checkpointing_bf16_on_two_ranks(runs):
     single, ddp = runs
     cfg = to_run_config(compose_job([*RECIPE, "parallel=ddp", "gpus=2"], ddp / "x"))
     assert cfg.model.lora.enabled and cfg.model.gradient_checkpointing is True and cfg.model.kind == "causal_lm"
-    m = _metrics(ddp)
+    m = run_metrics(ddp)
     assert m["num_devices"] == 2 and m["grad_accum_steps"] == 2 and m["precision"] == "bf16"
-    assert m["effective_batch_size"] == _metrics(single)["effective_batch_size"] == 4
+    assert m["effective_batch_size"] == run_metrics(single)["effective_batch_size"] == 4
     assert m["trainable_parameters"] < m["parameters"] / 2  # only the adapters train
 
 
 def test_two_ranks_with_accumulation_match_one_process(runs):
     single, ddp = runs
-    m_single, m_ddp = _metrics(single), _metrics(ddp)
+    m_single, m_ddp = run_metrics(single), run_metrics(ddp)
     # bf16 autocast rounds differently for a batch of 4 and two micro-batches of 1: equal within bf16 tolerance
     assert m_ddp["train_loss"] == pytest.approx(m_single["train_loss"], rel=2e-2)
     w_single, w_ddp = (
@@ -98,7 +93,7 @@ def test_two_ranks_with_accumulation_match_one_process(runs):
 
 def test_merged_model_reloads_with_the_final_scores(runs, tmp_path):
     _, ddp = runs
-    m = _metrics(ddp)
+    m = run_metrics(ddp)
     reload = to_run_config(
         compose_job(
             [

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_RANKS, warm_ranks_kept
+from conftest import TINY_RANKS, run_metrics, warm_ranks_kept
 
 from lychee_exp.core.config import to_run_config
 from lychee_exp.core.devices import DevicePlan
@@ -33,10 +33,6 @@ from lychee_exp.tracking.wandb_records import find_run_files, read_run
 CPU_RANKS = DevicePlan("ddp", "cpu", 2, 1)  # 2 ranks x 1 thread
 # dropout on: the phase's steps draw random numbers, which the run must not notice
 PHASED = [*TINY_RANKS, "parallel=ddp", "gpus=2", "parallel.cpu_threads_per_rank=1", "model.dropout=0.1"]
-
-
-def _metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
 
 
 @pytest.fixture
@@ -188,9 +184,9 @@ def test_the_baseline_phase_leaves_the_run_unchanged_and_caches_its_figure(phase
     when the machine was quiet enough, is cached under one device's key (one rank's batch and threads), which
     later runs read (test_cluster's SLURM test)."""
     with_phase, without = phased_runs / "with", phased_runs / "without"
-    assert not (phased_runs / "without.json").exists() and "baseline_samples_per_s" not in _metrics(without)
+    assert not (phased_runs / "without.json").exists() and "baseline_samples_per_s" not in run_metrics(without)
     assert_same_training(with_phase, without, rtol=1e-6)
-    m = _metrics(with_phase)
+    m = run_metrics(with_phase)
     assert m["baseline_samples_per_s"] > 0 and m["baseline_cpu_share"] > 0
     assert m.get("speedup", 0.0) <= 2 and ("speedup" in m) == (m["speedup_status"] == "measured")
     own_cache = phased_runs / "with.json"
@@ -208,7 +204,7 @@ def test_a_run_on_a_loaded_machine_records_why_it_has_no_speedup(phased_runs):
     """Busy loops on every core while gpus=2 trains: the one-device figure is measured with a fraction of a
     core, so the run records no speedup (never one above its 2 devices) but the reason, in metrics.json and
     W&B, and caches nothing."""
-    m = _metrics(phased_runs / "loaded")
+    m = run_metrics(phased_runs / "loaded")
     assert "speedup" not in m and "scaling_efficiency" not in m
     assert m["baseline_cpu_share"] < 0.75
     assert m["speedup_status"].startswith("unreliable: machine shared (baseline at ")

@@ -18,7 +18,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from conftest import TINY_RANKS
+from conftest import CONF_DIR, TINY_RANKS
 from hydra_in_process import run_in_process
 from optuna.trial import TrialState
 
@@ -32,7 +32,6 @@ from lychee_exp.sweep.storage import (
 )
 from lychee_exp.tracking.trial import open_storage
 
-REPO = Path(__file__).resolve().parent.parent
 # the per-device batch searched, lr_batch's global batch fixed off (test_device_slots sweeps the global batch)
 TINY = [*TINY_RANKS, "trainer.save_model=false", "data.batch_size=choice(1,2)", "trainer.global_batch_size=null"]
 SINGLE = ["parallel=single", "gpus=1"]
@@ -673,7 +672,7 @@ def _search_and_lr_batch(name: str):
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         search = compose("config", [f"hparams_search={name}"], return_hydra_config=True)
         batch = compose("config", ["hparams_search=lr_batch"], return_hydra_config=True)
     GlobalHydra.instance().clear()

@@ -9,9 +9,9 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import run_metrics
 
 from lychee_exp.testing.jobs import run_job
 from lychee_exp.tracking.speedup import SHARED_CPU_SHARE
@@ -30,10 +30,6 @@ TINY = [
     "optimizer.lr=1e-3",
 ]
 SECRET = "0123456789abcdef0123456789abcdef01234567"
-
-
-def _metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
 
 
 def test_unreachable_server_falls_back_offline_and_never_leaks_the_key(tmp_path, no_wandb_key, monkeypatch):
@@ -75,7 +71,7 @@ def test_single_device_speedup_is_one_and_cached_when_the_machine_was_quiet(tmp_
     path = tmp_path / "baselines.json"
     monkeypatch.setenv("LYCHEE_BASELINE_FILE", str(path))
     run_job([*TINY, "parallel=single", "logger=none", "trainer.max_steps=8"], tmp_path / "run")
-    m = _metrics(tmp_path / "run")
+    m = run_metrics(tmp_path / "run")
     # the run is its own one-device baseline, whatever the load: 1.0 by definition
     assert (m["speedup"], m["scaling_efficiency"], m["speedup_status"]) == (1.0, 1.0, "measured")
     threads = m["cpu_threads_per_rank"]

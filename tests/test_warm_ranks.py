@@ -9,7 +9,6 @@ OOM, SIGKILL) is followed by a trial on new ranks.
 from __future__ import annotations
 
 import csv
-import json
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import TINY_RANKS
+from conftest import TINY_RANKS, run_metrics
 from hydra_in_process import run_in_process
 from optuna.trial import TrialState
 from warm_rank_jobs import form_group, never_forms, stuck_forming, summed
@@ -218,10 +217,6 @@ def _rows(sweep_dir: Path) -> list[dict]:
         return list(csv.DictReader(handle))
 
 
-def _metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
-
-
 OUTCOME = ("ndcg@10", "mrr@10", "train_loss", "initial_ndcg@10", "steps", "effective_batch_size")
 
 
@@ -249,7 +244,7 @@ def test_warm_trials_equal_fresh_process_trials(tmp_path, capfd, monkeypatch):
     for proc in (warm_proc, run_in_process(main, fresh_args, tmp_path, capfd, monkeypatch, 400)):
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     for number in range(2):
-        w, f = _metrics(warm / str(number)), _metrics(fresh / str(number))
+        w, f = run_metrics(warm / str(number)), run_metrics(fresh / str(number))
         assert w["base_lr"] == f["base_lr"] and w["per_device_batch_size"] == f["per_device_batch_size"]
         assert {k: w[k] for k in OUTCOME} == pytest.approx({k: f[k] for k in OUTCOME}, abs=1e-6), number
         assert w["warm_ranks"] == (number > 0) and "warm_ranks" not in f
@@ -260,8 +255,8 @@ def test_warm_trials_equal_fresh_process_trials(tmp_path, capfd, monkeypatch):
         # each step's loss and pre-clip gradient norm: a gradient scaled on reused ranks shows here
         assert_same_training(warm / str(number), fresh / str(number), weights=False)
     # the reused ranks got another learning rate and another batch shape
-    assert len({_metrics(warm / str(n))["base_lr"] for n in range(2)}) == 2
-    assert {_metrics(warm / str(n))["per_device_batch_size"] for n in range(2)} == {1, 2}
+    assert len({run_metrics(warm / str(n))["base_lr"] for n in range(2)}) == 2
+    assert {run_metrics(warm / str(n))["per_device_batch_size"] for n in range(2)} == {1, 2}
     rows, fresh_rows = _rows(warm), _rows(fresh)
     assert [r["warm_ranks"] for r in rows] == ["False", "True"]
     assert all(0 <= float(r["overhead_s"]) < float(r["duration_s"]) for r in rows)
@@ -304,7 +299,7 @@ def test_a_failed_trial_is_followed_by_fresh_ranks(faulty_sweep, fault, reason):
     assert states[failed - 1 : failed + 2] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE], states
     assert reason in study.trials[failed].user_attrs["fail_reason"]
     assert "Traceback" not in output
-    assert _metrics(sweep / str(failed + 1))["warm_ranks"] is False
+    assert run_metrics(sweep / str(failed + 1))["warm_ranks"] is False
     assert "warm ranks of an earlier trial" in (sweep / str(failed) / "run.log").read_text()  # failed on reused ranks
     if fault == "raise":
         rank1 = (sweep / str(failed) / "logs" / "warm" / "1" / "stderr.log").read_text()
@@ -320,8 +315,8 @@ def test_an_oom_trial_retries_on_fresh_ranks_and_completes(faulty_sweep):
     assert study.trials[0].user_attrs["oom_retry"] == {"batch_size": 1, "grad_accum_steps": 2}
     assert "LYCHEE_FAULT oom fired" in (sweep / "0" / "logs" / "warm" / "0" / "stderr.log").read_text()
     assert "warm ranks, kept for the next trial" in (sweep / "0-oom-retry" / "run.log").read_text()  # new ranks
-    retried = _metrics(sweep / "0-oom-retry")
+    retried = run_metrics(sweep / "0-oom-retry")
     assert (retried["per_device_batch_size"], retried["grad_accum_steps"], retried["steps"]) == (1, 2, 4)
     assert study.trials[0].value == pytest.approx(retried["ndcg@10"])
-    assert _metrics(sweep / "1")["warm_ranks"] is True  # the retry ended well: its ranks serve the next trial
+    assert run_metrics(sweep / "1")["warm_ranks"] is True  # the retry ended well: its ranks serve the next trial
     assert [t.number for t in study.trials if "oom_retry" in t.user_attrs] == [0]  # only the batch-2 run ran out
