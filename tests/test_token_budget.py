@@ -7,21 +7,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import TINY_OVERRIDES, TINY_RANKS, compose_config, run_tiny
+from gradient_helpers import spawned_gradients, trainer_for, window_gradients
 from test_training import read_csv
 
 from lychee_exp.core.config import to_run_config
 from lychee_exp.core.data.budget import plan_epoch
-from lychee_exp.core.devices import plan_devices
-from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.optim import scaled_lr
-from lychee_exp.recipe.trainer import Trainer
 from lychee_exp.testing.equivalence import assert_same_training
 from lychee_exp.testing.jobs import run_job
 
@@ -81,16 +77,9 @@ def test_preflight_refuses_a_budget_smaller_than_a_group(tmp_path):
     assert any("data.max_tokens_per_batch=64 cannot hold one query group" in line for line in lines), lines
 
 
-def _trainer(tmp_path: Path, *overrides: str, env: DistEnv | None = None) -> Trainer:
-    cfg = to_run_config(compose_config([*TINY_RANKS, "logger=none", *overrides], tmp_path))
-    trainer = Trainer(cfg, env or DistEnv(), plan_devices("single", 1, cuda_count=0, cpu_threads_per_rank=1), tmp_path)
-    trainer.setup()
-    return trainer
-
-
 def test_every_packed_row_is_the_budget_wide_and_padded_rows_stay_within_it(tmp_path):
-    packed = _trainer(tmp_path / "packed", *BUDGET)
-    padded = _trainer(tmp_path / "padded", "data.max_tokens_per_batch=3072", "trainer.forward_chunks=1")
+    packed = trainer_for(tmp_path / "packed", *BUDGET)
+    padded = trainer_for(tmp_path / "padded", "data.max_tokens_per_batch=3072", "trainer.forward_chunks=1")
     for trainer in (packed, padded):
         trainer.data.schedule.seek(0, 0)
         batches = list(trainer.data.loader)
@@ -105,7 +94,7 @@ def test_every_packed_row_is_the_budget_wide_and_padded_rows_stay_within_it(tmp_
 
 
 def test_lr_scales_with_the_plans_mean_batch(tmp_path):
-    trainer = _trainer(tmp_path, *BUDGET, "optimizer.lr_scaling=linear", "optimizer.base_batch_size=2")
+    trainer = trainer_for(tmp_path, *BUDGET, "optimizer.lr_scaling=linear", "optimizer.base_batch_size=2")
     plan = trainer.data.schedule.plan(0)
     mean = sum(len(b) for b in plan) / math.ceil(len(plan) / trainer.cfg.trainer.grad_accum_steps)
     assert trainer.facts["effective_batch_size"] == pytest.approx(mean)
@@ -124,50 +113,6 @@ def test_packed_budget_run_has_one_shape_and_logs_queries_and_tokens(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ two gloo ranks
-def _rank_gradients(rank: int, world: int, port: int, out: str, overrides: list[str]) -> None:
-    """One rank: its share of every window of epoch 0, gradients saved per window."""
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        trainer = _trainer(Path(out) / f"rank{rank}", *overrides, env=DistEnv(rank, rank, world))
-        torch.save(_window_gradients(trainer), Path(out) / f"grads{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _window_gradients(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
-    """Every window (optimizer step) of epoch 0: its gradient, before any update."""
-    accum, n = trainer.cfg.trainer.grad_accum_steps, trainer.data.schedule.num_batches(0)
-    result = []
-    for first in range(0, n, accum):
-        trainer.data.schedule.seek(0, first)
-        micro = min(accum, n - first)
-        trainer.step.accumulate(iter(trainer.data.loader), micro, trainer.data.schedule.loss_divisor(first, micro))
-        result.append({k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.requires_grad})
-        trainer.model.zero_grad(set_to_none=True)
-    return result
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _spawned_gradients(tmp_path: Path, overrides: list[str]) -> list[dict[str, torch.Tensor]]:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(
-        _rank_gradients, args=(2, _free_port(), str(tmp_path), overrides), nprocs=2, start_method="spawn"
-    )
-    return [torch.load(tmp_path / f"grads{r}.pt") for r in range(2)]
-
-
 UNEVEN = [*BUDGET, "data.max_train_queries=17", "data.bucket_by_length=true", "data.bucket_pool_batches=2"]
 
 
@@ -176,12 +121,12 @@ def test_two_ranks_give_the_gradient_of_one_process_on_their_union(tmp_path):
     """Rank 0 and rank 1 hold different query counts, and in the last window rank 1 has no share left (its
     dummy batch weighs 0); DDP's averaged gradient must equal one process's over both ranks' micro-batches
     (accumulation 2), per parameter. Dividing by each rank's own count (the mean of rank means) must not."""
-    single = _trainer(tmp_path / "single", *UNEVEN, "trainer.grad_accum_steps=2")
+    single = trainer_for(tmp_path / "single", *UNEVEN, "trainer.grad_accum_steps=2")
     plan = single.data.schedule.plan(0)
     assert len(plan) % 2 == 1  # the last window has one micro-batch: rank 1's share ends first
     uneven = next(w for w in range(len(plan) // 2) if len(plan[2 * w]) != len(plan[2 * w + 1]))  # 4 vs 3 queries
-    want = _window_gradients(single)
-    got = _spawned_gradients(tmp_path, UNEVEN)
+    want = window_gradients(single)
+    got = spawned_gradients(tmp_path, UNEVEN)
     assert len(want) == len(got[0]) == len(got[1]) == (len(plan) + 1) // 2
     for window, reference in enumerate(want):
         ddp = got[0][window]

@@ -62,6 +62,7 @@ class Strategy(Choice):
     single = "single"  # one device
     dp = "dp"  # DataParallel, one process
     ddp = "ddp"  # one process per device
+    fsdp = "fsdp"  # one process per device; parameters, gradients and optimizer state sharded (FSDP2)
 
 
 class Backend(Choice):

@@ -12,9 +12,12 @@ from lychee_exp.core.errors import UserError
 AUTO_FORWARD_CHUNKS = {"cpu": 4, "cuda": 1}
 
 
-def forward_chunk_count(setting, device_type: str) -> int:
-    """trainer.forward_chunks as a number of chunks for this device type; a bad value is a UserError."""
+def forward_chunk_count(setting, device_type: str, strategy: str = "single") -> int:
+    """trainer.forward_chunks as a number of chunks for this device type; a bad value is a UserError. fsdp: 1,
+    since every rank must run the same forwards (core.sharding; other settings are refused by the config)."""
     if setting == "auto":
+        if strategy == "fsdp":
+            return 1
         return AUTO_FORWARD_CHUNKS.get(device_type, 1)
     if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
         raise UserError(f"trainer.forward_chunks must be auto or an integer >= 1, got {setting!r}")

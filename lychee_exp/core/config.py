@@ -207,6 +207,11 @@ class ParallelConfig:
     # in a -m sweep whose trials run in the sweep's own process: DDP ranks stay alive from one trial to the next
     # (fresh model, optimizer, data order, seeds and logger per trial; new ranks after a failed trial)
     warm_ranks: bool = True
+    # parallel=fsdp only: false keeps each block's gathered parameters from its forward to its backward (ZeRO-2-like:
+    # one all-gather per step instead of two, a block's full weights held meanwhile); cpu_offload: sharded
+    # parameters, gradients and optimizer state live in (pinned) CPU memory, the optimizer steps on the CPU
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
 
 
 @dataclass

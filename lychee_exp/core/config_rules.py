@@ -43,6 +43,7 @@ def check_run_config(run_cfg: Any) -> None:
         raise UserError(f"model.lora.dtype must be auto, float32 or model, got {run_cfg.model.lora.dtype!r}")
     _check_packing(run_cfg)
     _check_token_budget(run_cfg)
+    _check_fsdp(run_cfg)
     parse_gpus(run_cfg.gpus)
     forward_chunk_count(run_cfg.trainer.forward_chunks, "cpu")
 
@@ -57,6 +58,22 @@ def _check_packing(cfg: Any) -> None:  # a core.config.RunConfig
         raise UserError(f"data.packing=true needs model.attn_implementation sdpa or eager, got {got}")
     if cfg.parallel.strategy == "dp":
         raise UserError("data.packing=true cannot split a packed row over DataParallel GPUs; use parallel=ddp")
+
+
+def _check_fsdp(cfg: Any) -> None:  # a core.config.RunConfig
+    fsdp = cfg.parallel.strategy == "fsdp"
+    if not fsdp and (cfg.parallel.cpu_offload or not cfg.parallel.reshard_after_forward):
+        key = "cpu_offload" if cfg.parallel.cpu_offload else "reshard_after_forward"
+        raise UserError(f"parallel.{key} shapes sharded training: it needs parallel=fsdp, got {cfg.parallel.strategy}")
+    if not fsdp:
+        return
+    if cfg.trainer.precision == "fp16":
+        raise UserError("trainer.precision=fp16 with parallel=fsdp: use bf16 (no loss scaling over sharded gradients)")
+    if cfg.trainer.forward_chunks not in ("auto", 1):
+        raise UserError(
+            f"trainer.forward_chunks={cfg.trainer.forward_chunks} with parallel=fsdp: every rank must run one forward "
+            "per micro-batch (each gathers parameters from all ranks); use 1 or auto"
+        )
 
 
 def _check_token_budget(cfg: Any) -> None:  # a core.config.RunConfig

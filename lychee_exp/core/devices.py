@@ -19,11 +19,17 @@ if TYPE_CHECKING:
     import torch
 
 MAX_AUTO_CPU_RANKS = 4  # beyond this, gloo CPU ranks mostly add communication
+RANK_STRATEGIES = ("ddp", "fsdp")  # one process per device
+
+
+def rank_strategy(strategy: str) -> str:
+    """The strategy of a run's ranks: fsdp, or ddp (what every other multi-process run is)."""
+    return "fsdp" if strategy == "fsdp" else "ddp"
 
 
 @dataclass(frozen=True)
 class DevicePlan:
-    strategy: str  # parallel.strategy: single | dp | ddp
+    strategy: str  # parallel.strategy: single | dp | ddp | fsdp
     device_type: str  # cuda | cpu
     # devices whose batches make one step: GPUs (dp, ddp on cuda) or CPU ranks (ddp on cpu); 1 for single.
     # metrics.json calls it world_size; DistEnv.world_size is torch's (processes), which differs under dp.
@@ -32,12 +38,13 @@ class DevicePlan:
 
     @property
     def num_processes(self) -> int:
-        return self.num_devices if self.strategy == "ddp" else 1
+        return self.num_devices if self.strategy in RANK_STRATEGIES else 1
 
     def describe(self) -> str:
-        if self.device_type == "cpu" and self.strategy == "ddp":
+        if self.device_type == "cpu" and self.strategy in RANK_STRATEGIES:
+            sharded = ", sharded (fsdp)" if self.strategy == "fsdp" else ""
             return (
-                f"no CUDA GPU: running {self.num_devices} CPU rank(s) with gloo, "
+                f"no CUDA GPU: running {self.num_devices} CPU rank(s) with gloo{sharded}, "
                 f"{self.threads_per_rank} torch thread(s) each"
             )
         unit = "GPU" if self.device_type == "cuda" else "CPU"
@@ -65,7 +72,12 @@ def parse_gpus(gpus: object) -> int | None:
 
 
 def plan_devices(
-    strategy: str, gpus: object, cuda_count: int | None = None, cores: int | None = None, cpu_threads_per_rank: int = 0
+    strategy: str,
+    gpus: object,
+    cuda_count: int | None = None,
+    cores: int | None = None,
+    cpu_threads_per_rank: int = 0,
+    cpu_offload: bool = False,
 ) -> DevicePlan:
     import torch
 
@@ -77,6 +89,8 @@ def plan_devices(
             raise UserError(f"parallel=single uses one device but gpus={gpus}; use parallel=ddp gpus={gpus}")
         threads = 1 if cuda_count else cpu_threads_per_rank or cores
         return DevicePlan("single", "cuda" if cuda_count else "cpu", 1, threads)
+    if cpu_offload and not cuda_count:
+        raise UserError("parallel.cpu_offload=true moves GPU state to CPU memory; CPU ranks hold it there already")
     if strategy == "dp" and not cuda_count:
         raise UserError(
             "parallel=dp needs CUDA GPUs (torch.nn.DataParallel); without them use parallel=ddp, which runs CPU ranks"
@@ -89,7 +103,7 @@ def plan_devices(
             raise UserError(f"gpus={count} but only {cuda_count} CUDA GPU(s) are visible{where}")
         return DevicePlan(strategy, "cuda", count, max(1, cores // count))
     count = max(1, min(cores, MAX_AUTO_CPU_RANKS)) if requested is None else requested
-    return DevicePlan("ddp", "cpu", count, cpu_threads_per_rank or max(1, cores // count))
+    return DevicePlan(rank_strategy(strategy), "cpu", count, cpu_threads_per_rank or max(1, cores // count))
 
 
 def torch_device(device_type: str, index: int = 0) -> torch.device:

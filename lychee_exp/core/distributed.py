@@ -44,8 +44,13 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def wrap_for_training(model: torch.nn.Module, env: DistEnv, plan, find_unused_parameters: bool) -> torch.nn.Module:
-    """DDP across ranks, DataParallel across one process's GPUs, or the model itself."""
+def wrap_for_training(model: torch.nn.Module, env: DistEnv, plan, parallel, precision: str) -> torch.nn.Module:
+    """FSDP2 (core.sharding, in place) or DDP across ranks, DataParallel across one process's GPUs, or the model
+    itself. `parallel`: the run's core.config.ParallelConfig."""
+    if plan.strategy == "fsdp":
+        from lychee_exp.core.sharding import shard_model
+
+        return shard_model(model, parallel, precision, env.device)
     if env.distributed:
         # No buffer here changes in training; syncing buffers would make every forward a synchronisation
         # point (and hide which rank is slow). torch >= 2.13 names the switch forward_sync_buffers.
@@ -56,7 +61,7 @@ def wrap_for_training(model: torch.nn.Module, env: DistEnv, plan, find_unused_pa
         return torch.nn.parallel.DistributedDataParallel(
             model,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
-            find_unused_parameters=find_unused_parameters,
+            find_unused_parameters=parallel.find_unused_parameters,
             gradient_as_bucket_view=True,
             **no_sync,
         )

@@ -27,6 +27,7 @@ from lychee_exp.core.ir.candidates import RerankPairs
 from lychee_exp.core.ir.fusion import interpolate
 from lychee_exp.core.ir.metrics import mean_metrics, per_query_metrics, trec_metrics
 from lychee_exp.core.prompt import PromptEncoder
+from lychee_exp.core.sharding import is_sharded
 
 TOP_K = 10
 log = logging.getLogger(__name__)
@@ -115,7 +116,6 @@ def length_batches(token_ids: Sequence[list[int]], batch_size: int) -> list[list
     return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
 
-@torch.inference_mode()
 def score_sharded(
     model: torch.nn.Module,
     encoder: PromptEncoder,
@@ -127,17 +127,26 @@ def score_sharded(
     progress: Callable[[int], None] = lambda pairs: None,
 ) -> list[float]:
     """Every rank scores every world_size-th batch of length_batches; the scores are all-gathered. Each batch is
-    the same tensor on any number of ranks, so 1 and N ranks give the same scores."""
-    batches = length_batches(token_ids, batch_size)[env.rank :: env.world_size]
+    the same tensor on any number of ranks, so 1 and N ranks give the same scores. A sharded model (parallel=fsdp)
+    gathers its weights from every rank in each forward, so a rank short of a batch forwards its last one again,
+    unrecorded: all ranks run the same number of forwards."""
+    every = length_batches(token_ids, batch_size)
+    batches = every[env.rank :: env.world_size]
+    sharded = is_sharded(model)
+    rounds = -(-len(every) // env.world_size) if sharded else len(batches)
     was_training = model.training
     model.eval()
     mine: list[tuple[int, float]] = []
-    for rows in batches:
-        batch = encoder.pad([token_ids[i] for i in rows])
-        with autocast():
-            logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
-        mine.extend(zip(rows, logits.float().cpu().tolist()))
-        progress(len(rows))
+    # FSDP2 writes its gathered weights in place, which inference tensors forbid: no_grad there
+    with torch.no_grad() if sharded else torch.inference_mode():
+        for turn in range(rounds):
+            rows = batches[min(turn, len(batches) - 1)] if batches else every[0]
+            batch = encoder.pad([token_ids[i] for i in rows])
+            with autocast():
+                logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            if turn < len(batches):
+                mine.extend(zip(rows, logits.float().cpu().tolist()))
+                progress(len(rows))
     model.train(was_training)
     scores = [0.0] * len(token_ids)
     for part in env.gather_objects(mine):

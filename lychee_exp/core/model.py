@@ -98,7 +98,8 @@ class Reranker(nn.Module):
             types = (
                 {} if self.sep_id is None else {"token_type_ids": token_types(input_ids, attention_mask, self.sep_id)}
             )
-            return self.backbone(input_ids=input_ids, attention_mask=attention_mask, **types).logits[:, 0].float()
+            logits = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **types).logits
+            return logits[:, 0].float().clone()  # not a view: FSDP2 hooks the output for its backward
         # Positions count real tokens only, so a left-padded row is computed exactly as it would be alone.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         out = self.backbone(
@@ -129,7 +130,7 @@ class Reranker(nn.Module):
 
     def _answer(self, last: torch.Tensor) -> torch.Tensor:
         if self.score == "yes_logit":
-            return last[:, self.yes_id]
+            return last[:, self.yes_id].clone()  # not a view (as above)
         return last[:, self.yes_id] - last[:, self.no_id]
 
     @torch.inference_mode()

@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lychee_exp.core.config import OptimizerConfig, RunConfig
 from lychee_exp.core.errors import UserError
@@ -94,6 +95,8 @@ def optimizer_step(model: torch.nn.Module, optimizer, scheduler, scaler, cfg: Op
     scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
+    if isinstance(grad_norm, DTensor):  # fsdp: clipped by the norm over every shard; that norm as one tensor
+        grad_norm = grad_norm.full_tensor()
     scaler.step(optimizer)
     scaler.update()
     scheduler.step()

@@ -38,6 +38,12 @@ def write_results(run_cfg: RunConfig, metrics: dict, output_dir: Path, is_main: 
             metrics["effective_batch_size"],
             speedup_note(metrics),
         )
+        if "optimizer_bytes_per_rank" in metrics:  # what each device holds besides activations (fsdp: shards)
+            mib = {key: max(metrics[f"{key}_bytes_per_rank"]) / 2**20 for key in ("param", "grad", "optimizer")}
+            log.info(
+                "state per device: parameters %(param).1f MiB, gradients %(grad).1f MiB, optimizer %(optimizer).1f MiB",
+                mib,
+            )
         log.info("results in %s", output_dir)
 
     return float(metrics.get(run_cfg.optimized_metric, float("nan")))  # nan: trainer.evaluate=false

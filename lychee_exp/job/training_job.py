@@ -71,6 +71,7 @@ def train_job(cfg: DictConfig) -> float:
         run_cfg.parallel.strategy,
         local_ranks() or run_cfg.gpus,
         cpu_threads_per_rank=run_cfg.parallel.cpu_threads_per_rank,
+        cpu_offload=run_cfg.parallel.cpu_offload,
     )
     # the searched (effective) batch stays the same on whatever devices a sweep slot gives the trial; counted over
     # every node's devices (the plan is this node's until the ranks have joined)

@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from lychee_exp.core.config import RunConfig, plain_dict
-from lychee_exp.core.devices import DevicePlan, torch_device
+from lychee_exp.core.devices import RANK_STRATEGIES, DevicePlan, torch_device
 from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.errors import RunFailed, TrainingDiverged
 from lychee_exp.core.inputs import RunInputs
@@ -66,7 +66,7 @@ def launch(
 def _launch(
     cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: str | None, inputs: RunInputs | None, keep_ranks: bool
 ) -> dict:
-    if plan.strategy != "ddp":
+    if plan.strategy not in RANK_STRATEGIES:
         return train_in_process(cfg, plan, output_dir, inputs)
     if under_torchrun():
         return as_rank(cfg, plan, output_dir, inputs)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from lychee_exp.core.config import RunConfig, to_run_config
-from lychee_exp.core.devices import DevicePlan, torch_device
+from lychee_exp.core.devices import DevicePlan, rank_strategy, torch_device
 from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.inputs import RunInputs
 from lychee_exp.launch.failures import note_failure
@@ -89,7 +89,8 @@ def warm_job(env: DistEnv, payload: dict, output_dir: str, log_file: str | None,
             _configure_worker_logging(env.rank, log_file, console if env.is_main else None)
             install_rank_handler(run_dir)
             cfg = to_run_config(payload)
-            plan = DevicePlan("ddp", env.device.type, env.world_size, torch.get_num_threads())
+            strategy = rank_strategy(cfg.parallel.strategy)
+            plan = DevicePlan(strategy, env.device.type, env.world_size, torch.get_num_threads())
             result = train_on_rank(
                 cfg, env, plan, run_dir, hooks=rank_hooks(run_dir, env, trial_number(), cfg.data.batch_size)
             )
@@ -165,7 +166,7 @@ def _worker(
     if device_type == "cpu":
         torch.set_num_threads(threads)
     cfg = to_run_config(payload)
-    plan = DevicePlan("ddp", device_type, int(os.environ["WORLD_SIZE"]), threads)
+    plan = DevicePlan(rank_strategy(cfg.parallel.strategy), device_type, int(os.environ["WORLD_SIZE"]), threads)
     env = init_distributed(device_type, cfg.parallel.backend, cfg.parallel.timeout_s)
     try:
         hooks = rank_hooks(Path(output_dir), env, trial_number(), cfg.data.batch_size)

@@ -39,12 +39,13 @@ def one_device_plan(plan: DevicePlan) -> DevicePlan:
 def one_device_baseline(trainer) -> Baseline | None:
     """The run's one-device figure, the same on every rank (collective): cached, else measured by rank 0 now.
     None when the run is one device itself (its own figure, see run_speedup) or trainer.measure_speedup=false.
-    DataParallel's one process feeds all its GPUs at once, so it has no one-device step to time: cache only."""
+    DataParallel's one process feeds all its GPUs at once, and an FSDP rank computes nothing without the others'
+    shards, so neither has a one-device step to time: cache only (e.g. an earlier parallel=single run's)."""
     cfg, env, plan = trainer.cfg, trainer.env, trainer.plan
     if not cfg.trainer.measure_speedup or run_devices(env, plan) == 1:
         return None
     found = cached_baseline(cfg, one_device_plan(plan)) if env.is_main else None
-    if env.is_main and found is None and plan.strategy != "dp":
+    if env.is_main and found is None and plan.strategy not in ("dp", "fsdp"):
         began = time.perf_counter()
         found = _time_one_device(trainer)
         share = "" if found.cpu_share is None else f" at {100 * found.cpu_share:.0f}% CPU"
@@ -69,7 +70,10 @@ def run_speedup(trainer, samples_per_s: float, run_cpu_share: float | None, base
         if env.is_main:
             store_baseline(cfg, plan, Baseline(samples_per_s, own, run_cpu_share))
         baseline = Baseline(samples_per_s, own)
-    return speedup_facts(samples_per_s, baseline, devices, plan)
+    missing = "trainer.measure_speedup=false"
+    if cfg.trainer.measure_speedup:  # dp and fsdp take a cached figure only (one_device_baseline)
+        missing = f"parallel={plan.strategy} times no one device: run the same settings once with parallel=single"
+    return speedup_facts(samples_per_s, baseline, devices, plan, missing)
 
 
 def _time_one_device(trainer) -> Baseline:

@@ -1,7 +1,8 @@
 """Periodic training checkpoints, written atomically and loaded without unpickling arbitrary objects.
 
 Layout: <run>/checkpoints/step_000120/{model.safetensors, state.pt} and <run>/checkpoints/latest (a file naming
-the newest complete checkpoint). A checkpoint is written into a temporary directory and renamed into place,
+the newest complete checkpoint); a sharded run (fsdp) has shards/ (recipe.sharded_checkpoint) instead of
+model.safetensors and the optimizer's state. A checkpoint is written into a temporary directory and renamed into place,
 then `latest` is replaced atomically: a crash mid-write leaves the previous checkpoint as the latest.
 model.safetensors holds the trainable parameters (all of them, or just LoRA's); state.pt holds optimizer,
 scheduler, scaler, progress and RNG states as tensors and plain containers, read with weights_only=True.
@@ -23,7 +24,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lychee_exp.core.atomic import write_text_atomic
+from lychee_exp.core.sharding import is_sharded
 from lychee_exp.recipe.progress import Progress
+from lychee_exp.recipe.sharded_checkpoint import has_shards, load_shards, save_shards
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +74,29 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().cpu().contiguous().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(output_dir: Path, step: int, model: torch.nn.Module, state: dict, keep: int) -> Path:
-    """Called on the main rank only; `state` holds everything but the weights."""
-    root = checkpoint_root(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}"
+def _tmp_dir(output_dir: Path, step: int) -> Path:
+    return checkpoint_root(output_dir) / f".tmp_step_{step:06d}"
+
+
+def _empty_tmp_dir(output_dir: Path, step: int) -> Path:
+    tmp = _tmp_dir(output_dir, step)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(trainable_state(model), str(tmp / "model.safetensors"))
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def save_checkpoint(output_dir: Path, step: int, model: torch.nn.Module | None, state: dict, keep: int) -> Path:
+    """Called on the main rank only; `state` holds everything but the weights. model=None: the weights are in
+    the step's temporary directory already (shards written by every rank)."""
+    root = checkpoint_root(output_dir)
+    final = root / f"step_{step:06d}"
+    tmp = _empty_tmp_dir(output_dir, step) if model is not None else _tmp_dir(output_dir, step)
+    written = ["state.pt"]
+    if model is not None:
+        save_file(trainable_state(model), str(tmp / "model.safetensors"))
+        written.append("model.safetensors")
     torch.save(state, tmp / "state.pt")
-    for name in ("model.safetensors", "state.pt"):
+    for name in written:
         with open(tmp / name, "rb") as handle:
             os.fsync(handle.fileno())
     shutil.rmtree(final, ignore_errors=True)
@@ -93,7 +108,7 @@ def save_checkpoint(output_dir: Path, step: int, model: torch.nn.Module, state: 
 
 
 def _complete(path: Path) -> bool:
-    return (path / "state.pt").is_file() and (path / "model.safetensors").is_file()
+    return (path / "state.pt").is_file() and ((path / "model.safetensors").is_file() or has_shards(path))
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
@@ -116,10 +131,15 @@ def older_checkpoints(path: Path) -> list[Path]:
     ]
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module) -> dict:
-    """Loads the weights into model and returns the rest of the state (all ranks call this). Both files are
-    read before the model changes: a damaged checkpoint leaves the model as it was."""
+def load_checkpoint(path: Path, training: TrainingState) -> dict:
+    """Loads the weights into the model (a sharded run: and the optimizer state) and returns the rest of the
+    state (all ranks call this). Both files are read before the model changes: a damaged checkpoint leaves the
+    model as it was."""
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    model = training.model
+    if has_shards(path):
+        load_shards(path, model, training.optimizer)
+        return state
     weights = load_file(str(path / "model.safetensors"))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     wanted = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -136,10 +156,16 @@ def save_training_state(output_dir: Path, training: TrainingState, progress: Pro
     and logs the checkpoint's path."""
     env = training.env
     rngs = env.gather_objects(rng_state())
+    sharded = is_sharded(training.model)
+    if sharded:  # every rank writes its shards into the step's temporary directory, emptied by rank 0 first
+        if env.is_main:
+            _empty_tmp_dir(output_dir, progress.step)
+        env.gather_objects(None)
+        save_shards(_tmp_dir(output_dir, progress.step), training.model, training.optimizer)
     if not env.is_main:
         return None
     state = {
-        "optimizer": training.optimizer.state_dict(),
+        **({} if sharded else {"optimizer": training.optimizer.state_dict()}),
         "scheduler": training.scheduler.state_dict(),
         "scaler": training.scaler.state_dict(),
         **{k: getattr(progress, k) for k in ("step", "epoch", "batch", "evaluated_at")},
@@ -147,19 +173,19 @@ def save_training_state(output_dir: Path, training: TrainingState, progress: Pro
         "rng": rngs,
         "world_size": env.world_size,
     }
-    path = save_checkpoint(output_dir, progress.step, training.model, state, keep)
+    path = save_checkpoint(output_dir, progress.step, None if sharded else training.model, state, keep)
     log.info("checkpoint: %s", path)
     return path
 
 
-def load_readable(path: Path, model: torch.nn.Module, fall_back: bool, report: bool) -> tuple[Path, dict]:
+def load_readable(path: Path, training: TrainingState, fall_back: bool, report: bool) -> tuple[Path, dict]:
     """Loads path, or (fall_back) the newest older checkpoint of the run that can be read, reporting each
     unreadable one in one line (e.g. a state.pt truncated by a node that died mid-write outside our atomic
     rename, or a damaged disk). Every rank sees the same files, so all ranks pick the same checkpoint."""
     candidates = [path, *older_checkpoints(path)] if fall_back else [path]
     for candidate in candidates:
         try:
-            return candidate, load_checkpoint(candidate, model)
+            return candidate, load_checkpoint(candidate, training)
         except Exception as err:  # safetensors, zip reader and unpickler errors have no common base
             reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
             if candidate is candidates[-1]:
@@ -188,13 +214,14 @@ def restore_training_state(path: Path, training: TrainingState) -> Progress:
     continue from, with the checkpoint it came from as its source."""
     in_a_run = path.parent.name == CHECKPOINT_DIR  # a step directory of a run: its older ones may stand in
     env = training.env
-    path, state = load_readable(path, training.model, fall_back=in_a_run, report=env.is_main)
+    path, state = load_readable(path, training, fall_back=in_a_run, report=env.is_main)
     if state["world_size"] != env.world_size:
         raise ValueError(
             f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
             f"{env.world_size}; resume with the same gpus"
         )
-    training.optimizer.load_state_dict(state["optimizer"])
+    if "optimizer" in state:  # else restored with the shards
+        training.optimizer.load_state_dict(state["optimizer"])
     training.scheduler.load_state_dict(state["scheduler"])
     training.scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"][env.rank])

@@ -12,6 +12,7 @@ import torch
 from lychee_exp.core.chunks import length_chunks, padded_slots
 from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.packing import HOST_KEYS
+from lychee_exp.core.sharding import gradient_sync
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STATS = ("loss_sum", "tokens", "queries", "distill_sum", "padded")  # the order of accumulate()'s statistics
@@ -64,11 +65,11 @@ class WindowStep:
             inputs = next(batches)
             computed = time.perf_counter()
             wait += computed - fetched
-            # DDP all-reduces gradients on the window's last backward only
+            # DDP all-reduces (FSDP reduce-scatters) gradients on the window's last backward only
             sync = micro == micro_steps - 1 or not env.distributed
             kwargs, batch_tokens, batch_slots = self._model_inputs(inputs)
             teacher = inputs.get("teacher_scores")
-            with contextlib.nullcontext() if sync else self.train_model.no_sync(), self.autocast():
+            with gradient_sync(self.train_model, sync), self.autocast():
                 logits = self.train_model(self._to_device(inputs["input_ids"]), **kwargs)
                 per_query, distill = self.loss_fn(logits, None if teacher is None else self._to_device(teacher))
             busy += time.perf_counter() - computed

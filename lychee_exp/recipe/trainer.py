@@ -26,7 +26,7 @@ from lychee_exp.core.distributed import DistEnv, wrap_for_training
 from lychee_exp.core.inputs import RunInputs, load_inputs
 from lychee_exp.core.levers import apply_levers, resolved_model_config
 from lychee_exp.core.losses import build_loss
-from lychee_exp.core.model import count_parameters, load_reranker, save_reranker
+from lychee_exp.core.model import count_parameters, load_reranker
 from lychee_exp.core.optim import build_optimizer, optimizer_step, scaled_lr
 from lychee_exp.core.packing import packed_attention_path_of
 from lychee_exp.core.seeding import seed_everything
@@ -34,6 +34,7 @@ from lychee_exp.recipe.baseline_phase import one_device_baseline, run_speedup
 from lychee_exp.recipe.checkpoint import TrainingState, restore_training_state, resume_path, save_training_state
 from lychee_exp.recipe.pending import PendingSteps
 from lychee_exp.recipe.progress import NO_HOOKS, Progress, StepFigures, StepHooks
+from lychee_exp.recipe.saving import save_model
 from lychee_exp.recipe.step import WindowStep
 from lychee_exp.recipe.train_data import TrainData, build_train_data
 from lychee_exp.tracking.backends import NullLogger, run_logger
@@ -67,7 +68,7 @@ class Trainer:
         self.device = env.device
         self.num_devices = plan.num_devices  # devices whose batches make one step (DDP ranks or DP GPUs)
         # built by setup()
-        self.tokenizer = self.encoder = self.model = self.train_model = self.precision = None
+        self.tokenizer = self.encoder = self.model = self.train_model = self.precision = self.model_cfg = None
         self.data: TrainData | None = None
         self.lr, self.optimizer, self.scheduler, self.warmup_steps, self.scaler = 0.0, None, None, 0, None
         self.loss_fn = self.resume_from = self.step = self.baseline = None  # baseline: recipe.baseline_phase's
@@ -107,13 +108,13 @@ class Trainer:
 
     def _setup_model(self, inputs: RunInputs) -> None:
         self.tokenizer, self.encoder = inputs.tokenizer, inputs.encoder
-        model_cfg = resolved_model_config(self.cfg, self.encoder, self.device)  # gradient_checkpointing: auto
+        model_cfg = self.model_cfg = resolved_model_config(self.cfg, self.encoder, self.device)
         model = load_reranker(model_cfg, self.encoder, self.cfg.seed, packing=self.cfg.data.packing, training=True)
         self.model = model.to(self.device)
         self.precision = resolve_precision(self.cfg.trainer.precision, self.device)
         apply_levers(self.model, model_cfg, self.precision, self.device)
         self.attention = packed_attention_path_of(self.cfg, self.device, self.precision)  # stops without varlen
-        self.train_model = wrap_for_training(self.model, self.env, self.plan, self.cfg.parallel.find_unused_parameters)
+        self.train_model = wrap_for_training(self.model, self.env, self.plan, self.cfg.parallel, self.precision)
 
     def _setup_optimizer(self) -> None:
         self.lr = scaled_lr(self.cfg, self.num_devices, self.data.schedule.mean_step_queries())
@@ -121,7 +122,7 @@ class Trainer:
             self.cfg.optimizer, self.model, self.lr, self.data.total_steps
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-        self.forward_chunks = forward_chunk_count(self.cfg.trainer.forward_chunks, self.device.type)
+        self.forward_chunks = forward_chunk_count(self.cfg.trainer.forward_chunks, self.device.type, self.plan.strategy)
         self.step = WindowStep(
             self.train_model, self.loss_fn, self.scaler, self.precision, self.env, self.forward_chunks
         )
@@ -251,7 +252,7 @@ class Trainer:
         """The run's metrics: its summary, setup facts, throughput over all ranks, times and speedup."""
         env, summary = self.env, progress.summary
         self._read_steps()
-        throughput = summarize(env.gather_objects(timer.rank_record(self.device)))
+        throughput = summarize(env.gather_objects(timer.rank_record(self.device, self.model, self.optimizer)))
         # kernels (and cuDNN's attention plans) are chosen per input shape: fewer shapes, fewer plans
         summary["distinct_shapes"] = len(set().union(*env.gather_objects(self.step.shapes)))
         summary.update(self.facts, **throughput, steps=progress.step, epochs=progress.epoch, stopped_early=self.stopped)
@@ -289,12 +290,11 @@ class Trainer:
     def _training_state(self) -> TrainingState:
         return TrainingState(self.model, self.optimizer, self.scheduler, self.scaler, self.env)
 
-    # ------------------------------------------------------------------------------------------------ save
-    def save(self) -> None:
-        if self.env.is_main and self.cfg.trainer.save_model:
-            data = self.cfg.data
-            mix = {"teacher_weight": data.teacher_weight, "teacher": dataclasses.asdict(data.dense)}
-            save_reranker(self.model, self.tokenizer, self.cfg.model, self.output_dir / "model", mix)
+    # ----------------------------------------------------------------------------------------- save, cleanup
+    def save(self) -> None:  # every rank: under fsdp they gather the weights
+        if self.cfg.trainer.save_model:
+            parts = (self.model_cfg, self.encoder, self.tokenizer, self.cfg, self.env)
+            save_model(self.model, self.output_dir / "model", *parts)
 
     def cleanup(self) -> None:
         self.logger.finish()

@@ -154,11 +154,18 @@ def store_baseline(cfg: RunConfig, plan: DevicePlan, baseline: Baseline) -> bool
     return True
 
 
-def speedup_facts(samples_per_s: float, baseline: Baseline | None, devices: int, plan: DevicePlan) -> dict:
+def speedup_facts(
+    samples_per_s: float,
+    baseline: Baseline | None,
+    devices: int,
+    plan: DevicePlan,
+    missing: str = "trainer.measure_speedup=false",
+) -> dict:
     """The run's speedup figures: `speedup` and `scaling_efficiency` when the baseline is reliable and the
-    ratio possible, else none of them and `speedup_status` saying why. `devices`: every device of the run."""
+    ratio possible, else none of them and `speedup_status` saying why. `devices`: every device of the run;
+    `missing`: why there is no baseline, when there is none."""
     if baseline is None:
-        return {"speedup_status": "unmeasured: no one-device baseline (trainer.measure_speedup=false)"}
+        return {"speedup_status": f"unmeasured: no one-device baseline ({missing})"}
     facts = {"baseline_samples_per_s": baseline.samples_per_s, "speedup_baseline": one_device_description(plan)}
     if baseline.cpu_share is not None:
         facts["baseline_cpu_share"] = baseline.cpu_share

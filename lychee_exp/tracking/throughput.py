@@ -16,6 +16,7 @@ from lychee_exp.core.config import RunConfig
 from lychee_exp.core.devices import DevicePlan
 from lychee_exp.core.distributed import DistEnv, device_name
 from lychee_exp.core.optim import effective_batch_size
+from lychee_exp.core.sharding import state_bytes
 from lychee_exp.tracking.keys import HISTORY
 from lychee_exp.tracking.speedup import cpu_share
 
@@ -68,11 +69,13 @@ class StepTimer:
             ):
                 self.sums[key] += value
 
-    def rank_record(self, device: torch.device) -> dict:
+    def rank_record(self, device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """This rank's sums, peak memory, CPU share and its bytes of training state (shards under fsdp)."""
         # GPU steps leave the CPU waiting by design: a CPU share says something on CPU ranks only
         threads = torch.get_num_threads()
         share = cpu_share(self.sums["cpu"], self.sums["time"], threads) if device.type == "cpu" else None
-        return {**self.sums, "peak_memory_mb": peak_memory_mb(device), "cpu_share": share}
+        memory = state_bytes(model, optimizer)
+        return {**self.sums, "peak_memory_mb": peak_memory_mb(device), "cpu_share": share, **memory}
 
 
 def setup_facts(
@@ -167,6 +170,10 @@ def summarize(per_rank: list[dict]) -> dict:
         "data_wait_share": sum(r["wait"] / r["time"] if r["time"] else 0.0 for r in per_rank) / len(per_rank),
         "rank_time_spread": max(busy) / min(busy) if min(busy) > 0 else 1.0,
         "peak_memory_mb_per_rank": [r["peak_memory_mb"] for r in per_rank],
+        # each rank's bytes of parameters, gradients and optimizer state (core.sharding.state_bytes), and the largest
+        # as a scalar for W&B and TensorBoard
+        **{f"{key}_per_rank": [r[key] for r in per_rank] for key in main if key.endswith("_bytes")},
+        **{key: max(r[key] for r in per_rank) for key in main if key.endswith("_bytes")},
         **({"train_cpu_share": main["cpu_share"]} if main.get("cpu_share") is not None else {}),
     }
 
