@@ -151,6 +151,14 @@ def test_blocks_are_found_in_every_preset_kind():
     assert transformer_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2))) == []
 
 
+def test_cpu_offload_without_cuda_is_one_line():
+    from lychee_exp.core.devices import plan_devices
+
+    with pytest.raises(UserError, match="parallel.cpu_offload=true moves GPU state to CPU memory"):
+        plan_devices("fsdp", 2, cuda_count=0, cpu_offload=True)
+    assert plan_devices("fsdp", 2, cuda_count=0).strategy == "fsdp"
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -160,14 +168,6 @@ def test_blocks_are_found_in_every_preset_kind():
         (["parallel=fsdp", "trainer.precision=fp16"], "fp16 with parallel=fsdp: use bf16"),
     ],
 )
-def test_cpu_offload_without_cuda_is_one_line():
-    from lychee_exp.core.devices import plan_devices
-
-    with pytest.raises(UserError, match="parallel.cpu_offload=true moves GPU state to CPU memory"):
-        plan_devices("fsdp", 2, cuda_count=0, cpu_offload=True)
-    assert plan_devices("fsdp", 2, cuda_count=0).strategy == "fsdp"
-
-
 def test_what_fsdp_cannot_do_is_one_line_before_any_process(compose_cfg, tmp_path, overrides, message):
     with pytest.raises(UserError, match=message) as info:
         to_run_config(compose_cfg(overrides, tmp_path))
