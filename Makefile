@@ -1,13 +1,14 @@
 # make run   - set up .venv if needed, then train the built-in default job (MiniLM on the sample set, CPU)
 # make test  - set up .venv if needed, then run the whole test suite (slow tests included)
+# make test-fast - the tests not marked slow, on 2 pytest-xdist workers
 # make lint  - ruff: lint rules and the formatting check (what CI runs before the tests)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
-# make test runs test files on this many pytest-xdist workers, one file per worker at a time (module fixtures are
-# built once); 2 fills a 2-core machine, where one process leaves a core idle 40% of the time. 0 = one process
+# make test-fast runs test files on this many pytest-xdist workers, a file per worker at a time (module fixtures
+# built once); 0 = one process. make test runs serially: docs/development.md "The suite's time budget" says why
 TEST_WORKERS ?= 2
-XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+XDIST = -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: setup run test test-fast lint clean
 setup: $(VENV)/.installed
@@ -19,7 +20,7 @@ run: setup
 	$(PY) -m lychee_exp.run $(ARGS)
 
 test: setup
-	$(PY) -m pytest $(XDIST) $(ARGS)
+	$(PY) -m pytest $(ARGS)
 
 test-fast: setup
 	$(PY) -m pytest $(XDIST) -m "not slow" $(ARGS)

@@ -79,16 +79,6 @@ TINY_RANKS = [
 torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Longest files first, so that make test's workers (pytest-xdist, one file at a time, in this order) end
-    together instead of one starting the default job last: files of slow tests only, then files holding a slow
-    test, then the rest. Files stay whole and keep their order within each group."""
-    slow: dict[Path, list[bool]] = {}
-    for item in items:
-        slow.setdefault(item.path, []).append(item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: 0 if all(slow[item.path]) else 1 if any(slow[item.path]) else 2)
-
-
 @pytest.fixture(autouse=True)
 def _fresh_inputs_cache():
     """lychee_exp.core.inputs keeps the last inputs a process read: each test starts without them."""

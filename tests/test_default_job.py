@@ -10,9 +10,7 @@ import sys
 
 import pytest
 
-# the whole job: about 6 minutes on 2 cores alone, longer beside make test's other worker (the suite's 900 s
-# per-test limit would cut it)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = pytest.mark.slow
 
 
 def test_default_job_improves_ndcg(tmp_path):

@@ -26,8 +26,10 @@ from lychee_exp.testing.jobs import run_job
 WINDOW = ["trainer.grad_accum_steps=2", "trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.eval_every=3"]
 FSDP = [*TINY_DDP, *WINDOW, "parallel=fsdp", "gpus=2", "data.batch_size=1"]
 SINGLE = [*TINY_DDP, *WINDOW, "parallel=single", "gpus=1", "data.batch_size=2"]
-# no LoRA dropout: the ranks' and the process's random streams differ
+# Lychee's recipe: LoRA with activation checkpointing inside each sharded block; no LoRA dropout: the ranks' and
+# the process's random streams differ
 LORA = ["model.lora.enabled=true", "model.lora.dropout=0", "model.lora.r=8", "model.lora.alpha=16"]
+LORA += ["model.gradient_checkpointing=true"]
 TUNING = {"full": [], "lora": LORA}
 
 
