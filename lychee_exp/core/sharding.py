@@ -88,13 +88,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """This rank's bytes of parameters, gradients (one per trainable parameter, as backward fills them) and
     optimizer state: the tensors' own sizes, shards under fsdp."""
-    params = [_local(p) for p in model.parameters()]
-    trainable = [_local(p) for p in model.parameters() if p.requires_grad]
-    state = [_local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+    def size(tensors) -> int:
+        return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {
-        "param_bytes": sum(t.numel() * t.element_size() for t in params),
-        "grad_bytes": sum(t.numel() * t.element_size() for t in trainable),
-        "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
+        "param_bytes": size(model.parameters()),
+        "grad_bytes": size(p for p in model.parameters() if p.requires_grad),
+        "optimizer_bytes": size(state),
     }
 
 

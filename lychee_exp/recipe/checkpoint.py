@@ -134,7 +134,8 @@ def older_checkpoints(path: Path) -> list[Path]:
 def load_checkpoint(path: Path, training: TrainingState) -> dict:
     """Loads the weights into the model (a sharded run: and the optimizer state) and returns the rest of the
     state (all ranks call this). Both files are read before the model changes: a damaged checkpoint leaves the
-    model as it was."""
+    model as it was. Shards are read into the model's own tensors, so a damaged sharded checkpoint may leave
+    part of them written: the next candidate loaded overwrites every trained weight and the optimizer state."""
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     model = training.model
     if has_shards(path):
