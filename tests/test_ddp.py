@@ -12,9 +12,11 @@ import pytest
 from conftest import run_metrics, warm_ranks_kept
 from ddp_helpers import TINY_DDP, run_losses, start_cli
 
+from lychee_exp.core.config import to_run_config
 from lychee_exp.core.errors import RunFailed
+from lychee_exp.core.memory_plan import plan_memory
 from lychee_exp.testing.equivalence import assert_same_training
-from lychee_exp.testing.jobs import run_job
+from lychee_exp.testing.jobs import compose_job, run_job
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +108,10 @@ def test_metrics_record_the_parallel_setup(five_quick_runs):
     assert m["train_samples_per_s"] > 0 and 0 <= m["data_wait_share"] < 1 and m["rank_time_spread"] >= 1
     assert len(m["peak_memory_mb_per_rank"]) == 2 and min(m["peak_memory_mb_per_rank"]) > 0
     assert (run_dir / "logs").is_dir() and list((run_dir / "logs").glob("**/1/stderr.log"))
+    # every rank holds the whole state, as `python -m lychee_exp.plan` says before the run
+    plan = plan_memory(to_run_config(compose_job(QUICK_DDP, run_dir)), 2, "fp32", checkpointing=False)
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+        assert plan.per_rank(key) == m[f"{key}_per_rank"] and len(set(m[f"{key}_per_rank"])) == 1, key
 
 
 def test_five_runs_in_one_process(five_quick_runs):

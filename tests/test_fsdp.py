@@ -18,9 +18,10 @@ from gradient_helpers import spawned_gradients, trainer_for, window_gradients
 
 from lychee_exp.core.config import to_run_config
 from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.core.memory_plan import plan_memory
 from lychee_exp.core.sharding import transformer_blocks
 from lychee_exp.testing.equivalence import assert_same_training
-from lychee_exp.testing.jobs import run_job
+from lychee_exp.testing.jobs import compose_job, run_job
 
 # 2 ranks x 1 query x accumulation 2 against 1 process x 2 queries x accumulation 2: 4 queries a step either way
 WINDOW = ["trainer.grad_accum_steps=2", "trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.eval_every=3"]
@@ -69,14 +70,20 @@ def test_fsdp_trains_as_one_process(runs, tuning):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tuning", list(TUNING))
-def test_each_rank_holds_half_the_state(runs, tuning):
-    """Parameters, gradients and AdamW state per rank: the tensors' own sizes, shards under fsdp."""
+def test_each_rank_holds_half_the_state(runs, tuning, tmp_path):
+    """Parameters, gradients and AdamW state per rank: the tensors' own sizes, shards under fsdp; and exactly what
+    `python -m lychee_exp.plan` says before the run (core.memory_plan, from the model on the meta device)."""
     m_fsdp, m_single = run_metrics(runs[tuning, "fsdp"]), run_metrics(runs[tuning, "single"])
     for key in ("param_bytes_per_rank", "grad_bytes_per_rank", "optimizer_bytes_per_rank"):
         (whole,), shards = m_single[key], m_fsdp[key]
         assert len(shards) == 2 and whole > 0, key
         # dim-0 shards of odd-sized tensors differ by a row; AdamW's step counters are not sharded (4 bytes each)
         assert all(0.49 * whole < shard < 0.51 * whole for shard in shards), (key, shards, whole)
+    for overrides, devices, measured in ((FSDP, 2, m_fsdp), (SINGLE, 1, m_single)):
+        cfg = to_run_config(compose_job([*overrides, *TUNING[tuning]], tmp_path))
+        plan = plan_memory(cfg, devices, "fp32", checkpointing=False)
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert plan.per_rank(key) == measured[f"{key}_per_rank"], (key, devices)
     if tuning == "lora":  # the frozen base is sharded too
         assert m_single["param_bytes_per_rank"][0] > 2 * m_single["grad_bytes_per_rank"][0]
 

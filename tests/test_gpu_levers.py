@@ -13,7 +13,8 @@ from test_levers import draw_lora_b
 
 from lychee_exp.core.config import OptimizerConfig, to_run_config
 from lychee_exp.core.inputs import load_inputs
-from lychee_exp.core.levers import apply_levers, resolve_checkpointing
+from lychee_exp.core.levers import apply_levers
+from lychee_exp.core.memory_plan import resolve_checkpointing
 from lychee_exp.core.model import load_reranker
 from lychee_exp.core.optim import adamw
 from lychee_exp.core.seeding import seed_everything

@@ -12,7 +12,7 @@ PACKAGE = Path(lychee_exp.__file__).resolve().parent
 # Lower to higher: a module may import its own layer and lower ones (lychee_exp/__init__.py and each
 # subpackage's docstring say the same). The entry points are the top-level modules users run.
 LAYERS = ["core", "tracking", "recipe", "launch", "job", "sweep", "entry", "testing", "bench"]
-ENTRY_POINTS = {"run", "report", "dashboard", "mine", "rerank"}
+ENTRY_POINTS = {"run", "report", "dashboard", "mine", "rerank", "plan"}
 SUBPACKAGE_DOCS = [
     "core",
     "core.data",

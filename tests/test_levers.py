@@ -20,7 +20,8 @@ from lychee_exp.core.devices import plan_devices
 from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.inputs import load_inputs
-from lychee_exp.core.levers import activation_bytes, apply_levers, resolve_checkpointing
+from lychee_exp.core.levers import apply_levers
+from lychee_exp.core.memory_plan import activation_bytes, resolve_checkpointing
 from lychee_exp.core.model import load_reranker
 from lychee_exp.core.optim import adamw
 from lychee_exp.recipe.trainer import Trainer

@@ -172,7 +172,7 @@ def test_checkpointing_auto_decides_from_the_budget(tmp_path, monkeypatch):
     import re
 
     from lychee_exp.core.inputs import load_inputs
-    from lychee_exp.core.levers import resolve_checkpointing
+    from lychee_exp.core.memory_plan import resolve_checkpointing
 
     common = ["model.gradient_checkpointing=auto", "model.dtype=bfloat16", "model.prompt.max_len=2048"]
     fixed = to_run_config(compose_config([*TINY_RANKS, *common, "data.batch_size=8"], tmp_path / "fixed"))

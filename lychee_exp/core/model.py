@@ -218,7 +218,7 @@ def load_reranker(
         # Non-reentrant checkpointing works with frozen (LoRA) inputs without enable_input_require_grads.
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora.enabled:
-        backbone = _add_lora(backbone, cfg)
+        backbone = add_lora(backbone, cfg)
     yes_id, no_id = answer_token_ids(cfg, encoder)
     return Reranker(backbone, cfg.kind, yes_id, no_id, cfg.score, getattr(encoder, "sep_id", None))
 
@@ -233,7 +233,7 @@ def answer_token_ids(cfg: ModelConfig, encoder: PromptEncoder) -> tuple[int | No
     return yes_id, encoder.single_token_id("model.prompt.no_token", cfg.prompt.no_token)
 
 
-def _add_lora(backbone: nn.Module, cfg: ModelConfig) -> nn.Module:
+def add_lora(backbone: nn.Module, cfg: ModelConfig) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     names = {name.rsplit(".", 1)[-1] for name, _ in backbone.named_modules()}

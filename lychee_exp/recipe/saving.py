@@ -26,7 +26,7 @@ def save_model(
 ) -> None:
     """Called on every rank; the main rank writes. A sharded model (fsdp) is gathered once into an unsharded copy
     on the main rank (collective), so model/ loads exactly as a DDP run's does. `model_cfg`: the model config the
-    run resolved (core.levers.resolved_model_config)."""
+    run resolved (core.memory_plan.resolved_model_config)."""
     if is_sharded(model):
         build = functools.partial(load_reranker, model_cfg, encoder, cfg.seed, training=True)
         model = unsharded_copy(model, build, env.is_main)

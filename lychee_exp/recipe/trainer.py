@@ -24,8 +24,9 @@ from lychee_exp.core.config import RunConfig
 from lychee_exp.core.devices import DevicePlan, resolve_precision
 from lychee_exp.core.distributed import DistEnv, wrap_for_training
 from lychee_exp.core.inputs import RunInputs, load_inputs
-from lychee_exp.core.levers import apply_levers, resolved_model_config
+from lychee_exp.core.levers import apply_levers
 from lychee_exp.core.losses import build_loss
+from lychee_exp.core.memory_plan import resolved_model_config
 from lychee_exp.core.model import count_parameters, load_reranker
 from lychee_exp.core.optim import build_optimizer, optimizer_step, scaled_lr
 from lychee_exp.core.packing import packed_attention_path_of
@@ -72,8 +73,7 @@ class Trainer:
         self.data: TrainData | None = None
         self.lr, self.optimizer, self.scheduler, self.warmup_steps, self.scaler = 0.0, None, None, 0, None
         self.loss_fn = self.resume_from = self.step = self.baseline = None  # baseline: recipe.baseline_phase's
-        self.forward_chunks = 1
-        self.facts: dict = {}
+        self.forward_chunks, self.facts = 1, {}
         self.logger = NullLogger()
         # state of fit()
         self.eval_time_s = self.eval_cpu_s = 0.0

@@ -82,9 +82,9 @@ def pairs(cfg, warmup: int, timed: int) -> tuple[list[dict], object, tuple[int, 
 
 
 def own_checkpointing(cfg, encoder, rows: list[dict], device: torch.device) -> tuple[bool, str]:
-    """HF's checkpointing from its own need: core.levers' rule for `auto` with HF's rows per step at the widest
+    """HF's checkpointing from its own need: core.memory_plan's rule for `auto` with HF's rows per step at the widest
     row of the run (the widest batch it pads to) and peft's float32 adapter path."""
-    from lychee_exp.core.levers import resolve_checkpointing
+    from lychee_exp.core.memory_plan import resolve_checkpointing
 
     widest = max(len(r["input_ids"]) for r in rows)
     model = dataclasses.replace(

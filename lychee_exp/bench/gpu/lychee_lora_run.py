@@ -15,7 +15,7 @@ from lychee_exp.bench.gpu.profile import StepProfiler
 from lychee_exp.bench.gpu.timing import BatchLog, WindowClock, peak_memory, window_figures
 from lychee_exp.bench.gpu.weights import starting_point
 from lychee_exp.core.config import DataConfig, RunConfig, to_run_config
-from lychee_exp.core.levers import resolve_checkpointing
+from lychee_exp.core.memory_plan import resolve_checkpointing
 
 FIRST_LOSSES = 5
 # The one place that lists the recipe options every lychee_exp run of the check trains with: the `lychee_lora`
@@ -90,9 +90,9 @@ def shape_of(cfg: RunConfig) -> tuple[Shape, int]:
 
 
 def estimated_activations(cfg: RunConfig, encoder, checkpointing: bool) -> int:
-    from lychee_exp.core.levers import activation_bytes, model_shape, prompt_width
+    from lychee_exp.core.memory_plan import activation_bytes, model_shape, prompt_width
 
-    tokens = cfg.data.batch_size * cfg.data.train_group_size * prompt_width(encoder)
+    tokens = cfg.data.batch_size * cfg.data.train_group_size * prompt_width(encoder.prompt, encoder.template_len)
     return activation_bytes(model_shape(cfg.model), cfg.model, tokens, checkpointing, "bf16")
 
 
