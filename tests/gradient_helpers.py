@@ -3,6 +3,7 @@ update: what test_token_budget (DDP) and test_fsdp (FSDP2, gradients gathered fr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -56,9 +57,30 @@ def _rank_gradients(rank: int, world: int, port: int, out: str, overrides: list[
     try:
         env = DistEnv(rank, rank, world)
         trainer = trainer_for(Path(out) / f"rank{rank}", *overrides, env=env, strategy=strategy)
-        torch.save(window_gradients(trainer), Path(out) / f"grads{rank}.pt")
+        with _counted_reductions() as reductions:
+            grads = window_gradients(trainer)
+        torch.save({"grads": grads, "reductions": reductions}, Path(out) / f"grads{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _counted_reductions():
+    """Counts FSDP2's gradient reductions (foreach_reduce: one reduce-scatter of one sharded module's gradients):
+    a list whose length is the count."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as groups
+
+    calls, reduce = [], groups.foreach_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return reduce(*args, **kwargs)
+
+    groups.foreach_reduce = counted
+    try:
+        yield calls
+    finally:
+        groups.foreach_reduce = reduce
 
 
 def _free_port() -> int:
@@ -69,6 +91,11 @@ def _free_port() -> int:
 
 def spawned_gradients(tmp_path: Path, overrides: list[str], strategy: str = "single") -> list[list[dict]]:
     """Each of 2 ranks' window_gradients (DDP: averaged over ranks; fsdp: the gathered full gradients)."""
+    return [rank["grads"] for rank in spawned_windows(tmp_path, overrides, strategy)]
+
+
+def spawned_windows(tmp_path: Path, overrides: list[str], strategy: str = "single") -> list[dict]:
+    """Each of 2 ranks' {"grads": window_gradients, "reductions": how many FSDP2 gradient reductions ran}."""
     import torch.multiprocessing as mp
 
     args = (2, _free_port(), str(tmp_path), overrides, strategy)

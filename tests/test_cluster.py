@@ -116,12 +116,14 @@ def test_requeue_pins_the_run_directory():
 
 
 # ------------------------------------------------------------------------------------------- two "nodes"
-def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp, monkeypatch):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp, monkeypatch, strategy):
     """Also the speedup baseline phase in ranks torchrun started: it runs (nothing cached) and leaves the
-    training equal to the in-process run's, which had it off."""
+    training equal to the in-process run's, which had it off. fsdp: its shards over both agents train as DDP does,
+    and no baseline is timed inside a sharded launch (the status says why)."""
     run_dir, port = tmp_path / "run", free_port()
     monkeypatch.setenv("LYCHEE_BASELINE_FILE", str(tmp_path / "baselines.json"))
-    args = [*TINY_MULTI, f"hydra.run.dir={run_dir}"]
+    args = [*TINY_MULTI, f"parallel={strategy}", f"hydra.run.dir={run_dir}"]
     args += ["trainer.global_batch_size=4"]  # 2 x 2 ranks over both agents: accumulation 1, as the reference
     agents = [
         subprocess.Popen(
@@ -146,19 +148,23 @@ def test_two_torchrun_agents_match_in_process_ddp(tmp_path, in_process_ddp, monk
     _assert_same_training(run_dir, in_process_ddp)
     m = run_metrics(run_dir)
     # one rank per agent: each takes the share of the cores the in-process rule gives one local rank
-    assert m["cpu_threads_per_rank"] == available_cores()
+    assert m["cpu_threads_per_rank"] == available_cores() and m["strategy"] == strategy
+    if strategy == "fsdp":
+        assert len(m["optimizer_bytes_per_rank"]) == 2 and "speedup" not in m, m.get("speedup_status")
+        return
     # nothing cached: rank 0 timed one device itself; a figure, or the reason there is none, on one line
     assert m["baseline_samples_per_s"] > 0 and ("speedup" in m) == (m["speedup_status"] == "measured")
     assert m.get("speedup", 0.0) <= 2 and m["speedup_status"].startswith(("measured", "unreliable"))
     assert sum("samples/s on 2 device(s)" in line and "speedup" in line for line in outputs[0].splitlines()) == 1
 
 
-def test_faked_slurm_nodes_match_in_process_ddp(tmp_path, in_process_ddp, monkeypatch):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_faked_slurm_nodes_match_in_process_ddp(tmp_path, in_process_ddp, monkeypatch, strategy):
     run_dir, port = tmp_path / "run", free_port()
     monkeypatch.setenv("LYCHEE_BASELINE_FILE", str(tmp_path / "baselines.json"))
     args = [
         *TINY_MULTI,
-        "parallel=ddp",
+        f"parallel={strategy}",
         "gpus=1",
         "parallel.cpu_threads_per_rank=1",
         f"hydra.run.dir={run_dir}",
@@ -170,7 +176,7 @@ def test_faked_slurm_nodes_match_in_process_ddp(tmp_path, in_process_ddp, monkey
     assert [n.returncode for n in nodes] == [0, 0], [out[-3000:] for out in outputs]
     _assert_same_training(run_dir, in_process_ddp)
     m = run_metrics(run_dir)
-    assert m["num_processes"] == 2 and m["cpu_threads_per_rank"] == 1
+    assert m["num_processes"] == 2 and m["cpu_threads_per_rank"] == 1 and m["strategy"] == strategy
     assert m["speedup"] == pytest.approx(m["train_samples_per_s"] / 1000.0)  # the cached baseline
 
 

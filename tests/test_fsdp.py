@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import run_metrics, warm_ranks_kept
 from ddp_helpers import TINY_DDP, run_losses
-from gradient_helpers import spawned_gradients, trainer_for, window_gradients
+from gradient_helpers import spawned_windows, trainer_for, window_gradients
 
 from lychee_exp.core.config import to_run_config
 from lychee_exp.core.errors import RunFailed, UserError
@@ -117,15 +117,18 @@ def test_model_dir_loads_with_transformers(runs, tuning):
 
 @pytest.mark.slow
 def test_fsdp_gradients_are_one_process_gradients_per_parameter(tmp_path):
-    """Token-budget packed batches of uneven query counts, accumulation 2 on each rank (one reduce-scatter per
-    window): every
-    parameter's gradient gathered from the shards equals one process's on the union of the ranks' batches."""
+    """Token-budget packed batches of uneven query counts, accumulation 2 on each rank: one reduce-scatter per
+    sharded module and window, not per micro-batch; every parameter's gradient gathered from the shards equals one
+    process's on the union of the ranks' batches."""
     uneven = ["data.max_tokens_per_batch=2048", "data.packing=true", "data.max_train_queries=17"]
     uneven += ["data.bucket_by_length=true", "data.bucket_pool_batches=2"]
     # a window: 2 ranks x 2 micro-batches, the same 4 micro-batches in one process
     want = window_gradients(trainer_for(tmp_path / "single", *uneven, "trainer.grad_accum_steps=4"))
-    got = spawned_gradients(tmp_path, [*uneven, "trainer.grad_accum_steps=2"], strategy="fsdp")
+    ranks = spawned_windows(tmp_path, [*uneven, "trainer.grad_accum_steps=2"], strategy="fsdp")
+    got = [rank["grads"] for rank in ranks]
     assert len(want) == len(got[0]) == len(got[1]) > 1
+    # the tiny Qwen2's 2 decoder layers and the root: 3 sharded modules, each reduced once per window
+    assert [len(rank["reductions"]) for rank in ranks] == [3 * len(want)] * 2
     for window, reference in enumerate(want):
         assert reference.keys() == got[0][window].keys()
         for name, grad in reference.items():
