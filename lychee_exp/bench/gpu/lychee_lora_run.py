@@ -89,11 +89,16 @@ def shape_of(cfg: RunConfig) -> tuple[Shape, int]:
     return shape, lora
 
 
-def estimated_activations(cfg: RunConfig, encoder, checkpointing: bool) -> int:
-    from lychee_exp.core.memory_plan import activation_bytes, model_shape, prompt_width
+def planned(cfg: RunConfig, encoder, checkpointing: bool) -> dict:
+    """core.memory_plan's figures for this run (`python -m lychee_exp.plan`), to read beside peak_memory_mb: the
+    activations it estimates and the whole peak (state + activations), in GiB, before its x1.3 margin."""
+    from lychee_exp.core.memory_plan import GIB, plan_memory
 
-    tokens = cfg.data.batch_size * cfg.data.train_group_size * prompt_width(encoder.prompt, encoder.template_len)
-    return activation_bytes(model_shape(cfg.model), cfg.model, tokens, checkpointing, "bf16")
+    plan = plan_memory(cfg, 1, "bf16", checkpointing, encoder)
+    return {
+        "estimated_activation_gib": round(plan.activation_bytes / GIB, 2),
+        "planned_peak_gib": round(plan.peak_bytes / GIB, 2),
+    }
 
 
 def attention_record(decided: str, device: torch.device) -> dict:
@@ -178,8 +183,7 @@ def run(spec: dict, out: Path) -> dict:
             "system": "lychee_exp",
             "fingerprints": started_from,
             "checkpointing_why": why,
-            # core.levers' estimate behind gradient_checkpointing=auto, to read beside peak_memory_mb
-            "estimated_activation_gib": round(estimated_activations(cfg, trainer.encoder, checkpointing) / 2**30, 2),
+            **planned(cfg, trainer.encoder, checkpointing),
             "first_losses": [round(float(x), 5) for x in losses],
             "gradient_checkpointing": checkpointing,
             "packing": bool(getattr(cfg.data, "packing", False)),
