@@ -15,7 +15,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.ir.commands import (
     MineConfig,
     check_mine_config,
@@ -26,8 +25,8 @@ from lychee_exp.core.ir.commands import (
 from lychee_exp.core.ir.mining import MineSummary
 from lychee_exp.core.ir.pipeline import mine_to_file, open_split
 from lychee_exp.core.model_card import check_trained_head
-from lychee_exp.core.outputs import interrupted_line, staged_output
-from lychee_exp.run import command_config, ctrl_c_raises, fail_as_one_line, stop_interrupted
+from lychee_exp.core.outputs import staged_output
+from lychee_exp.run import run_output_command
 
 log = logging.getLogger("lychee_exp.mine")
 
@@ -75,14 +74,7 @@ def _mine_into(cfg: MineConfig, out: Path) -> MineSummary:
 
 def main(argv: list[str] | None = None) -> None:
     register_ir_schemas()
-    cfg = command_config("mine", argv, MineConfig)
-    try:
-        ctrl_c_raises()
-        mine_command(cfg)
-    except (UserError, RunFailed) as err:
-        fail_as_one_line(err)
-    except KeyboardInterrupt:
-        stop_interrupted(interrupted_line(cfg.out))
+    run_output_command("mine", argv, MineConfig, mine_command)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from lychee_exp.core.atomic import write_json_atomic, write_text_atomic
 from lychee_exp.core.devices import DevicePlan, plan_devices
-from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.ir.beir import dataset_dir, split_names
 from lychee_exp.core.ir.commands import RerankConfig, check_rerank_config, command_inputs, register_ir_schemas
 from lychee_exp.core.ir.dense import DenseConfig, corpus_embeddings
@@ -27,8 +26,8 @@ from lychee_exp.core.ir.first_stage import retrieve
 from lychee_exp.core.ir.pipeline import open_split
 from lychee_exp.core.ir.trec import write_run
 from lychee_exp.core.model_card import card_ranking, check_trained_head
-from lychee_exp.core.outputs import interrupted_line, staged_output
-from lychee_exp.run import command_config, ctrl_c_raises, fail_as_one_line, stop_interrupted
+from lychee_exp.core.outputs import staged_output
+from lychee_exp.run import run_output_command
 
 log = logging.getLogger("lychee_exp.rerank")
 KEYS = ("ndcg@10", "mrr@10", "map")
@@ -110,14 +109,7 @@ def _rerank_into(cfg: RerankConfig, out: Path) -> tuple[dict, dict]:
 
 def main(argv: list[str] | None = None) -> None:
     register_ir_schemas()
-    cfg = command_config("rerank", argv, RerankConfig)
-    try:
-        ctrl_c_raises()
-        rerank_command(cfg)
-    except (UserError, RunFailed) as err:
-        fail_as_one_line(err)
-    except KeyboardInterrupt:
-        stop_interrupted(interrupted_line(cfg.out))
+    run_output_command("rerank", argv, RerankConfig, rerank_command)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Callable
 
 import hydra
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
@@ -94,6 +95,21 @@ def command_config(config_name: str, argv: list[str] | None, schema: type):
     except OmegaConfBaseException as err:
         print(f"error: {err.full_key or 'config'}: {str(err).splitlines()[0]}", file=sys.stderr)
     sys.exit(2)
+
+
+def run_output_command(config_name: str, argv: list[str] | None, schema: type, command: Callable) -> None:
+    """A command that writes into its `out=` (mine, rerank): its typed config, then command(cfg); a user mistake
+    or a failed run ends as one line, and Ctrl-C as one line saying what `out=` was left as."""
+    from lychee_exp.core.outputs import interrupted_line
+
+    cfg = command_config(config_name, argv, schema)
+    try:
+        ctrl_c_raises()
+        command(cfg)
+    except (UserError, RunFailed) as err:
+        fail_as_one_line(err)
+    except KeyboardInterrupt:
+        stop_interrupted(interrupted_line(cfg.out))
 
 
 def fail_as_one_line(err: Exception) -> None:

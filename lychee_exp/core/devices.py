@@ -114,10 +114,26 @@ def torch_device(device_type: str, index: int = 0) -> torch.device:
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
+    """precision=auto: bf16 on GPUs that have it, else fp16; on a CPU, bf16 where its matrix units compute bf16
+    natively (the default job trains 1.8x faster on such a 2-core machine, docs/configuration.md), else fp32."""
     if precision != "auto":
         return precision
     if device.type != "cuda":
-        return "fp32"
+        return "bf16" if cpu_computes_bf16() else "fp32"
     import torch
 
     return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+# x86 CPU flags of native bf16 matrix instructions (Zen 4+, Cooper Lake, Sapphire Rapids' AMX); without them
+# oneDNN emulates bf16, slower than fp32
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_computes_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    try:
+        with open(cpuinfo, encoding="utf-8") as handle:
+            flags = next((line for line in handle if line.startswith("flags")), "")
+    except OSError:  # no /proc (macOS, Windows): fp32
+        return False
+    return not NATIVE_BF16_FLAGS.isdisjoint(flags.partition(":")[2].split())

@@ -13,6 +13,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from lychee_exp.core.devices import resolve_precision
 from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.evaluate import score_sharded
 from lychee_exp.core.ir.candidates import build_rerank_pairs
@@ -23,6 +24,7 @@ from lychee_exp.core.ir.metrics import mean_metrics, per_query_metrics, per_quer
 from lychee_exp.core.ir.pipeline import dense_teacher, open_split
 from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
 from lychee_exp.core.seeding import seed_everything
+from lychee_exp.recipe.step import AMP_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +38,14 @@ def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
     pairs = build_rerank_pairs(corpus, split, first, encoder, instruction, "first_stage", cfg.top_k)
     seed_everything(cfg.seed, deterministic=True)
     model = load_reranker(cfg.model, encoder, cfg.seed).to(env.device)
-    # bf16 autocast on GPUs that have it (the in-loop evaluation's precision=auto); the CPU scores in fp32
+    # the in-loop evaluation's precision=auto, so that a run's dev figures and rerank's agree: bf16 (or fp16) on
+    # GPUs, bf16 on CPUs that compute it natively, else fp32
+    precision = resolve_precision("auto", env.device)
     autocast = contextlib.nullcontext
-    if env.device.type == "cuda":
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if precision != "fp32":
 
         def autocast():
-            return torch.autocast("cuda", dtype=dtype)
+            return torch.autocast(env.device.type, dtype=AMP_DTYPES[precision])
 
     show = env.is_main and cfg.progress_bar and sys.stderr.isatty()
     # rank 0's bar counts its own pairs times the ranks: every rank scores about as many

@@ -14,7 +14,7 @@ from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.packing import HOST_KEYS
 from lychee_exp.core.sharding import gradient_sync
 
-_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STATS = ("loss_sum", "tokens", "queries", "distill_sum", "padded")  # the order of accumulate()'s statistics
 _PACKED_KEYS = ("position_ids", "cu_seqlens", "last_index")
 
@@ -28,7 +28,7 @@ class WindowStep:
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=_AMP_DTYPES[self.precision])
+        return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.precision])
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         # pinned by the DataLoader on CUDA, so the copy does not wait for the device
