@@ -30,6 +30,26 @@ def test_gpu_count_checks():
     assert plan_devices("single", 1, cuda_count=0, cores=2, cpu_threads_per_rank=1).threads_per_rank == 1
 
 
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ("fpu avx2 avx512f avx512_bf16 avx512_vnni", "bf16"),
+        ("fpu amx_bf16 amx_tile", "bf16"),
+        ("fpu avx2 avx512f", "fp32"),
+    ],
+)
+def test_auto_precision_on_a_cpu_is_bf16_only_where_it_computes_bf16_natively(tmp_path, monkeypatch, flags, expected):
+    """AVX-512 without its bf16 instructions emulates bf16 (slower than fp32): such a CPU stays fp32."""
+    from lychee_exp.core import devices
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(devices.cpu_computes_bf16, "__defaults__", (str(cpuinfo),))
+    assert devices.resolve_precision("auto", torch.device("cpu")) == expected
+    assert devices.resolve_precision("fp32", torch.device("cpu")) == "fp32"  # what the user pins stays
+    assert devices.cpu_computes_bf16(str(tmp_path / "absent")) is False  # no /proc (macOS, Windows)
+
+
 def test_dp_without_cuda_is_one_line(tmp_path):
     """The job stops with a user error before any training (the CLI's exit 2 and one line for a user error are
     tested once, in tests/test_data.py and tests/test_config.py: here in-process, without a subprocess)."""

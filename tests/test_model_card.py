@@ -149,8 +149,10 @@ def test_model_path_loads_its_weights_under_a_random_init_preset(tiny_dir, tmp_p
     # and rerank scores with them, naming the path it loaded
     root, out = fruit_dataset(tmp_path / "fruit"), tmp_path / "out"
     args = ["model=tiny_lychee", f"model.path={tiny_dir}", "model.score=yes_logit", "top_k=3", "split=test"]
+    # fp32: the scores to the last digit (auto scores in bf16 on a CPU that computes it natively)
+    args.append("precision=fp32")
     metrics = rerank_command(rerank_cfg(*args, f"dataset={root}", f"out={out}", "progress_bar=false"))
-    assert metrics["model_path"] == str(tiny_dir)
+    assert metrics["model_path"] == str(tiny_dir) and metrics["precision"] == "fp32"
     first = (out / "run.trec").read_text().splitlines()[0].split()
     from lychee_exp.core.ir.pipeline import open_split
 

@@ -67,7 +67,9 @@ def test_a_cross_encoder_from_sentence_transformers_reranks_as_its_authors_score
         made.model.classifier.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
     made.save(str(tmp_path / "ce"))
     root, out = long_fruit_dataset(tmp_path / "fruit"), tmp_path / "out"
-    rerank_main([f"dataset={root}", f"out={out}", f"model.path={tmp_path / 'ce'}", "top_k=4", "progress_bar=false"])
+    # precision=fp32 as CrossEncoder.predict scores (auto scores in bf16 on a CPU that computes it natively)
+    args = [f"dataset={root}", f"out={out}", f"model.path={tmp_path / 'ce'}", "top_k=4", "precision=fp32"]
+    rerank_main([*args, "progress_bar=false"])
     rows = [line.split() for line in (out / "run.trec").read_text().splitlines()]
     corpus, split = open_split(str(root), "test")
     theirs = st.CrossEncoder(str(tmp_path / "ce"), activation_fn=torch.nn.Identity(), device="cpu").predict(

@@ -47,7 +47,7 @@ class Schedule(Choice):
 
 
 class Precision(Choice):
-    auto = "auto"  # fp32 on CPU, bf16 on GPUs that support it, else fp16
+    auto = "auto"  # bf16 on GPUs that support it, else fp16; bf16 on CPUs that compute it natively, else fp32
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"

@@ -186,6 +186,8 @@ class TrainerConfig:
     # padding computed, the same logits (with data.bucket_by_length: what a long-tailed length mix wants).
     # auto: per device type, as measured (lychee_exp.core.chunks.AUTO_FORWARD_CHUNKS)
     forward_chunks: Any = "auto"
+    # auto: bf16 on GPUs that have it, else fp16; bf16 on CPUs that compute it natively, else fp32
+    # (lychee_exp.core.devices.resolve_precision); fp32/bf16/fp16 pin it
     precision: Precision = Precision.auto
     log_every: int = at_least(1, 10)
     progress_bar: bool = True

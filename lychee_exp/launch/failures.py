@@ -68,10 +68,18 @@ def lost_nodes(nodes: NodeSpec, notes: Path, rank: int, message: str) -> str:
     )
 
 
+# A rank whose peer died waits this long before it exits: the agent reports the one rank it sees exit first, and a
+# rank killed by a signal writes no note to correct that, so the killed rank must be seen first.
+COLLATERAL_GRACE_S = 1.0
+
+
 def note_failure(output_dir: Path, rank: int, message: str) -> None:
     """Each failing rank writes when and why at once, before any teardown: the launcher then names the rank
-    that failed first, not one that the agent happened to see exit first."""
+    that failed first, not one that the agent happened to see exit first. A rank failing for a peer's sake
+    then waits COLLATERAL_GRACE_S (the agent stops it sooner once it has seen the peer end)."""
     notes = output_dir / FAILURE_NOTES
     notes.mkdir(parents=True, exist_ok=True)
     (notes / f"rank{rank}.txt").write_text(f"{time.time():.6f}\t{message}\n")
     (notes / f"node{os.environ.get('SLURM_NODEID', '0')}").touch()  # this node was alive to write a note
+    if collateral(message):
+        time.sleep(COLLATERAL_GRACE_S)

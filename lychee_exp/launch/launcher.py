@@ -37,6 +37,7 @@ from lychee_exp.core.inputs import RunInputs
 from lychee_exp.launch.cluster import NodeSpec, slurm_nodes, under_torchrun
 from lychee_exp.launch.failures import FAILURE_NOTES, collateral, failure_kind, first_cause, lost_nodes, with_notes
 from lychee_exp.launch.preemption import PreemptionWatch
+from lychee_exp.launch.rank_start import rank_start
 from lychee_exp.launch.ranks import PASSED_ENV, WARM_LOGS, as_rank, warm_init, warm_job, worker
 from lychee_exp.launch.step_hooks import rank_hooks
 from lychee_exp.launch.warm_ranks import RankSetup, RanksFailed, close_warm_ranks, warm_ranks
@@ -108,7 +109,7 @@ def _elastic_launch(
         # a restarted attempt continues from the latest checkpoint (trainer.checkpoint_every) of this run
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="auto"))
     payload = plain_dict(cfg)
-    args = (payload, str(output_dir), plan.threads_per_rank, plan.device_type, log_file, os.getpid())
+    args = (payload, str(output_dir), plan.threads_per_rank, plan.device_type, log_file)
     results = run_ranks(worker, args, plan, output_dir, cfg.parallel.max_restarts, nodes)
     return results[min(results)]  # rank 0's metrics (every rank returns the same; other nodes lack rank 0)
 
@@ -116,11 +117,14 @@ def _elastic_launch(
 def run_ranks(
     entrypoint: Callable, args: tuple, plan: DevicePlan, output_dir: Path, max_restarts: int = 0, nodes=None
 ) -> dict[int, Any]:
-    """Starts plan.num_devices ranks of entrypoint(*args) with torch's elastic agent (c10d rendezvous on a free
-    local port, per-rank logs in <output_dir>/logs, rank 0's teed) and returns each local rank's result. A
-    failed rank stops the others and becomes one RunFailed line naming it and its log."""
+    """Starts plan.num_devices ranks of entrypoint(*args, parent) with torch's elastic agent (c10d rendezvous on a
+    free local port, per-rank logs in <output_dir>/logs, rank 0's teed; parent: launch.rank_start.RankParent) and
+    returns each local rank's result. A failed rank stops the others and becomes one RunFailed line naming it
+    and its log."""
     log_dir = output_dir / "logs"
     nnodes = nodes.nnodes if nodes else 1
+    os.environ[QUIET_CTRL_C_ENV] = "1"  # the ranks end silently on Ctrl-C: this process says the one line
+    start_method, parent = rank_start(plan.device_type)
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
@@ -131,7 +135,7 @@ def run_ranks(
         max_restarts=max_restarts,
         rdzv_configs={"is_host": nodes.node_rank == 0} if nodes else {},
         monitor_interval=0.2,
-        start_method="spawn",
+        start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL}),
         log_line_prefix_template="[rank${rank}] ",
     )
@@ -140,9 +144,8 @@ def run_ranks(
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # its own level (WARNING): "Received 2 death signal, shutting down workers" would add a line to Ctrl-C's one
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
-    os.environ[QUIET_CTRL_C_ENV] = "1"  # the ranks end silently on Ctrl-C: this process says the one line
     try:
-        return elastic_launch(config, entrypoint)(*args)
+        return elastic_launch(config, entrypoint)(*args, parent)
     except SignalException as err:
         _stop_on_signal(err)
     except ChildFailedError as err:

@@ -27,6 +27,7 @@ from lychee_exp.core.inputs import RunInputs
 from lychee_exp.launch.failures import note_failure
 from lychee_exp.launch.preemption import install_rank_handler
 from lychee_exp.launch.processes import die_with_parent, one_line
+from lychee_exp.launch.rank_start import RankParent
 from lychee_exp.launch.step_hooks import rank_hooks
 from lychee_exp.launch.warm_ranks import RankSetup
 from lychee_exp.recipe.rank_training import train_on_rank
@@ -150,16 +151,16 @@ def _configure_worker_logging(rank: int, log_file: str | None, console: TextIO |
 
 
 def worker(
-    payload: dict, output_dir: str, threads: int, device_type: str, log_file: str | None, agent_pid: int
+    payload: dict, output_dir: str, threads: int, device_type: str, log_file: str | None, parent: RankParent
 ) -> dict:
-    """Entry point of each spawned rank (top level, so that spawn can import it); agent_pid: its parent's."""
-    return record(_worker)(payload, output_dir, threads, device_type, log_file, agent_pid)
+    """Entry point of each rank the elastic agent starts (top level, so that spawn can import it)."""
+    return record(_worker)(payload, output_dir, threads, device_type, log_file, parent)
 
 
 def _worker(
-    payload: dict, output_dir: str, threads: int, device_type: str, log_file: str | None, agent_pid: int
+    payload: dict, output_dir: str, threads: int, device_type: str, log_file: str | None, parent: RankParent
 ) -> dict:
-    die_with_parent(agent_pid)
+    parent.adopt()
     install_rank_handler(Path(output_dir))
     rank = int(os.environ["RANK"])
     _configure_worker_logging(rank, log_file)

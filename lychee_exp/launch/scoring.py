@@ -18,7 +18,8 @@ from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.ir.commands import RerankConfig, rerank_config_from
 from lychee_exp.launch.failures import note_failure
 from lychee_exp.launch.launcher import run_ranks
-from lychee_exp.launch.processes import die_with_parent, one_line
+from lychee_exp.launch.processes import one_line
+from lychee_exp.launch.rank_start import RankParent
 from lychee_exp.launch.ranks import init_distributed
 from lychee_exp.recipe.rank_reranking import rerank_on_rank
 
@@ -36,17 +37,17 @@ def launch_rerank(cfg: RerankConfig, plan: DevicePlan, output_dir: Path) -> dict
             torch.set_num_threads(threads)
     log.info(plan.describe())
     payload = dataclasses.asdict(cfg)
-    args = (payload, str(output_dir), plan.threads_per_rank, plan.device_type, os.getpid())
+    args = (payload, str(output_dir), plan.threads_per_rank, plan.device_type)
     return run_ranks(rerank_worker, args, plan, output_dir)[0]
 
 
-def rerank_worker(payload: dict, output_dir: str, threads: int, device_type: str, agent_pid: int) -> dict:
-    """Entry point of each spawned rank (top level, so that spawn can import it)."""
-    return record(_rerank_worker)(payload, output_dir, threads, device_type, agent_pid)
+def rerank_worker(payload: dict, output_dir: str, threads: int, device_type: str, parent: RankParent) -> dict:
+    """Entry point of each rank the elastic agent starts (top level, so that spawn can import it)."""
+    return record(_rerank_worker)(payload, output_dir, threads, device_type, parent)
 
 
-def _rerank_worker(payload: dict, output_dir: str, threads: int, device_type: str, agent_pid: int) -> dict:
-    die_with_parent(agent_pid)
+def _rerank_worker(payload: dict, output_dir: str, threads: int, device_type: str, parent: RankParent) -> dict:
+    parent.adopt()
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK") == "0" else logging.WARNING)
     if device_type == "cpu":
         torch.set_num_threads(threads)

@@ -38,9 +38,7 @@ def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
     pairs = build_rerank_pairs(corpus, split, first, encoder, instruction, "first_stage", cfg.top_k)
     seed_everything(cfg.seed, deterministic=True)
     model = load_reranker(cfg.model, encoder, cfg.seed).to(env.device)
-    # the in-loop evaluation's precision=auto, so that a run's dev figures and rerank's agree: bf16 (or fp16) on
-    # GPUs, bf16 on CPUs that compute it natively, else fp32
-    precision = resolve_precision("auto", env.device)
+    precision = resolve_precision(str(cfg.precision), env.device)
     autocast = contextlib.nullcontext
     if precision != "fp32":
 
@@ -75,6 +73,7 @@ def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
     run = runs[""]
     counts = {
         "pairs": len(scores),
+        "precision": precision,
         "ranks": env.world_size,
         "queries": len(split.query_ids),  # asked
         "queries_scored": sum(1 for docs in first.values() if docs),  # with at least one candidate

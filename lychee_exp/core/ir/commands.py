@@ -12,7 +12,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from lychee_exp.core.choices import RankBy, Sampling, Stemmer
+from lychee_exp.core.choices import Precision, RankBy, Sampling, Stemmer
 from lychee_exp.core.config import ModelConfig, ParallelConfig
 from lychee_exp.core.config_rules import at_least, check_bounds
 from lychee_exp.core.errors import UserError
@@ -79,6 +79,9 @@ class RerankConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     gpus: Any = 1  # ranks (GPUs, or CPU processes without CUDA); parallel=ddp gpus=N
     batch_size: int = at_least(1, 64)  # pairs per forward pass, batched by length
+    # auto: as a run's evaluation scores (trainer.precision=auto), so that its dev figures and rerank's agree: bf16
+    # (or fp16) on GPUs, bf16 on CPUs that compute it natively, else fp32; fp32 for scores to the last digit
+    precision: Precision = Precision.auto
     instruction: Optional[str] = None  # overrides model.prompt.default_instruction
     seed: int = 42
     progress_bar: bool = True

@@ -1,0 +1,58 @@
+"""How the elastic agent starts a run's ranks, and what a rank takes from the process that launched it.
+
+CUDA ranks are spawned: each is a fresh interpreter, so no CUDA state can be inherited. CPU ranks are forked from
+a forkserver that imported the rank modules (torch, transformers, the recipe) once: a process that launches run
+after run (a notebook, a benchmark, the test suite) pays those imports (about 3 s a rank here) once instead of
+at every launch. A forkserver, unlike its launcher, keeps the environment and working directory of its own
+start, possibly several launches ago, so a rank first takes the launcher's as they were at its launch
+(`RankParent.adopt`), keeping what the agent set for it (RANK, MASTER_PORT, ...).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from dataclasses import dataclass
+from multiprocessing import forkserver
+
+from lychee_exp.launch.processes import die_with_parent
+
+# what every CPU rank imports: the forkserver imports them once (lychee_exp.launch.ranks: training; scoring: rerank)
+RANK_MODULES = ["lychee_exp.launch.ranks", "lychee_exp.launch.scoring"]
+_server_environ: dict[int, dict[str, str]] = {}  # forkserver pid -> the environment it started with
+
+
+@dataclass(frozen=True)
+class RankParent:
+    """What a rank needs of its launcher: its parent's pid (orphan protection) and, forked from the forkserver,
+    the launcher's environment and working directory at the launch."""
+
+    pid: int | None
+    environ: dict[str, str] | None = None
+    server_environ: dict[str, str] | None = None
+    cwd: str | None = None
+
+    def adopt(self) -> None:
+        die_with_parent(self.pid)
+        if self.environ is None:
+            return
+        # what differs from the forkserver's own start is what the agent set for this rank
+        agent = {k: v for k, v in os.environ.items() if self.server_environ.get(k) != v}
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.environ.update(agent)
+        os.chdir(self.cwd)
+
+
+def rank_start(device_type: str) -> tuple[str, RankParent]:
+    """The start method for a launch's ranks and what they take from this process."""
+    server = getattr(forkserver, "_forkserver", None)
+    if device_type != "cpu" or server is None or not hasattr(server, "_forkserver_pid"):
+        return "spawn", RankParent(os.getpid())
+    multiprocessing.set_forkserver_preload(RANK_MODULES)
+    server.ensure_running()  # (re)starts it if it is not running, with this process's environment as it is now
+    pid = server._forkserver_pid
+    if pid not in _server_environ:
+        _server_environ.clear()
+        _server_environ[pid] = dict(os.environ)
+    return "forkserver", RankParent(pid, dict(os.environ), _server_environ[pid], os.getcwd())
