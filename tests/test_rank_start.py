@@ -1,5 +1,6 @@
 """CPU ranks come from a forkserver started at an earlier launch: each takes its launcher's environment and
-directory as they are at its own launch, and keeps what the elastic agent set for it."""
+directory as they are at its own launch, and keeps what the elastic agent set for it. That a forked rank ends
+with its killed launcher: tests/test_cluster.py's killed node (its rank would train on, and the other node hang)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def test_a_forked_rank_takes_the_launchers_environment_of_now_and_keeps_the_agen
     agent = {"RANK": "1", "MASTER_PORT": "29500", "OMP_NUM_THREADS": "1"}
     monkeypatch.setattr(os, "environ", {**server, **agent})  # what a fork of the forkserver sees after the agent
     monkeypatch.setattr(rank_start, "die_with_parent", lambda pid: None)
-    RankParent(os.getpid(), launcher, server, str(tmp_path)).adopt()
+    RankParent(os.getpid(), launcher, server, str(tmp_path), launcher_pid=os.getpid()).adopt()
     assert os.environ == {**launcher, "RANK": "1", "MASTER_PORT": "29500"}
     assert os.getcwd() == str(tmp_path)
 
@@ -31,3 +32,4 @@ def test_cuda_ranks_are_spawned_and_cpu_ranks_forked_from_one_server():
     _, second = rank_start.rank_start("cpu")
     assert first.pid == second.pid != os.getpid()  # the same server serves every launch of this process
     assert first.server_environ is second.server_environ and second.environ == dict(os.environ)
+    assert second.launcher_pid == os.getpid()  # what a forked rank watches: the forkserver outlives a killed launcher

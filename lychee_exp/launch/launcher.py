@@ -124,27 +124,27 @@ def run_ranks(
     log_dir = output_dir / "logs"
     nnodes = nodes.nnodes if nodes else 1
     os.environ[QUIET_CTRL_C_ENV] = "1"  # the ranks end silently on Ctrl-C: this process says the one line
-    start_method, parent = rank_start(plan.device_type)
-    config = LaunchConfig(
-        min_nodes=nnodes,
-        max_nodes=nnodes,
-        nproc_per_node=plan.num_devices,
-        run_id=nodes.run_id if nodes else f"lychee-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0",
-        max_restarts=max_restarts,
-        rdzv_configs={"is_host": nodes.node_rank == 0} if nodes else {},
-        monitor_interval=0.2,
-        start_method=start_method,
-        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL}),
-        log_line_prefix_template="[rank${rank}] ",
-    )
-    shutil.rmtree(output_dir / FAILURE_NOTES, ignore_errors=True)  # notes of an earlier attempt in this dir
-    # The agent logs each failure with a full dump; the one line below (with the rank's log) replaces it.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    # its own level (WARNING): "Received 2 death signal, shutting down workers" would add a line to Ctrl-C's one
-    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
     try:
+        start_method, parent = rank_start(plan.device_type)
+        config = LaunchConfig(
+            min_nodes=nnodes,
+            max_nodes=nnodes,
+            nproc_per_node=plan.num_devices,
+            run_id=nodes.run_id if nodes else f"lychee-{uuid.uuid4().hex[:12]}",
+            rdzv_backend="c10d",
+            rdzv_endpoint=nodes.endpoint if nodes else "127.0.0.1:0",
+            max_restarts=max_restarts,
+            rdzv_configs={"is_host": nodes.node_rank == 0} if nodes else {},
+            monitor_interval=0.2,
+            start_method=start_method,
+            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL}),
+            log_line_prefix_template="[rank${rank}] ",
+        )
+        shutil.rmtree(output_dir / FAILURE_NOTES, ignore_errors=True)  # notes of an earlier attempt in this dir
+        # The agent logs each failure with a full dump; the one line below (with the rank's log) replaces it.
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        # its own level (WARNING): "Received 2 death signal, shutting down workers" would add a line to Ctrl-C's one
+        logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
         return elastic_launch(config, entrypoint)(*args, parent)
     except SignalException as err:
         _stop_on_signal(err)

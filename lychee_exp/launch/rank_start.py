@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from multiprocessing import forkserver
 
@@ -25,23 +29,51 @@ _server_environ: dict[int, dict[str, str]] = {}  # forkserver pid -> the environ
 @dataclass(frozen=True)
 class RankParent:
     """What a rank needs of its launcher: its parent's pid (orphan protection) and, forked from the forkserver,
-    the launcher's environment and working directory at the launch."""
+    the launcher's pid, environment and working directory at the launch."""
 
     pid: int | None
     environ: dict[str, str] | None = None
     server_environ: dict[str, str] | None = None
     cwd: str | None = None
+    launcher_pid: int | None = None
 
     def adopt(self) -> None:
         die_with_parent(self.pid)
         if self.environ is None:
             return
+        # the forkserver, this rank's parent, outlives a killed launcher while its ranks run: watch the launcher
+        threading.Thread(target=_exit_when_gone, args=(self.launcher_pid,), name="launcher-watch", daemon=True).start()
         # what differs from the forkserver's own start is what the agent set for this rank
         agent = {k: v for k, v in os.environ.items() if self.server_environ.get(k) != v}
         os.environ.clear()
         os.environ.update(self.environ)
         os.environ.update(agent)
         os.chdir(self.cwd)
+
+
+def _exit_when_gone(pid: int) -> None:
+    """Ends this process (SIGKILL, as PR_SET_PDEATHSIG would) once process `pid` has ended."""
+    try:
+        handle = os.pidfd_open(pid)  # Linux 5.3+: readable once the process ends
+    except ProcessLookupError:
+        handle = None  # ended already
+    except (AttributeError, OSError):  # no pidfd: poll
+        while _alive(pid):
+            time.sleep(1.0)
+        handle = None
+    if handle is not None:
+        select.select([handle], [], [])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def rank_start(device_type: str) -> tuple[str, RankParent]:
@@ -55,4 +87,4 @@ def rank_start(device_type: str) -> tuple[str, RankParent]:
     if pid not in _server_environ:
         _server_environ.clear()
         _server_environ[pid] = dict(os.environ)
-    return "forkserver", RankParent(pid, dict(os.environ), _server_environ[pid], os.getcwd())
+    return "forkserver", RankParent(pid, dict(os.environ), _server_environ[pid], os.getcwd(), os.getpid())
