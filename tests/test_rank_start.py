@@ -18,6 +18,7 @@ def test_a_forked_rank_takes_the_launchers_environment_of_now_and_keeps_the_agen
     agent = {"RANK": "1", "MASTER_PORT": "29500", "OMP_NUM_THREADS": "1"}
     monkeypatch.setattr(os, "environ", {**server, **agent})  # what a fork of the forkserver sees after the agent
     monkeypatch.setattr(rank_start, "die_with_parent", lambda pid: None)
+    monkeypatch.chdir(os.getcwd())  # adopt() changes directory: back to this one after the test
     RankParent(os.getpid(), launcher, server, str(tmp_path), launcher_pid=os.getpid()).adopt()
     assert os.environ == {**launcher, "RANK": "1", "MASTER_PORT": "29500"}
     assert os.getcwd() == str(tmp_path)

@@ -23,7 +23,7 @@ from lychee_exp.launch.processes import die_with_parent
 
 # what every CPU rank imports: the forkserver imports them once (lychee_exp.launch.ranks: training; scoring: rerank)
 RANK_MODULES = ["lychee_exp.launch.ranks", "lychee_exp.launch.scoring"]
-_server_environ: dict[int, dict[str, str]] = {}  # forkserver pid -> the environment it started with
+_server: tuple[int, dict[str, str]] | None = None  # the forkserver's pid and the environment it started with
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,6 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -83,8 +81,8 @@ def rank_start(device_type: str) -> tuple[str, RankParent]:
         return "spawn", RankParent(os.getpid())
     multiprocessing.set_forkserver_preload(RANK_MODULES)
     server.ensure_running()  # (re)starts it if it is not running, with this process's environment as it is now
-    pid = server._forkserver_pid
-    if pid not in _server_environ:
-        _server_environ.clear()
-        _server_environ[pid] = dict(os.environ)
-    return "forkserver", RankParent(pid, dict(os.environ), _server_environ[pid], os.getcwd(), os.getpid())
+    global _server
+    if _server is None or _server[0] != server._forkserver_pid:  # started just now
+        _server = (server._forkserver_pid, dict(os.environ))
+    pid, server_environ = _server
+    return "forkserver", RankParent(pid, dict(os.environ), server_environ, os.getcwd(), os.getpid())
