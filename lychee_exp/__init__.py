@@ -20,8 +20,9 @@ def _started_as_command() -> bool:
 
 
 def _interrupted_while_starting(signum, frame) -> None:
-    _sys.stderr.write("interrupted (Ctrl-C) while starting; nothing written\n")
-    _os._exit(128 + _signal.SIGINT)
+    what = "interrupted (Ctrl-C)" if signum == _signal.SIGINT else "terminated (SIGTERM)"
+    _sys.stderr.write(f"{what} while starting; nothing written\n")
+    _os._exit(128 + signum)
 
 
 # Ctrl-C, one line and exit 130, never a traceback:
@@ -41,3 +42,5 @@ if _os.environ.get("LYCHEE_RANK_QUIET_CTRL_C") == "1":
     _tqdm.set_lock(_threading.RLock())
 elif _started_as_command() and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
     _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+    if _signal.getsignal(_signal.SIGTERM) is _signal.SIG_DFL:  # kill: the same one line, exit 143
+        _signal.signal(_signal.SIGTERM, _interrupted_while_starting)

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lychee_exp.core.config import register_schema
-from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.core.errors import RunFailed, Terminated, UserError
 from lychee_exp.core.model_card import model_choice, resolve_model
 from lychee_exp.job.context import in_sweep, run_stamp
 
@@ -33,6 +33,7 @@ log = logging.getLogger("lychee_exp")
 # absolute: `lychee-run` imports this module by name, and Hydra would read a relative path as a python package
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 INTERRUPTED, INTERRUPTED_EXIT = "interrupted (Ctrl-C)", 130  # 128 + SIGINT, as a shell reports it
+TERMINATED_EXIT = 143  # 128 + SIGTERM
 
 register_schema()
 OmegaConf.register_new_resolver("lychee_stamp", run_stamp, use_cache=True, replace=True)
@@ -56,16 +57,25 @@ def main() -> None:
     """The CLI (`python -m lychee_exp.run`, `lychee-run`). A config that does not compose (a misspelt key, a
     wrong type, a value outside a closed choice) is a user mistake too: one line naming the key, exit 2.
     Hydra would print several lines, so it is asked to raise instead of printing (HYDRA_FULL_ERROR)."""
+    from lychee_exp.job.run_dir import RunDirRefused, finish_run_dir
+
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    finished = False
     try:
         ctrl_c_raises()
         hydra_main()
+        finished = True
     except (ConfigCompositionException, OverrideParseException) as err:
         print(f"error: {composition_error(err)}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:  # the ranks are stopped already (launch.launcher); a run's directory keeps its files
-        print(INTERRUPTED, file=sys.stderr)
-        sys.exit(INTERRUPTED_EXIT)
+    except RunDirRefused as err:  # raised before Hydra set up logging, by the run directory's check
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt as stop:  # the ranks are stopped already (launch.launcher); the run keeps its files
+        print(stop_line(stop, INTERRUPTED), file=sys.stderr)
+        sys.exit(stop_code(stop))
+    finally:
+        finish_run_dir(finished)
 
 
 def command_config(config_name: str, argv: list[str] | None, schema: type):
@@ -108,8 +118,9 @@ def run_output_command(config_name: str, argv: list[str] | None, schema: type, c
         command(cfg)
     except (UserError, RunFailed) as err:
         fail_as_one_line(err)
-    except KeyboardInterrupt:
-        stop_interrupted(interrupted_line(cfg.out))
+    except KeyboardInterrupt as stop:
+        log.error("%s", stop_line(stop, interrupted_line(cfg.out)))
+        sys.exit(stop_code(stop))
 
 
 def fail_as_one_line(err: Exception) -> None:
@@ -119,15 +130,27 @@ def fail_as_one_line(err: Exception) -> None:
 
 
 def ctrl_c_raises() -> None:
-    """From here on Ctrl-C raises KeyboardInterrupt, which the command turns into its one line after cleaning up
-    (until now lychee_exp/__init__ ended the process at once: nothing was written yet)."""
+    """From here on Ctrl-C raises KeyboardInterrupt and SIGTERM Terminated (a KeyboardInterrupt), which the command
+    turns into its one line after cleaning up (until now lychee_exp/__init__ ended the process at once: nothing
+    was written yet)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_terminated)
 
 
-def stop_interrupted(line: str) -> None:
-    """Ctrl-C in a command: one line saying what it left, and the shell's exit code for SIGINT, no traceback."""
-    log.error("%s", line)
-    sys.exit(INTERRUPTED_EXIT)
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def stop_line(stop: KeyboardInterrupt, line: str) -> str:
+    """The one line of Ctrl-C, or of SIGTERM (the same words, naming the signal)."""
+    if not isinstance(stop, Terminated):
+        return line
+    return "terminated (SIGTERM)" + line.removeprefix(INTERRUPTED).removeprefix("interrupted")
+
+
+def stop_code(stop: KeyboardInterrupt) -> int:
+    """The shell's exit code of the signal: 130 for Ctrl-C, 143 for SIGTERM."""
+    return TERMINATED_EXIT if isinstance(stop, Terminated) else INTERRUPTED_EXIT
 
 
 def composition_error(err: Exception) -> str:

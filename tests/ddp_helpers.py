@@ -40,3 +40,16 @@ def start_cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess
         stderr=subprocess.PIPE,
         env={**os.environ, **(env or {})},
     )
+
+
+def live_processes_in_group(pgid: int) -> list[str]:
+    """The processes of a process group that still run (an exited one may wait as a zombie for its reaper)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(stat.parent.name)
+    return live

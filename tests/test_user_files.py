@@ -16,13 +16,15 @@ from pathlib import Path
 
 import pytest
 from beir_helpers import fruit_dataset
+from ddp_helpers import live_processes_in_group
 from filelock import FileLock
 
 from lychee_exp import mine as mine_entry
 from lychee_exp import rerank as rerank_entry
 from lychee_exp.core.data.queries import load_queries
-from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.core.errors import RunFailed, Terminated, UserError
 from lychee_exp.core.ir.beir import read_beir_qrels
+from lychee_exp.core.output_lock import short_name
 from lychee_exp.core.outputs import lock_path, resolved
 
 RERANK = ["model=tiny_lychee", "top_k=6", "batch_size=5", "progress_bar=false", "split=test"]
@@ -53,7 +55,8 @@ def _user_files(tmp_path: Path) -> dict[str, bytes]:
 
 
 def _no_temporaries(tmp_path: Path) -> bool:
-    return not [p for p in tmp_path.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name]
+    # staging and set-aside directories, and lock files (removed when their command lets go of out=)
+    return not [p for p in tmp_path.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name or p.suffix == ".lock"]
 
 
 def _earlier_results(out: Path) -> Path:
@@ -88,6 +91,13 @@ INPUTS_AS_OUT = {
         "run.trec, an input of this command (first_stage=run:",
     ),
     "model_dir": ("rerank", lambda t, r: [f"out={t / 'm'}", f"model.path={_model_dir(t / 'm')}"], "model.path="),
+    # inside an input directory: a file of it that is no input itself (another split's qrels, a model's config)
+    "other_split_qrels": ("mine", lambda t, r: [f"out={r / 'qrels' / 'dev.tsv'}", "overwrite=true"], "is inside"),
+    "model_config": (
+        "mine",
+        lambda t, r: [f"out={t / 'm' / 'config.json'}", f"model.path={_model_dir(t / 'm')}", "overwrite=true"],
+        "/m, an input of this command (model.path=",
+    ),
     "model_inside_out": (
         "rerank",
         lambda t, r: [f"out={t / 'run'}", f"model.path={_model_dir(t / 'run' / 'model')}", "overwrite=true"],
@@ -149,12 +159,8 @@ def test_earlier_results_are_kept_without_overwrite(
         ("mine", lambda t: _mkdir(t / "train"), "is a directory; this command writes a file"),
         ("mine", lambda t: _touch(t / "notes.txt") / "train.jsonl", "notes.txt is a file, not a directory"),
         ("rerank", lambda t: Path("/proc/no-such-dir/out"), "cannot create /proc/no-such-dir"),
-        pytest.param(
-            "rerank",
-            lambda t: _mkdir(t / "locked", 0o555) / "out",
-            "is not writable",
-            marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories"),
-        ),
+        # read-only by its mode bits, which root's access ignores: refused for root too
+        ("rerank", lambda t: _mkdir(t / "locked", 0o555) / "out", "is not writable"),
     ],
 )
 def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path, ir_cache, capsys, caplog, which, out, expected):
@@ -208,6 +214,7 @@ def _half_written_then(error: BaseException):
     ("which", "error", "code", "expected"),
     [
         ("rerank", KeyboardInterrupt(), 130, "interrupted; {out} left as it was"),
+        ("rerank", Terminated(), 143, "terminated (SIGTERM); {out} left as it was"),
         ("mine", KeyboardInterrupt(), 130, "interrupted; {out} left as it was"),
         ("mine", UserError("nothing to write: no query has a negative"), 2, "error: nothing to write"),
     ],
@@ -408,7 +415,7 @@ def test_ctrl_c_during_a_ddp_rerank_ends_every_rank_with_one_line(tmp_path, ir_c
         start_new_session=True,
     )
     deadline = time.monotonic() + 240
-    while not list(tmp_path.glob(".out.tmp-*/logs/*")) and time.monotonic() < deadline:
+    while not list(tmp_path.glob(".out.*.tmp-*/logs/*")) and time.monotonic() < deadline:
         time.sleep(0.2)  # the launcher has started the ranks
     time.sleep(2)
     os.killpg(proc.pid, signal.SIGINT)
@@ -417,18 +424,88 @@ def test_ctrl_c_during_a_ddp_rerank_ends_every_rank_with_one_line(tmp_path, ir_c
     assert proc.returncode == 130 and lines and lines[-1].endswith(f"interrupted; {out} left as it was"), output
     assert len(lines) == 1 and "Traceback" not in output, output
     time.sleep(1)
-    assert _live_processes_in_group(proc.pid) == []  # no rank outlives the command
+    assert live_processes_in_group(proc.pid) == []  # no rank outlives the command
     assert _user_files(tmp_path) == before and _no_temporaries(tmp_path)
 
 
-def _live_processes_in_group(pgid: int) -> list[str]:
-    """The processes of a process group that still run (an exited one may wait as a zombie for its reaper)."""
-    live = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            live.append(stat.parent.name)
-    return live
+@pytest.mark.parametrize(
+    ("which", "spec", "expected"),
+    [
+        ("mine", "", "out= is empty: name the file to write"),
+        ("rerank", " ", "out= is empty: name the directory to write"),
+        ("mine", "pkg://lychee_exp.assets/mined.jsonl", "an output is a local path (pkg://"),
+        ("mine", "{t}/mined/", "ends with '/', but this command writes a file"),
+    ],
+)
+def test_an_out_naming_no_local_path_is_refused(tmp_path, ir_cache, capsys, caplog, monkeypatch, which, spec, expected):
+    """An empty out= was the working directory itself (swapped for the results); pkg:// created a literal `pkg:`
+    tree; a trailing slash wrote a file named like the directory. What would still pass: other URL schemes than
+    `x://` (file:/x) are taken as relative paths."""
+    root = fruit_dataset(tmp_path / "fruit")
+    monkeypatch.chdir(tmp_path)
+    before = _user_files(tmp_path)
+    args = _command(which, root, tmp_path / "placeholder", f"out={spec.format(t=tmp_path)}")
+    code, lines = _run(which, args, capsys, caplog)
+    assert code == 2 and len(lines) == 1 and expected in lines[0], lines
+    assert _user_files(tmp_path) == before and not (tmp_path / "pkg:").exists() and _no_temporaries(tmp_path)
+
+
+@pytest.mark.parametrize("which", ["mine", "rerank"])
+def test_a_read_only_out_is_not_replaced_even_with_overwrite(tmp_path, ir_cache, capsys, caplog, which):
+    """Mode bits without a write bit protect an output, also from root (whose access() ignores them). What would
+    still pass: a read-only file inside a writable out= directory is replaced with the directory."""
+    root, out = fruit_dataset(tmp_path / "fruit"), tmp_path / "out"
+    _earlier_results(out) if which == "rerank" else out.write_text('{"query": "earlier"}\n')
+    before = _user_files(tmp_path)
+    out.chmod(0o555 if which == "rerank" else 0o444)
+    try:
+        code, lines = _run(which, _command(which, root, out, "overwrite=true"), capsys, caplog)
+    finally:
+        out.chmod(0o755 if which == "rerank" else 0o644)
+    assert code == 2 and len(lines) == 1 and "is read-only: not replaced" in lines[0], lines
+    assert _user_files(tmp_path) == before and _no_temporaries(tmp_path)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_outputs_get_the_permissions_of_the_users_umask(tmp_path, ir_cache, capsys, caplog, umask):
+    """Staging directories came from mkdtemp (0700) and kept that mode once moved into place."""
+    root = fruit_dataset(tmp_path / "fruit")
+    previous = os.umask(umask)
+    try:
+        mine_entry.main(_command("mine", root, tmp_path / "mined.jsonl"))  # a failure would exit: SystemExit
+        rerank_entry.main(_command("rerank", root, tmp_path / "reranked"))
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "mined.jsonl").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert (tmp_path / "reranked").stat().st_mode & 0o777 == 0o777 & ~umask
+    assert (tmp_path / "reranked" / "run.trec").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_leftovers_of_a_killed_command_are_cleaned_and_set_aside_results_put_back(tmp_path, ir_cache, capsys, caplog):
+    """A SIGKILLed command leaves its staging directory; one killed between the two renames of a replacement leaves
+    the old results set aside and out= missing. The next command on out= holds its lock, so their owner is gone:
+    staging removed, results back. A staging directory of a live process is never touched."""
+    root, out = fruit_dataset(tmp_path / "fruit"), tmp_path / "out"
+    short, dead = short_name(resolved(str(out))), _dead_pid()
+    (tmp_path / f".{short}.tmp-{dead}-0000").mkdir()
+    (tmp_path / f".{short}.tmp-{dead}-0000" / "run.trec").write_text("half\n")
+    _earlier_results(tmp_path / f".{short}.old-{dead}-0000")
+    live = tmp_path / f".{short}.tmp-{os.getpid()}-0000"
+    live.mkdir()
+    code, lines = _run("rerank", _command("rerank", root, out), capsys, caplog)
+    assert code == 2 and "already holds results (metrics.json, run.trec)" in lines[0], lines
+    assert (out / "run.trec").read_text().endswith("earlier\n")
+    assert sorted(p.name for p in tmp_path.glob(".*")) == [live.name]  # and no lock file left
+
+
+def test_an_out_name_as_long_as_the_file_system_takes_works(tmp_path, ir_cache, capsys, caplog):
+    """`.<name>.lock` and `.<name>.tmp-*` beside a 250-byte name exceeded NAME_MAX (255): a traceback."""
+    root, out = fruit_dataset(tmp_path / "fruit"), tmp_path / ("m" * 244 + ".jsonl")
+    mine_entry.main(_command("mine", root, out))  # a failure would exit: SystemExit
+    assert out.stat().st_size > 0 and _no_temporaries(tmp_path)

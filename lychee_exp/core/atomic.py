@@ -17,6 +17,8 @@ from typing import Callable, Iterator
 
 from filelock import FileLock
 
+from lychee_exp.core.output_lock import short_name
+
 LOCK_TIMEOUT_S = 120  # a writer holds the lock for one read and one rename; minutes mean a stuck filesystem
 
 
@@ -25,7 +27,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{short_name(path)}.{os.getpid()}.tmp")  # short: a name near NAME_MAX still fits
     try:
         tmp.write_bytes(data)
         os.replace(tmp, path)

@@ -244,6 +244,9 @@ class RunConfig:
     gpus: Any = "auto"  # an int, or auto (all visible GPUs; without CUDA, CPU ranks for the cores)
     optimized_metric: Metric = Metric["ndcg@10"]  # type: ignore[valid-type]
     output_dir: str = MISSING
+    # a run directory (hydra.run.dir) that holds a run: true replaces it, once the new run has finished
+    # (lychee_exp.job.run_dir; docs/outputs.md); trainer.resume=auto continues it instead
+    overwrite: bool = False
 
 
 def register_schema() -> None:

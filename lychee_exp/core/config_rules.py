@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import string
 from dataclasses import field
+from pathlib import Path
 from typing import Any
 
 from lychee_exp.core.chunks import forward_chunk_count
@@ -30,8 +31,7 @@ def check_run_config(run_cfg: Any) -> None:
     group = run_cfg.data.train_group_size
     if run_cfg.loss.name == "listwise" and group < 2:
         raise UserError(f"data.train_group_size must be >= 2 for loss=listwise (1 positive + negatives), got {group}")
-    if run_cfg.trainer.max_steps <= 0 and run_cfg.trainer.max_epochs < 1:
-        raise UserError("trainer.max_epochs must be >= 1 when trainer.max_steps <= 0")
+    _check_trainer(run_cfg.trainer)
     if not run_cfg.model.prompt.max_len and not run_cfg.model.prompt.doc_max_len:
         raise UserError("model.prompt.doc_max_len=0 needs a total budget: set model.prompt.max_len > 0")
     _check_template(run_cfg.model.prompt.template)
@@ -46,6 +46,21 @@ def check_run_config(run_cfg: Any) -> None:
     _check_fsdp(run_cfg)
     parse_gpus(run_cfg.gpus)
     forward_chunk_count(run_cfg.trainer.forward_chunks, "cpu")
+
+
+def _check_trainer(trainer: Any) -> None:  # a core.config.TrainerConfig
+    if trainer.max_steps < -1:  # -1 and 0 both mean "no step limit": max_epochs decides
+        raise UserError(f"trainer.max_steps must be -1 (train max_epochs) or >= 1, got {trainer.max_steps}")
+    if trainer.max_steps <= 0 and trainer.max_epochs < 1:
+        raise UserError("trainer.max_epochs must be >= 1 when trainer.max_steps <= 0")
+    resume = str(trainer.resume)
+    if resume in ("never", "auto"):
+        return
+    if not resume.strip() or not Path(resume).expanduser().is_dir():
+        raise UserError(
+            f"trainer.resume={resume}: expected never, auto (this run's newest checkpoint) or a checkpoint "
+            "directory (<run>/checkpoints/step_N), and there is no such directory"
+        )
 
 
 def _check_packing(cfg: Any) -> None:  # a core.config.RunConfig

@@ -22,3 +22,8 @@ class RunFailed(RuntimeError):
 
 class Preempted(RunFailed):
     """The run stopped on request (a scheduler's signal) after writing a checkpoint; kind is "preempted"."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, a scheduler's cancel) in a command: handled as Ctrl-C is (the command cleans up and says one
+    line), but exits 143 (128 + SIGTERM) as a shell reports it."""

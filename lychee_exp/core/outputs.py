@@ -1,43 +1,57 @@
-"""Where a command's results go (`out=`), written so that nothing the user has is lost.
+"""Where a command's results go (`out=`, `--out`, a training run's directory), written so that nothing the user has
+is lost. The policy, for every command, is stated once in docs/outputs.md; this module carries it out.
 
-- The command writes into a fresh temporary directory beside out= (`.<name>.tmp-*`), moved into place when the
-  command ends: an interrupted or failed run leaves the previous results as they were, never a half-written result.
-  A file output (mine's JSONL) is written inside that directory too, then renamed over out=.
+- The command writes into a fresh hidden directory beside out= (`.<name>.<hash>.tmp-<pid>-*`), moved into place
+  when the command ends: an interrupted or failed run leaves the previous results as they were, never a
+  half-written result. A file output (mine's JSONL) is written inside that directory too, then renamed over out=.
+  The results get the permissions the user's umask gives, as any file the user writes.
 - An out= that already holds results is refused unless overwrite=true; even then the old results are replaced only
-  once the new ones are complete, and a directory holding anything the command does not write is never replaced.
-- An out= that is, or holds, one of the command's inputs (the dataset, a run file, the model) is refused.
-- out= is locked (an OS file lock, `.<name>.lock` beside it) for the whole command: a second command on the same
-  out= is refused at once instead of silently replacing the first one's results.
-- Every problem with the path (a file where a directory is expected, a parent that cannot be created, a read-only
-  directory) is one UserError, raised before the command reads or scores anything.
+  once the new ones are complete, and a directory holding anything the command does not write is never replaced,
+  nor is a read-only one (no write bit: also for root, who may write anything).
+- An out= that is an input, holds one, or lies inside an input directory (a model directory, a dataset) is refused.
+- out= is locked (core.output_lock) for the whole command: a second command on the same out= is refused at once.
+  Holding the lock proves that hidden staging directories of out= left by a process that is gone (SIGKILL) are
+  stale: they are removed, and results a killed move had set aside are put back.
+- Every problem with the path (empty, a pkg:// or URL, a trailing slash where a file is written, a file where a
+  directory is expected, a parent that cannot be created) is one UserError, raised before the command reads or
+  scores anything.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
-import tempfile
 import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from filelock import FileLock, Timeout
-
 from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.core.output_lock import OutputLock, lock_path, short_name
 
 Inputs = Sequence[tuple[str, str]]  # (what it is, as the user named it: "first_stage=run:x.trec", path)
+STAGING, SET_ASIDE = "tmp", "old"  # the hidden companions of an output: `.<short name>.<kind>-<pid>-<random>`
 
-
-def lock_path(target: Path) -> Path:
-    """The lock file of an output (held while a command writes it)."""
-    return target.parent / f".{target.name}.lock"
+__all__ = ["lock_path", "resolved", "output_target", "refuse_inputs", "staged_output", "interrupted_line"]
 
 
 def resolved(spec: str) -> Path:
     """An absolute path with its symlinks resolved, so that two spellings of one file compare equal."""
     return Path(os.path.abspath(Path(spec).expanduser())).resolve()
+
+
+def output_target(spec: str, key: str, directory: bool) -> Path:
+    """The resolved path of an output as the user wrote it, or one line saying why it cannot be one."""
+    written = "directory" if directory else "file"
+    if not str(spec).strip():
+        raise UserError(f"{key}= is empty: name the {written} to write")
+    if "://" in str(spec):
+        raise UserError(f"{key}={spec}: an output is a local path (pkg:// names a package's read-only files)")
+    if not directory and str(spec).endswith(("/", os.sep)):
+        raise UserError(f"{key}={spec} ends with '/', but this command writes a file: name the file")
+    return resolved(spec)
 
 
 @contextlib.contextmanager
@@ -47,26 +61,20 @@ def staged_output(
     """Yields where the command writes (a fresh directory, or a file path inside one), and moves it to out= when
     the block ends without an exception. `results`: the names the command writes into a directory output; an
     existing out= holding anything else is not replaced, even with overwrite=true."""
-    target = resolved(spec)
-    _refuse_inputs(spec, target, inputs, key)
-    _writable_parent(spec, target.parent, key)
-    lock = FileLock(lock_path(target), timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise UserError(f"{key}={spec} is in use by another command (it holds {lock_path(target)})") from None
-    try:
+    target = output_target(spec, key, directory)
+    refuse_inputs(spec, target, inputs, key)
+    writable_parent(spec, target.parent, key)
+    with OutputLock(target, f"{key}={spec}"):
+        clean_leftovers(target)
         _check_existing(spec, target, directory, overwrite, results, key)
-        try:
-            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        except OSError as err:
-            raise UserError(f"{key}={spec}: cannot write in {target.parent} ({err.strerror})") from None
+        staging = _companion(target, STAGING, spec, key)
         try:
             yield staging if directory else staging / target.name
             with _no_interrupts():
                 _move_into_place(staging, target, directory)
         except RunFailed:
             # a failed DDP run's one line names a rank log inside the staging directory: keep the logs for it
+            # (the next command on this out= removes them: their owner is gone)
             with _no_interrupts():
                 if not any(staging.iterdir()):
                     staging.rmdir()
@@ -75,29 +83,32 @@ def staged_output(
             with _no_interrupts():
                 shutil.rmtree(staging, ignore_errors=True)
             raise
-    finally:
-        lock.release()
 
 
 def interrupted_line(spec: str) -> str:
-    """What Ctrl-C left: the previous results, or nothing (the temporary directory is gone already)."""
-    if resolved(spec).exists():
+    """What Ctrl-C (or SIGTERM) left: the previous results, or nothing (the temporary directory is gone already)."""
+    if str(spec).strip() and resolved(spec).exists():
         return f"interrupted; {spec} left as it was"
     return f"interrupted; nothing written to {spec}"
 
 
-def _refuse_inputs(spec: str, target: Path, inputs: Inputs, key: str) -> None:
-    for what, path in inputs:
-        source = resolved(path)
-        if not source.exists():
-            continue
+def refuse_inputs(spec: str, target: Path, inputs: Inputs, key: str) -> None:
+    """One line if the output is an input, holds one, or lies inside an input directory."""
+    sources = [(what, resolved(path)) for what, path in inputs]
+    sources = [(what, source) for what, source in sources if source.exists()]
+    # the most specific finding first: the very file replaced, then one held, then the input directory around out=
+    for what, source in sources:
         if source == target:
             raise UserError(f"{key}={spec} would replace {source}, an input of this command ({what})")
+    for what, source in sources:
         if target in source.parents:
             raise UserError(f"{key}={spec} holds {source}, an input of this command ({what}): write elsewhere")
+    for what, source in sources:
+        if source.is_dir() and source in target.parents:
+            raise UserError(f"{key}={spec} is inside {source}, an input of this command ({what}): write elsewhere")
 
 
-def _writable_parent(spec: str, parent: Path, key: str) -> None:
+def writable_parent(spec: str, parent: Path, key: str) -> None:
     blocker = next((p for p in (parent, *parent.parents) if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
         raise UserError(f"{key}={spec}: {blocker} is a file, not a directory")
@@ -105,8 +116,50 @@ def _writable_parent(spec: str, parent: Path, key: str) -> None:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"{key}={spec}: cannot create {parent} ({err.strerror})") from None
-    if not os.access(parent, os.W_OK):
+    if not os.access(parent, os.W_OK) or read_only(parent):
         raise UserError(f"{key}={spec}: {parent} is not writable")
+
+
+def read_only(path: Path) -> bool:
+    """No write bit at all: the user's way of protecting a file or directory, which root's access ignores."""
+    return not path.stat().st_mode & 0o222
+
+
+def clean_leftovers(target: Path) -> None:
+    """Removes the hidden staging directories of `target` whose process is gone (killed before it could), and puts
+    back results that a killed move had set aside. Only called under target's lock: no live command owns them."""
+    prefix = f".{short_name(target)}."
+    found = [entry for entry in target.parent.iterdir() if entry.name.startswith(prefix)]
+    for entry in sorted(found, key=lambda e: not e.name[len(prefix) :].startswith(SET_ASIDE)):  # set-aside first
+        kind, _, owner = entry.name[len(prefix) :].partition("-")
+        pid = owner.partition("-")[0]
+        if kind not in (STAGING, SET_ASIDE) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        if kind == SET_ASIDE and not target.exists():
+            os.replace(entry, target)  # killed between its two renames: the old results, not the unfinished new
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _companion(target: Path, kind: str, spec: str, key: str) -> Path:
+    """A fresh hidden directory beside target, named for its owner, with the permissions of the user's umask (not
+    mkdtemp's 0700, which the results would keep once moved into place)."""
+    path = target.parent / f".{short_name(target)}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        path.mkdir(mode=0o777)  # minus the umask
+    except OSError as err:
+        raise UserError(f"{key}={spec}: cannot write in {target.parent} ({err.strerror})") from None
+    return path
 
 
 def _check_existing(spec: str, target: Path, directory: bool, overwrite: bool, results: Sequence[str], key: str):
@@ -122,6 +175,8 @@ def _check_existing(spec: str, target: Path, directory: bool, overwrite: bool, r
     if not overwrite:
         shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
         raise UserError(f"{key}={spec} already holds results ({shown}): set overwrite=true to replace them")
+    if read_only(target):
+        raise UserError(f"{key}={spec} is read-only: not replaced (make it writable to let overwrite=true replace it)")
     foreign = [name for name in held if name not in results] if directory else []
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
@@ -137,7 +192,7 @@ def _move_into_place(staging: Path, target: Path, directory: bool) -> None:
         os.replace(staging, target)  # rename(2) replaces an empty directory in one step
         return
     # a directory with the old results: out of the way, the new one in, then the old one deleted
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    old = target.parent / f".{short_name(target)}.{SET_ASIDE}-{os.getpid()}-{secrets.token_hex(4)}"
     os.replace(target, old)
     try:
         os.replace(staging, target)
@@ -149,13 +204,14 @@ def _move_into_place(staging: Path, target: Path, directory: bool) -> None:
 
 @contextlib.contextmanager
 def _no_interrupts() -> Iterator[None]:
-    """Ctrl-C is ignored while results move into place or a temporary directory is deleted (a half-done move is
-    the one state that could lose results). Only the main thread can change signal handlers."""
+    """Ctrl-C and SIGTERM are ignored while results move into place or a temporary directory is deleted (a
+    half-done move is the one state that could lose results). Only the main thread can change signal handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -4,6 +4,7 @@ results, and return the optimized metric."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 from pathlib import Path
@@ -22,6 +23,7 @@ from lychee_exp.core.model_card import model_choice, resolve_model
 from lychee_exp.core.optim import OPTIMIZERS, with_global_batch
 from lychee_exp.job.context import in_sweep, trials_run_here
 from lychee_exp.job.results import write_results
+from lychee_exp.job.run_dir import check_resumed_model
 from lychee_exp.launch.cluster import is_main_process, job_devices, local_ranks, under_torchrun
 
 log = logging.getLogger("lychee_exp")
@@ -63,6 +65,7 @@ def train_job(cfg: DictConfig) -> float:
     output_dir = Path(run_cfg.output_dir)
     metrics_path = output_dir / "metrics.json"
     if is_main:
+        check_resumed_model(run_cfg.trainer.resume, output_dir, dataclasses.asdict(run_cfg.model))
         output_dir.mkdir(parents=True, exist_ok=True)
         metrics_path.unlink(missing_ok=True)  # a stale result must not pass for this run's
     inputs = preflight(run_cfg)

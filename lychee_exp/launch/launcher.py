@@ -32,7 +32,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from lychee_exp.core.config import RunConfig, plain_dict
 from lychee_exp.core.devices import RANK_STRATEGIES, DevicePlan, torch_device
 from lychee_exp.core.distributed import DistEnv
-from lychee_exp.core.errors import RunFailed, TrainingDiverged
+from lychee_exp.core.errors import RunFailed, Terminated, TrainingDiverged
 from lychee_exp.core.inputs import RunInputs
 from lychee_exp.launch.cluster import NodeSpec, slurm_nodes, under_torchrun
 from lychee_exp.launch.failures import FAILURE_NOTES, collateral, failure_kind, first_cause, lost_nodes, with_notes
@@ -164,6 +164,8 @@ def _stop_on_signal(err: SignalException) -> None:
     stay installed in this process), and the ranks are stopped: stop the job, and any sweep, too."""
     if err.sigval == signal.SIGINT:
         raise KeyboardInterrupt from None
+    if err.sigval == signal.SIGTERM:
+        raise Terminated() from None
     raise SystemExit(128 + int(err.sigval)) from None
 
 
