@@ -87,6 +87,9 @@ def command_config(config_name: str, argv: list[str] | None, schema: type):
     from hydra.core.global_hydra import GlobalHydra
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    if any(arg in ("--help", "-h") for arg in (sys.argv[1:] if argv is None else argv)):
+        print(command_help(config_name))
+        sys.exit(0)
     GlobalHydra.instance().clear()  # a process that composed before (a test, a notebook)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
@@ -105,6 +108,20 @@ def command_config(config_name: str, argv: list[str] | None, schema: type):
     except OmegaConfBaseException as err:
         print(f"error: {err.full_key or 'config'}: {str(err).splitlines()[0]}", file=sys.stderr)
     sys.exit(2)
+
+
+def command_help(config_name: str) -> str:
+    """`--help` of a command composed from conf/<config_name>.yaml: its module's docstring, where its keys live, and
+    the output policy that every command follows."""
+    import importlib
+
+    module = {"mine": "lychee_exp.mine", "rerank": "lychee_exp.rerank", "config": "lychee_exp.plan"}.get(config_name)
+    doc = (importlib.import_module(module).__doc__ or "").strip() if module else ""
+    return (
+        f"{doc}\n\nKeys (key=value, config groups as group=option): conf/{config_name}.yaml and its schema.\n"
+        f"Outputs: written whole or not at all, never over an input; earlier results only with overwrite=true "
+        f"(docs/outputs.md)."
+    )
 
 
 def run_output_command(config_name: str, argv: list[str] | None, schema: type, command: Callable) -> None:

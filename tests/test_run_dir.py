@@ -19,13 +19,14 @@ from pathlib import Path
 import pytest
 from conftest import TINY_OVERRIDES, output_lines, run_cli, run_metrics
 from ddp_helpers import live_processes_in_group
+from omegaconf import OmegaConf
 
 from lychee_exp.core.config import check_config
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.output_lock import OutputLock, short_name
 from lychee_exp.core.outputs import resolved
 from lychee_exp.job import run_dir
-from lychee_exp.job.run_dir import check_resumed_model, claim_run_dir, finish_run_dir
+from lychee_exp.job.run_dir import RunDirGuard, RunDirRefused, check_resumed_model, claim_run_dir, finish_run_dir
 
 FAST = [*TINY_OVERRIDES, "trainer.max_steps=2", "trainer.eval_before_training=false"]
 
@@ -219,3 +220,21 @@ def test_the_claim_is_kept_for_the_process_only(tmp_path):
     assert run_dir._claim is not None
     finish_run_dir(True)
     assert run_dir._claim is None and not list(tmp_path.glob(".*"))
+
+
+def test_a_sweep_directory_in_or_around_an_input_is_refused(tmp_path):
+    (tmp_path / "data").mkdir()
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "data" / "sweep")}}})
+    config.data = {"dataset": str(tmp_path / "data")}
+    with pytest.raises(RunDirRefused, match=r"hydra.sweep.dir=.*/data/sweep is inside .*/data, an input"):
+        RunDirGuard().on_multirun_start(config)
+    config.hydra.sweep.dir = str(tmp_path / "sweep")
+    RunDirGuard().on_multirun_start(config)  # a fresh directory, or a study's own to continue: allowed
+
+
+@pytest.mark.parametrize("command", ["run", "mine", "rerank", "plan"])
+def test_every_commands_help_points_to_the_output_policy(command):
+    proc = subprocess.run(
+        [sys.executable, "-m", f"lychee_exp.{command}", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "docs/outputs.md" in proc.stdout, proc.stdout + proc.stderr

@@ -77,6 +77,17 @@ class RunDirGuard(Callback):
         except UserError as err:
             raise RunDirRefused(str(err)) from None
 
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """A sweep's directory gathers its trials (each in a directory of its own that the sweeper claims) and its
+        study files, and a sweep continues there: only an input in or around it is refused."""
+        spec = str(OmegaConf.select(config, "hydra.sweep.dir"))
+        try:
+            refuse_inputs(
+                spec, output_target(spec, "hydra.sweep.dir", directory=True), _inputs(config), "hydra.sweep.dir"
+            )
+        except UserError as err:
+            raise RunDirRefused(str(err)) from None
+
 
 def claim_run_dir(spec: str, *, resume: str, overwrite: bool, inputs) -> None:
     """Checks the run directory against the policy and locks it; raises UserError with the one line."""
