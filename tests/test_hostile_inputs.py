@@ -221,3 +221,34 @@ def test_report_replaces_its_own_page_and_a_foreign_file_only_with_overwrite(run
     foreign = tmp_path / "data" / "corpus.jsonl"
     assert _report(capsys, str(runs), "--out", str(foreign), "--overwrite")[0] == 0
     assert GENERATOR_TAG in foreign.read_text() and _no_temporaries(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------ bench gpu_check
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_gpu_check_out_replaces_an_earlier_report_only(tmp_path, monkeypatch, capsys, overwrite):
+    """--out is refused before the first check (the checks stand in here: each would take minutes) when it is a
+    directory or a file that is not an earlier gpu_check report; an earlier report is replaced; --overwrite
+    replaces the foreign file too. Wrong code that would still pass: a refusal decided after the checks ran (the
+    stand-in counts its calls)."""
+    from lychee_exp.bench import gpu_check
+
+    ran = []
+    report = {"commit": "c", "mode": "tiny checks", "device": "cpu", "checks": {}, "passed": True, "seconds": 0.1}
+    monkeypatch.setattr(gpu_check, "run_checks", lambda args, cuda_count: ran.append(1) or report)
+
+    def check(out: Path, *flags: str) -> int:
+        monkeypatch.setattr("sys.argv", ["gpu_check", "--tiny", "--out", str(out), *flags])
+        return gpu_check.main()
+
+    notes, earlier = tmp_path / "notes.json", tmp_path / "gpu_check.json"
+    notes.write_text('{"mine": true}\n')
+    earlier.write_text(json.dumps({**report, "commit": "older"}))
+    assert check(tmp_path) == 2 and not ran
+    flags = ["--overwrite"] if overwrite else []
+    assert check(notes, *flags) == (0 if overwrite else 2) and len(ran) == int(overwrite)
+    assert json.loads(notes.read_text()) == (report if overwrite else {"mine": True})
+    assert check(earlier) == 0 and json.loads(earlier.read_text()) == report
+    err = capsys.readouterr().err
+    assert f"gpu_check: error: --out={tmp_path}: {tmp_path} is a directory; this command writes a file" in err, err
+    refused = f"gpu_check: error: --out={notes} exists and is not a gpu_check report; --overwrite replaces it"
+    assert (refused in err) == (not overwrite) and _no_temporaries(tmp_path), err
