@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from beir_helpers import fruit_dataset
+from conftest import TINY_OVERRIDES, output_lines, run_cli
 from test_model import tiny_reranker
 from test_user_files import _command, _no_temporaries, _run, _user_files
 
@@ -87,6 +88,19 @@ def test_a_damaged_model_directory_is_one_line(saved_model, tmp_path, ir_cache, 
     assert code == 2 and len(lines) == 1, lines
     assert expected.format(key=key, path=model) in lines[0], lines
     assert _user_files(tmp_path) == before and not (tmp_path / "out").exists() and _no_temporaries(tmp_path)
+
+
+def test_training_from_truncated_weights_is_one_line_before_any_rank(saved_model, tmp_path):
+    """The same check in the run's preflight (core.inputs): without it a rank failed with the weights' error, a
+    torch warning and exit 1. Wrong code that would still pass: a check in load_reranker only (the ranks' line
+    names the file too, but the exit code is 1 and the line starts 'rank ... failed')."""
+    model = shutil.copytree(saved_model, tmp_path / "model")
+    _truncated(model)
+    proc = run_cli([*TINY_OVERRIDES, f"model.path={model}", "logger=none"], tmp_path / "run")
+    errors = [line for line in output_lines(proc) if "ERROR" in line or "Traceback" in line or line.startswith("W")]
+    assert proc.returncode == 2 and len(errors) == 1, output_lines(proc)
+    assert "error: " + DAMAGE["truncated-weights"][1].format(key="model.path", path=model) in errors[0], errors
+    assert not (tmp_path / "run" / "model").exists()
 
 
 @pytest.mark.parametrize("damage", ["config-not-json", "no-tokenizer", "card-format-version"])
