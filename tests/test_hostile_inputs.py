@@ -44,6 +44,11 @@ def _truncated(model: Path) -> None:
     weights.write_bytes(weights.read_bytes()[:100_000])  # the header is whole, the tensors are cut
 
 
+def _missing_shard(model: Path) -> None:
+    weight_map = {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
 def _no_tokenizer(model: Path) -> None:
     for path in model.glob("tokenizer*"):
         path.unlink()
@@ -57,6 +62,10 @@ def _later_card(model: Path) -> None:
 DAMAGE = {
     "config-not-json": (_not_json, "{key}={path}: {path}/config.json is not readable JSON ("),
     "truncated-weights": (_truncated, "{key}={path}: {path}/model.safetensors is truncated (100,000 of "),
+    "missing-shard": (
+        _missing_shard,
+        "{key}={path}: {path}/model.safetensors.index.json names 1 missing shard(s) (model-00002-of-00002.safetensors)",
+    ),
     "no-tokenizer": (_no_tokenizer, "{key}={path}: {path} has no tokenizer files (none of tokenizer.json, "),
     "card-format-version": (
         _later_card,

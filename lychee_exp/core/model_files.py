@@ -43,6 +43,14 @@ def check_config_json(path: Path, where: str) -> dict:
 def check_weights(path: Path, where: str) -> None:
     """Every weights file in path is whole: a safetensors file as long as its header says, a torch zip archive
     with its central directory (what a cut-short copy loses first)."""
+    for index in sorted(path.glob("*.index.json")):  # a sharded model: every shard its index names
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UserError(f"{where}: {index} is not a weights index ({_first_line(err)})") from None
+        missing = sorted(name for name in shards if not (path / name).is_file())
+        if missing:
+            raise UserError(f"{where}: {index} names {len(missing)} missing shard(s) ({', '.join(missing[:3])})")
     for file in sorted(path.glob("*.safetensors")):
         problem = _safetensors_problem(file)
         if problem is not None:
