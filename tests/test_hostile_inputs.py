@@ -101,8 +101,8 @@ def test_a_damaged_model_directory_is_one_line(saved_model, tmp_path, ir_cache, 
 
 def test_training_from_truncated_weights_is_one_line_before_any_rank(saved_model, tmp_path):
     """The same check in the run's preflight (core.inputs): without it a rank failed with the weights' error, a
-    torch warning and exit 1. Wrong code that would still pass: a check in load_reranker only (the ranks' line
-    names the file too, but the exit code is 1 and the line starts 'rank ... failed')."""
+    torch warning and exit 1. Wrong code that would still pass: a preflight that checks only model.safetensors,
+    not other shards (the fixture has the one file)."""
     model = shutil.copytree(saved_model, tmp_path / "model")
     _truncated(model)
     proc = run_cli([*TINY_OVERRIDES, f"model.path={model}", "logger=none"], tmp_path / "run")
@@ -144,7 +144,8 @@ def test_random_init_with_a_trained_model_path_is_refused(saved_model, tmp_path,
 @pytest.mark.parametrize("which", ["rerank", "mine"])
 def test_a_split_whose_qrels_path_is_a_directory_is_one_line(tmp_path, ir_cache, capsys, caplog, which):
     """rerank took it for a split without qrels and wrote unjudged results; mine listed it among the splits.
-    Wrong code that would still pass: a check in mine's path only (rerank loads the split with need_qrels=False)."""
+    Wrong code that would still pass: an is_dir() check only (a qrels path that is a fifo or a device would pass
+    it; not tried)."""
     root = fruit_dataset(tmp_path / "fruit")
     (root / "qrels" / "dev.tsv").mkdir()
     before = _user_files(tmp_path)
@@ -214,8 +215,8 @@ def _report(capsys, *args: str) -> tuple[int, list[str], list[str]]:
     ids=["metrics-json", "config-yaml", "a-directory", "the-runs-directory", "a-foreign-file"],
 )
 def test_report_out_never_replaces_the_users_files(runs, tmp_path, capsys, out, expected):
-    """Wrong code that would still pass: protecting metrics.json but not the other files the report reads
-    (config-yaml); replacing a foreign file that merely ends in .html (not covered: the tag is what counts)."""
+    """Wrong code that would still pass: protecting metrics.json and config.yaml only, not metrics.csv,
+    trials.csv, optimization_results.yaml or bench.csv (only the first two are tried)."""
     target = out(tmp_path)
     before = _user_files(tmp_path)
     code, printed, errors = _report(capsys, str(runs), "--out", str(target))
@@ -251,8 +252,8 @@ def test_report_replaces_its_own_page_and_a_foreign_file_only_with_overwrite(run
 def test_gpu_check_out_replaces_an_earlier_report_only(tmp_path, monkeypatch, capsys, overwrite):
     """--out is refused before the first check (the checks stand in here: each would take minutes) when it is a
     directory or a file that is not an earlier gpu_check report; an earlier report is replaced; --overwrite
-    replaces the foreign file too. Wrong code that would still pass: a refusal decided after the checks ran (the
-    stand-in counts its calls)."""
+    replaces the foreign file too. Wrong code that would still pass: recognising an earlier report by anything
+    less than its keys (a user's JSON holding commit, mode, device and checks would be replaced; not tried)."""
     from lychee_exp.bench import gpu_check
 
     ran = []

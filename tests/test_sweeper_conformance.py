@@ -626,8 +626,10 @@ ANOTHER_SPACE = {
 
 @pytest.mark.parametrize("case", ANOTHER_SPACE)
 def test_deviation_a_rerun_with_another_search_space_is_one_line_before_any_trial(run, tmp_path, case):
-    """Wrong code that would still pass: a check that compares only the parameters' names or kinds passes
-    'added'/'another-kind' but not 'another-range'; one run after study.ask() fails the trial_list assertion."""
+    """Before any trial: the study's trials are as they were (optuna's own refusal of another kind came from
+    inside the first new trial and left it RUNNING or FAIL). Wrong code that would still pass: reading the
+    distributions of the first trial only, or of COMPLETE trials only (the fixture's trials are all COMPLETE and
+    share one space)."""
     args, expected = ANOTHER_SPACE[case]
     _ok(run("sphere", "hydra.sweeper.n_trials=2"))
     trials = [(t.number, t.state, t.params, t.distributions) for t in _study(tmp_path, "sphere").trials]
