@@ -2,7 +2,7 @@
 
 transformers and safetensors answer a damaged directory with a traceback, often from inside a rank, after minutes
 of work: a config.json that is not JSON, a model.safetensors cut short by a failed copy or a full disk, a directory
-saved without its tokenizer (AutoTokenizer then falls back to something else, and the prompt breaks far away).
+saved without its tokenizer (AutoTokenizer may still return one, and the prompt then breaks far from the cause).
 These checks read a few kilobytes (config.json, each weights file's header) and say what is wrong in one line,
 naming the key and the file. They are called where models are loaded (core.model, core.model_card's
 check_trained_head, core.ir.dense), so that every command (run, mine, rerank, plan) gets the same line.
