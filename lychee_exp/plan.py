@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from lychee_exp.core.config import RunConfig
+from lychee_exp.core.config import RunConfig, check_config
 from lychee_exp.core.errors import UserError
 
 DEVICE_KEY = "device_gib"
@@ -41,17 +41,25 @@ def split_device_sizes(argv: list[str]) -> tuple[tuple[float, ...], list[str]]:
 
 
 def devices_of(cfg: RunConfig) -> int:
-    if cfg.parallel.strategy in ("single", "dp"):
-        return 1 if cfg.parallel.strategy == "single" or cfg.gpus == "auto" else int(cfg.gpus)
-    if cfg.gpus != "auto":
-        return int(cfg.gpus)
+    """The devices the run would use, by the run's own rules and one-line errors (core.devices.plan_devices:
+    gpus=0, -2, more GPUs than are visible, parallel=single with gpus=2). On a machine without CUDA the plan is
+    for a machine with the GPUs asked for, so those are taken as there."""
     import torch
 
-    if not torch.cuda.is_available():
+    from lychee_exp.core.devices import parse_gpus, plan_devices
+
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    requested = parse_gpus(cfg.gpus)
+    if requested is None and not here:
+        if cfg.parallel.strategy in ("single", "dp"):  # one device's memory whatever the count (dp: each GPU's)
+            return 1
         raise UserError(
             f"gpus=auto: no CUDA device here; give the devices to plan for (parallel={cfg.parallel.strategy} gpus=N)"
         )
-    return torch.cuda.device_count()
+    plan = plan_devices(
+        cfg.parallel.strategy, cfg.gpus, cuda_count=here or requested, cores=1, cpu_offload=cfg.parallel.cpu_offload
+    )
+    return plan.num_devices
 
 
 def describe(cfg: RunConfig, sizes: tuple[float, ...]) -> list[str]:
@@ -114,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         overrides.append("output_dir=.")
     cfg = command_config("config", overrides, RunConfig)
     try:
+        check_config(cfg)  # what the run would refuse, refused as the run says it
         print("\n".join(describe(cfg, sizes)))
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)

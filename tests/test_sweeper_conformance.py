@@ -602,3 +602,43 @@ def test_a_bad_sweep_input_on_a_real_command_line_is_one_line_and_exit_2(run, tm
     proc = run(app, *args, cli=True)
     assert proc.returncode == 2 and _lines(proc) == _errors(proc) == [f"error: {expected}"], _lines(proc)
     assert not (tmp_path / "sweep" / "optuna.db").exists()
+
+
+# a re-run against the study with another search space (lychee_exp's own: upstream mixes the spaces in one study)
+ANOTHER_SPACE = {
+    # optuna's own refusal (another kind), which came from inside the first new trial and left it in the study
+    "another-kind": (
+        ["x=choice(1, 2)"],
+        "x is choice(1, 2) here, but study 'sphere' drew it from float in [-5.5, 5.5] step 0.5",
+    ),
+    "another-range": (
+        ["x=interval(-1, 1)"],
+        "x is float in [-1.0, 1.0] here, but study 'sphere' drew it from float in",
+    ),
+    "fewer-choices": (["y=choice(-5, 5)"], "y is choice(-5, 5) here, but study 'sphere' drew it from choice(-5, 0, 5)"),
+    "added": (
+        ["z=choice(1, 2)"],
+        "search space: this sweep adds z, against the 2 parameter(s) of study 'sphere' (x, y)",
+    ),
+    "dropped": (["~hydra.sweeper.params.y"], "search space: this sweep drops y, against the 2 parameter(s)"),
+}
+
+
+@pytest.mark.parametrize("case", ANOTHER_SPACE)
+def test_deviation_a_rerun_with_another_search_space_is_one_line_before_any_trial(run, tmp_path, case):
+    """Before any trial: the study's trials are as they were (optuna's own refusal of another kind came from
+    inside the first new trial and left it RUNNING or FAIL). Wrong code that would still pass: reading the
+    distributions of the first trial only, or of COMPLETE trials only (the fixture's trials are all COMPLETE and
+    share one space)."""
+    args, expected = ANOTHER_SPACE[case]
+    _ok(run("sphere", "hydra.sweeper.n_trials=2"))
+    trials = [(t.number, t.state, t.params, t.distributions) for t in _study(tmp_path, "sphere").trials]
+    proc = run("sphere", "hydra.sweeper.n_trials=4", *args)
+    lines = _lines(proc)
+    assert proc.returncode == 2 and lines == _errors(proc) and len(lines) == 1, lines
+    assert lines[0].startswith("error: search space: ") and expected in lines[0], lines
+    assert lines[0].endswith("use another hydra.sweeper.study_name (or storage) for another search space")
+    # no phantom trial: the study holds the two trials it had, as they were
+    assert [(t.number, t.state, t.params, t.distributions) for t in _study(tmp_path, "sphere").trials] == trials
+    _ok(run("sphere", "hydra.sweeper.n_trials=3"))  # the same space resumes the study
+    assert [t.state for t in _study(tmp_path, "sphere").trials] == [TrialState.COMPLETE] * 3

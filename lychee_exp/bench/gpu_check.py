@@ -19,7 +19,8 @@ recorded as skipped; a required one skipped fails the check). Each prints its se
 --ablation runs instead one lychee_exp row per speed lever (lychee_exp.bench.gpu.timed_runs.ABLATION), budget 450 s.
 --tiny (alias --dry-run) runs every phase on the CPU with the tiny Qwen2 and tiny mixes, a few steps each.
 (--tiny --ablation runs its rows in one worker process: on a CPU a run's cost is mostly its imports.)
-Writes one JSON (commit, device, per-check figures and pass/fail) and exits 1 if a check failed.
+Writes one JSON (commit, device, per-check figures and pass/fail), whole, over an earlier report only (another file
+with --overwrite), and exits 1 if a check failed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from pathlib import Path
 
 from lychee_exp.bench.gpu import timed_runs as timed
 from lychee_exp.bench.gpu.flops import bf16_peak_tflops
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.outputs import staged_output
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -188,6 +191,7 @@ def print_table(checks: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.json", help="where the JSON report goes")
+    parser.add_argument("--overwrite", action="store_true", help="replace an --out file that is not a gpu_check report")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="the whole check ends within this (seconds; default 330, --ablation 450)")  # fmt: skip
     parser.add_argument("--timed", type=int, default=None, help="timed steps per run (default 30; --tiny: 2)")
@@ -207,6 +211,34 @@ def main() -> int:
         print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); nothing to check "
               "(--tiny runs the same checks on the CPU)", file=sys.stderr)  # fmt: skip
         return 2
+    # --out is checked and locked before the first check, and written whole when the last one ended
+    try:
+        with staged_output(args.out, directory=False, overwrite=True, inputs=(), key="--out") as staged:
+            if Path(args.out).is_file() and not args.overwrite and not _earlier_report(Path(args.out)):
+                raise UserError(f"--out={args.out} exists and is not a gpu_check report; --overwrite replaces it")
+            report = run_checks(args, cuda_count)
+            staged.write_text(json.dumps(report, indent=2) + "\n")
+    except UserError as err:
+        print(f"gpu_check: error: {err}", file=sys.stderr)
+        return 2
+    print(f"gpu_check: {'all checks passed' if report['passed'] else 'FAILED'} in {report['seconds']} s "
+          f"(budget {args.budget_s:.0f} s); report in {args.out}")  # fmt: skip
+    return 0 if report["passed"] else 1
+
+
+def _earlier_report(path: Path) -> bool:
+    """Whether path holds a report of this command (replaced by a re-run without --overwrite)."""
+    try:
+        report = json.loads(path.read_text()) if path.stat().st_size < 2**26 else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and {"commit", "mode", "device", "checks"} <= report.keys()
+
+
+def run_checks(args: argparse.Namespace, cuda_count: int) -> dict:
+    """Every check in order, within the budget; the report (printed as a table too)."""
+    import torch
+
     name = torch.cuda.get_device_name(0) if cuda_count else "cpu"
     timed_steps = args.timed or (2 if args.tiny else 30)
     warmup = args.warmup or (1 if args.tiny else 3)
@@ -262,10 +294,7 @@ def main() -> int:
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["passed"] = all(c["passed"] is not False for c in report["checks"].values())
     print_table(report["checks"])
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"gpu_check: {'all checks passed' if report['passed'] else 'FAILED'} in {report['seconds']} s "
-          f"(budget {args.budget_s:.0f} s); report in {args.out}")  # fmt: skip
-    return 0 if report["passed"] else 1
+    return report
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from lychee_exp.core.choices import ModelKind
 from lychee_exp.core.config import ModelConfig
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.model_card import ADAPTER_DIR, has_weights, new_head_allowed, write_card
+from lychee_exp.core.model_files import check_config_json, check_tokenizer_files, check_weights
 from lychee_exp.core.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX, packed_attention
 from lychee_exp.core.pair_prompt import PairEncoder, pair_max_len, token_types
 from lychee_exp.core.prompt import PromptEncoder
@@ -147,6 +148,7 @@ def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
     path = model_dir(cfg)
+    check_tokenizer_files(path, f"model.path={cfg.path}")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
         raise UserError(f"model.path={cfg.path}: the tokenizer has neither a pad nor an eos token to pad with")
@@ -162,6 +164,7 @@ def model_dir(cfg: ModelConfig) -> Path:
         )
     if not (path / "config.json").is_file():
         raise UserError(f"model.path={cfg.path}: {path} has no config.json (expected a transformers model directory)")
+    check_config_json(path, f"model.path={cfg.path}")
     return path
 
 
@@ -208,6 +211,7 @@ def load_reranker(
                 f"model.path={cfg.path}: no weights in {path} (set model.random_init=true to "
                 "initialise this architecture from scratch)"
             )
+        check_weights(Path(path), f"model.path={cfg.path}")
         backbone, report = auto_cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
         _check_loaded(cfg, report, training)
     if packing and set(getattr(backbone.config, "layer_types", None) or []) - {"full_attention"}:

@@ -29,10 +29,12 @@ from typing import Sequence
 
 from lychee_exp.core.config import LoraConfig, ModelConfig, PromptConfig
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.model_files import check_weights
 from lychee_exp.core.resources import resolve_path
 
 CARD_FILE = "lychee_reranker.json"
 FORMAT_VERSION = 1
+READABLE_VERSIONS = (1,)  # cards this version reads; a later format may mean the same keys differently
 ADAPTER_DIR = "adapter"  # a LoRA run's peft adapter, beside the merged model
 # what a card describes; the rest belongs to the command that loads it (path, random_init) or to the machine
 # that trained it (kernels and attention implementations another machine may lack)
@@ -102,8 +104,15 @@ def read_card(path: Path) -> dict | None:
             raise ValueError("no kind")
     except ValueError as err:
         raise UserError(f"model.path: {file} is not a model card ({err})") from None
-    if "format_version" not in card:  # written before text pairs: one templated string
+    version = card.get("format_version")
+    if version is None:  # written before text pairs: one templated string
         card.setdefault("prompt", {}).setdefault("text_pair", False)
+    elif version not in READABLE_VERSIONS:
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        raise UserError(
+            f"model.path: {file} has format_version={version!r}; this lychee_exp reads format_version {readable} "
+            "(and cards without one): read it with the lychee_exp that wrote it"
+        )
     return card
 
 
@@ -238,9 +247,17 @@ def resolve_model(composed: dict, given: ModelChoice) -> dict:
 
 def check_trained_head(cfg: ModelConfig) -> None:
     """Before scoring (rerank, mine's teacher): the directory must hold a trained head of cfg.kind, as its card
-    or its architectures say; else the head would be freshly initialised."""
+    or its architectures say, in whole weights files; else the head would be freshly initialised, or the ranks
+    would fail on the file. random_init scores a random model: never under the name of a directory of weights."""
     path = _directory(cfg.path)
-    if path is None or cfg.random_init:
+    if path is None:
+        return
+    if cfg.random_init:
+        if has_weights(path):
+            raise UserError(
+                f"model.random_init=true with model.path={cfg.path}, which holds trained weights: it would score a "
+                "random model under that directory's name; leave out model.random_init to score its weights"
+            )
         return
     card = read_card(path)
     kind, architectures = architecture_kind(path)
@@ -252,6 +269,7 @@ def check_trained_head(cfg: ModelConfig) -> None:
             f"model.path={cfg.path}: {what}, so as model.kind={cfg.kind} its scoring head would be freshly "
             f"initialised; give a trained reranker's model/ directory{hint}"
         )
+    check_weights(path, f"model.path={cfg.path}")
 
 
 def new_head_allowed(cfg: ModelConfig, training: bool) -> bool:

@@ -53,6 +53,45 @@ def open_study(storage: Any, name: str, directions: list[str], sampler: Any, pru
     return study
 
 
+def check_search_space(study: Any, distributions: dict[str, Any], custom: bool) -> None:
+    """A study keeps the search space its trials were drawn from: a re-run (or another worker) asking another one
+    is refused before it asks a trial. optuna itself refuses only a change of a parameter's kind, and only inside
+    the first new trial (which it leaves RUNNING or FAIL in the study); a changed range, or parameters added or
+    dropped, it mixes into one study whose sampler and results compare trials of different spaces. Naming the new
+    study apart instead would hide the earlier trials and restart n_trials silently: the user chooses a name.
+    `custom`: a custom_search_space suggests parameters of its own, so only the shared ones are compared."""
+    stored: dict[str, Any] = {}
+    for trial in study.get_trials(deepcopy=False):
+        for key, distribution in trial.distributions.items():
+            stored.setdefault(key, distribution)
+    if not stored:
+        return
+    fix = "use another hydra.sweeper.study_name (or storage) for another search space"
+    for key, ours in distributions.items():
+        if key in stored and stored[key] != ours:
+            raise UserError(
+                f"search space: {key} is {_shown(ours)} here, but study {study.study_name!r} drew it from "
+                f"{_shown(stored[key])}; {fix}"
+            )
+    added, dropped = sorted(set(distributions) - set(stored)), sorted(set(stored) - set(distributions))
+    if not custom and (added or dropped):
+        change = "; ".join(f"{what} {', '.join(keys)}" for what, keys in (("adds", added), ("drops", dropped)) if keys)
+        raise UserError(
+            f"search space: this sweep {change}, against the {len(stored)} parameter(s) of study "
+            f"{study.study_name!r} ({', '.join(sorted(stored))}); {fix}"
+        )
+
+
+def _shown(distribution: Any) -> str:
+    """A distribution in a few words: choice(a, b), float in [0.0, 1.0], log float in [...], int in [1, 8] step 2."""
+    if isinstance(distribution, optuna.distributions.CategoricalDistribution):
+        return f"choice({', '.join(map(str, distribution.choices))})"
+    integer = isinstance(distribution, optuna.distributions.IntDistribution)
+    step = "" if distribution.step is None or (integer and distribution.step == 1) else f" step {distribution.step}"
+    log = "log " if distribution.log else ""
+    return f"{log}{'int' if integer else 'float'} in [{distribution.low}, {distribution.high}]{step}"
+
+
 def trial_id(storage: Any, study_name: str, number: int) -> int:
     return storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study_name), number)
 

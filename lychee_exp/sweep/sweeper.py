@@ -216,6 +216,7 @@ class LycheeOptunaSweeperImpl(Sweeper):
         name = self.study_name or self.sweep_dir.name
         storage = open_storage(self.url, self.heartbeat_interval, self.grace_period)
         self.study = st.open_study(storage, name, self.directions, sampler, pruner)
+        st.check_search_space(self.study, self.space.distributions, custom=self.space.custom is not None)
         me, self.exhausted = st.worker_identity(), False
         self.recover = st.Recovery(self.study, storage, me)
         # A resumed study, or a second worker, must not replay the first worker's random draws with the same

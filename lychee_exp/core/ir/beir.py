@@ -105,6 +105,8 @@ def load_split(directory: Path, split: str, corpus: Corpus, key: str = "split", 
     """need_qrels=False (rerank): without qrels/<split>.tsv, every query of queries.jsonl and no judgements."""
     path = directory / "qrels" / f"{split}.tsv"
     queries = load_queries(directory)
+    if path.exists() and not path.is_file():  # not "a split without qrels": rerank would score it unjudged
+        raise UserError(f"{key}={split}: {path} is a directory, not a qrels file")
     if not path.is_file():
         if need_qrels:
             raise UserError(f"{key}={split}: no {path}; splits here: {', '.join(split_names(directory)) or 'none'}")
@@ -135,7 +137,7 @@ def load_split(directory: Path, split: str, corpus: Corpus, key: str = "split", 
 
 
 def split_names(directory: Path) -> list[str]:
-    return sorted(p.stem for p in (directory / "qrels").glob("*.tsv"))
+    return sorted(p.stem for p in (directory / "qrels").glob("*.tsv") if p.is_file())
 
 
 def _judged(qrels: Qrels, query_ids: list[str]) -> Qrels:

