@@ -210,7 +210,7 @@ def _report(capsys, *args: str) -> tuple[int, list[str], list[str]]:
         (lambda t: t / "runs" / "good" / "config.yaml", "config.yaml, read by the report"),
         (lambda t: t / "data", "is a directory; this command writes a file"),
         (lambda t: t / "runs", "holds {t}/runs/"),
-        (lambda t: t / "data" / "corpus.jsonl", "corpus.jsonl exists and is not a lychee_exp report page; --overwrite"),
+        (lambda t: t / "data" / "corpus.jsonl", "corpus.jsonl already holds results (corpus.jsonl): set --overwrite"),
     ],
     ids=["metrics-json", "config-yaml", "a-directory", "the-runs-directory", "a-foreign-file"],
 )
@@ -274,5 +274,5 @@ def test_gpu_check_out_replaces_an_earlier_report_only(tmp_path, monkeypatch, ca
     assert check(earlier) == 0 and json.loads(earlier.read_text()) == report
     err = capsys.readouterr().err
     assert f"gpu_check: error: --out={tmp_path}: {tmp_path} is a directory; this command writes a file" in err, err
-    refused = f"gpu_check: error: --out={notes} exists and is not a gpu_check report; --overwrite replaces it"
+    refused = f"gpu_check: error: --out={notes} already holds results ({notes.name}): set --overwrite to replace them"
     assert (refused in err) == (not overwrite) and _no_temporaries(tmp_path), err

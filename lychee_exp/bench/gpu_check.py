@@ -213,9 +213,15 @@ def main() -> int:
         return 2
     # --out is checked and locked before the first check, and written whole when the last one ended
     try:
-        with staged_output(args.out, directory=False, overwrite=True, inputs=(), key="--out") as staged:
-            if Path(args.out).is_file() and not args.overwrite and not _earlier_report(Path(args.out)):
-                raise UserError(f"--out={args.out} exists and is not a gpu_check report; --overwrite replaces it")
+        with staged_output(
+            args.out,
+            directory=False,
+            overwrite=args.overwrite,
+            inputs=(),
+            key="--out",
+            ours=_earlier_report,
+            overwrite_flag="--overwrite",
+        ) as staged:
             report = run_checks(args, cuda_count)
             staged.write_text(json.dumps(report, indent=2) + "\n")
     except UserError as err:

@@ -26,7 +26,7 @@ import shutil
 import signal
 import threading
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.output_lock import OutputLock, lock_path, short_name
@@ -56,17 +56,28 @@ def output_target(spec: str, key: str, directory: bool) -> Path:
 
 @contextlib.contextmanager
 def staged_output(
-    spec: str, *, directory: bool, overwrite: bool, inputs: Inputs, results: Sequence[str] = (), key: str = "out"
+    spec: str,
+    *,
+    directory: bool,
+    overwrite: bool,
+    inputs: Inputs,
+    results: Sequence[str] = (),
+    key: str = "out",
+    ours: Callable[[Path], bool] | None = None,
+    overwrite_flag: str = "overwrite=true",
 ) -> Iterator[Path]:
     """Yields where the command writes (a fresh directory, or a file path inside one), and moves it to out= when
     the block ends without an exception. `results`: the names the command writes into a directory output; an
-    existing out= holding anything else is not replaced, even with overwrite=true."""
+    existing out= holding anything else is not replaced, even with overwrite=true. `ours(path)`: whether an
+    existing file output is an earlier result of this very command (a report page), which it replaces without
+    being told; `overwrite_flag`: how the command's overwrite option is spelled in the one line."""
     target = output_target(spec, key, directory)
     refuse_inputs(spec, target, inputs, key)
     writable_parent(spec, target.parent, key)
     with OutputLock(target, f"{key}={spec}"):
         clean_leftovers(target)
-        _check_existing(spec, target, directory, overwrite, results, key)
+        told = overwrite or (ours is not None and target.is_file() and ours(target))
+        _check_existing(spec, target, directory, told, results, key, overwrite_flag)
         staging = _companion(target, STAGING, spec, key)
         try:
             yield staging if directory else staging / target.name
@@ -162,7 +173,9 @@ def _companion(target: Path, kind: str, spec: str, key: str) -> Path:
     return path
 
 
-def _check_existing(spec: str, target: Path, directory: bool, overwrite: bool, results: Sequence[str], key: str):
+def _check_existing(
+    spec: str, target: Path, directory: bool, overwrite: bool, results: Sequence[str], key: str, overwrite_flag: str
+) -> None:
     if not target.exists():
         return
     if directory and not target.is_dir():
@@ -174,9 +187,11 @@ def _check_existing(spec: str, target: Path, directory: bool, overwrite: bool, r
         return  # an empty directory: nothing to lose
     if not overwrite:
         shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
-        raise UserError(f"{key}={spec} already holds results ({shown}): set overwrite=true to replace them")
+        raise UserError(f"{key}={spec} already holds results ({shown}): set {overwrite_flag} to replace them")
     if read_only(target):
-        raise UserError(f"{key}={spec} is read-only: not replaced (make it writable to let overwrite=true replace it)")
+        raise UserError(
+            f"{key}={spec} is read-only: not replaced (make it writable to let {overwrite_flag} replace it)"
+        )
     foreign = [name for name in held if name not in results] if directory else []
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")

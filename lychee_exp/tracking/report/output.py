@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lychee_exp.core.errors import UserError
 from lychee_exp.core.outputs import staged_output
 
 GENERATOR_TAG = '<meta name="generator" content="lychee_exp.report">'
@@ -31,10 +30,13 @@ def earlier_page(path: Path) -> bool:
 
 def write_page(out: Path, page: str, root: Path, overwrite: bool) -> None:
     """Writes the page to out; every refusal is one UserError naming --out."""
-    spec = str(out)
-    # core.outputs checks inputs, directories and the parent, and locks out; whether an existing file may be
-    # replaced is decided here, under the lock, since an earlier page of ours is replaced without --overwrite
-    with staged_output(spec, directory=False, overwrite=True, inputs=report_inputs(root), key="--out") as staged:
-        if out.is_file() and not overwrite and not earlier_page(out):
-            raise UserError(f"--out={spec}: {out} exists and is not a lychee_exp report page; --overwrite replaces it")
+    with staged_output(
+        str(out),
+        directory=False,
+        overwrite=overwrite,
+        inputs=report_inputs(root),
+        key="--out",
+        ours=earlier_page,
+        overwrite_flag="--overwrite",
+    ) as staged:
         staged.write_text(page, encoding="utf-8")
