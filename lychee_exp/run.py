@@ -117,11 +117,10 @@ def command_help(config_name: str) -> str:
 
     module = {"mine": "lychee_exp.mine", "rerank": "lychee_exp.rerank", "config": "lychee_exp.plan"}.get(config_name)
     doc = (importlib.import_module(module).__doc__ or "").strip() if module else ""
-    return (
-        f"{doc}\n\nKeys (key=value, config groups as group=option): conf/{config_name}.yaml and its schema.\n"
-        f"Outputs: written whole or not at all, never over an input; earlier results only with overwrite=true "
-        f"(docs/outputs.md)."
-    )
+    from lychee_exp.core.outputs import POLICY_LINE
+
+    keys = f"Keys (key=value, config groups as group=option): conf/{config_name}.yaml and its schema."
+    return f"{doc}\n\n{keys}\n{POLICY_LINE}"
 
 
 def run_output_command(config_name: str, argv: list[str] | None, schema: type, command: Callable) -> None:

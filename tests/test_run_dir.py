@@ -232,7 +232,7 @@ def test_a_sweep_directory_in_or_around_an_input_is_refused(tmp_path):
     RunDirGuard().on_multirun_start(config)  # a fresh directory, or a study's own to continue: allowed
 
 
-@pytest.mark.parametrize("command", ["run", "mine", "rerank", "plan"])
+@pytest.mark.parametrize("command", ["run", "mine", "rerank", "plan", "report", "bench.gpu_check"])
 def test_every_commands_help_points_to_the_output_policy(command):
     proc = subprocess.run(
         [sys.executable, "-m", f"lychee_exp.{command}", "--help"], capture_output=True, text=True, timeout=120

@@ -38,7 +38,7 @@ from pathlib import Path
 from lychee_exp.bench.gpu import timed_runs as timed
 from lychee_exp.bench.gpu.flops import bf16_peak_tflops
 from lychee_exp.core.errors import UserError
-from lychee_exp.core.outputs import staged_output
+from lychee_exp.core.outputs import POLICY_LINE, staged_output
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -189,7 +189,7 @@ def print_table(checks: dict) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=POLICY_LINE)
     parser.add_argument("--out", default="gpu_check.json", help="where the JSON report goes")
     parser.add_argument("--overwrite", action="store_true", help="replace an --out file that is not a gpu_check report")
     parser.add_argument("--budget-s", type=float, default=None,

@@ -32,9 +32,21 @@ from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.output_lock import OutputLock, lock_path, short_name
 
 Inputs = Sequence[tuple[str, str]]  # (what it is, as the user named it: "first_stage=run:x.trec", path)
+# every command's --help ends with this line
+POLICY_LINE = (
+    "Outputs: written whole or not at all, never over an input; earlier results only when told (docs/outputs.md)."
+)
 STAGING, SET_ASIDE = "tmp", "old"  # the hidden companions of an output: `.<short name>.<kind>-<pid>-<random>`
 
-__all__ = ["lock_path", "resolved", "output_target", "refuse_inputs", "staged_output", "interrupted_line"]
+__all__ = [
+    "POLICY_LINE",
+    "lock_path",
+    "resolved",
+    "output_target",
+    "refuse_inputs",
+    "staged_output",
+    "interrupted_line",
+]
 
 
 def resolved(spec: str) -> Path:

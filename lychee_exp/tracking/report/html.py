@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.outputs import POLICY_LINE
 from lychee_exp.tracking.keys import num_devices
 from lychee_exp.tracking.report import plots
 from lychee_exp.tracking.report.data import Found, Run, Table, argmax, best_row, best_trial, config_value, find, fmt
@@ -260,7 +261,9 @@ def headless_chromium(page: Path, *flags: str, timeout: float = 120) -> subproce
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lychee_exp.report", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(
+        prog="python -m lychee_exp.report", description=__doc__.split("\n\n")[1], epilog=POLICY_LINE
+    )
     parser.add_argument("dir", help="a runs or sweep directory; every directory below it with a metrics.json is a run")
     parser.add_argument("--out", help="the HTML file to write (default: <dir>/report.html)")
     parser.add_argument("--title", help="the page title")
