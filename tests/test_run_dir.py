@@ -107,6 +107,13 @@ def test_a_run_directory_never_is_holds_or_lies_inside_an_input(tmp_path, where,
         claim_run_dir(str(target), resume="auto", overwrite=False, inputs=inputs)
 
 
+def test_a_run_directory_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    with pytest.raises(UserError, match="notes.txt is a file; a run writes a directory"):
+        claim_run_dir(str(tmp_path / "notes.txt"), resume="never", overwrite=False, inputs=[])
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
 def test_a_second_run_into_a_locked_directory_is_refused(tmp_path):
     claim_run_dir(str(tmp_path / "run"), resume="never", overwrite=False, inputs=[])
     with pytest.raises(UserError, match=r"is in use by another command \(pid \d+ on "):
