@@ -101,6 +101,7 @@ def test_resume_auto_continues_a_run_with_a_checkpoint(tmp_path):
 def test_a_run_directory_never_is_holds_or_lies_inside_an_input(tmp_path, where, expected):
     (tmp_path / "run" / "model").mkdir(parents=True)
     (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "corpus.jsonl").write_text("{}\n")  # a BEIR dataset: what it holds is protected
     (tmp_path / "train.jsonl").write_text("{}\n")
     target, inputs = where(tmp_path)
     with pytest.raises(UserError, match=expected):
@@ -231,12 +232,16 @@ def test_the_claim_is_kept_for_the_process_only(tmp_path):
 
 def test_a_sweep_directory_in_or_around_an_input_is_refused(tmp_path):
     (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "corpus.jsonl").write_text("{}\n")
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "data" / "sweep")}}})
     config.data = {"dataset": str(tmp_path / "data")}
     with pytest.raises(RunDirRefused, match=r"hydra.sweep.dir=.*/data/sweep is inside .*/data, an input"):
         RunDirGuard().on_multirun_start(config)
     config.hydra.sweep.dir = str(tmp_path / "sweep")
     RunDirGuard().on_multirun_start(config)  # a fresh directory, or a study's own to continue: allowed
+    (tmp_path / "data" / "corpus.jsonl").unlink()
+    config.hydra.sweep.dir = str(tmp_path / "data" / "sweep")
+    RunDirGuard().on_multirun_start(config)  # not a dataset (nor a model directory): a wrong path, named elsewhere
 
 
 @pytest.mark.parametrize("command", ["run", "mine", "rerank", "plan", "report", "bench.gpu_check"])

@@ -36,6 +36,9 @@ Inputs = Sequence[tuple[str, str]]  # (what it is, as the user named it: "first_
 POLICY_LINE = (
     "Outputs: written whole or not at all, never over an input; earlier results only when told (docs/outputs.md)."
 )
+# a directory input protects what it holds when it is one (a model directory, a BEIR dataset): a wrong path such as
+# `dense.model=/` is not one, and the command's own check names it
+INPUT_DIR_MARKERS = ("config.json", "corpus.jsonl")
 STAGING, SET_ASIDE = "tmp", "old"  # the hidden companions of an output: `.<short name>.<kind>-<pid>-<random>`
 
 __all__ = [
@@ -127,7 +130,7 @@ def refuse_inputs(spec: str, target: Path, inputs: Inputs, key: str) -> None:
         if target in source.parents:
             raise UserError(f"{key}={spec} holds {source}, an input of this command ({what}): write elsewhere")
     for what, source in sources:
-        if source.is_dir() and source in target.parents:
+        if source in target.parents and any((source / marker).is_file() for marker in INPUT_DIR_MARKERS):
             raise UserError(f"{key}={spec} is inside {source}, an input of this command ({what}): write elsewhere")
 
 

@@ -93,9 +93,9 @@ def claim_run_dir(spec: str, *, resume: str, overwrite: bool, inputs) -> None:
     """Checks the run directory against the policy and locks it; raises UserError with the one line."""
     global _claim
     target = output_target(spec, KEY, directory=True)
+    refuse_inputs(spec, target, inputs, KEY)
     if target.exists() and not target.is_dir():
         raise UserError(f"{KEY}={spec}: {target} is a file; a run writes a directory")
-    refuse_inputs(spec, target, inputs, KEY)
     writable_parent(spec, target.parent, KEY)
     lock = OutputLock(target, f"{KEY}={spec}").acquire()
     try:
