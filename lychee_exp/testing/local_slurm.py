@@ -6,8 +6,8 @@ socket), one slurmctld and one slurmd per node name. A single slurmd binary serv
 `nodes` node names and a job of two nodes really is two slurmd and two srun tasks. Everything lives in one
 temporary directory: slurm.conf, munge key and socket, state, spool, pid and log files; the client commands find
 the cluster through SLURM_CONF (`cluster.env`). Ports are picked free; every wait is bounded and says what it
-waited for with the daemons' logs; at the end every job is cancelled and every process that carries this
-cluster's SLURM_CONF in its environment (daemons, job steps, the jobs' own processes) is stopped by its pid.
+waited for with the daemons' logs; at the end every job is cancelled and the daemons, the job steps and the jobs'
+processes (found by this cluster's SLURM_CONF in their environment) are stopped by their pids.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -123,6 +124,8 @@ def write_conf(root: Path, nodes: tuple[str, ...], cpus_per_node: int, memory_mb
         "KillWait=5",  # SIGTERM -> SIGKILL of a cancelled or requeued job (default 30 s)
         "MinJobAge=600",  # finished jobs stay visible to squeue/scontrol for the tests
         "SchedulerType=sched/backfill",
+        # a requeued job becomes eligible after cred_expire; the main loop (default: every 60 s) then starts it
+        "SchedulerParameters=sched_interval=2,bf_interval=2",
     ]
     for name, port in zip(nodes, node_ports):
         lines.append(
@@ -142,17 +145,33 @@ def _pid(path: Path) -> int | None:
         return None
 
 
-def _processes_with(marker: bytes) -> list[int]:
-    """Pids of the processes whose environment holds `marker` (this cluster's SLURM_CONF=...)."""
-    pids = []
+def _job_processes(marker: bytes) -> list[int]:
+    """Pids of this cluster's job steps (slurmstepd) and the processes under them: those whose environment holds
+    `marker` (this cluster's SLURM_CONF=...) and whose parents, up to a slurmstepd, hold it too. A user's shell
+    that exported the same SLURM_CONF is not among them."""
+    parent, steps = {}, set()
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker in (entry / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(entry.name))
-            except OSError:
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
-    return pids
+            parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if (entry / "cmdline").read_bytes().startswith(b"slurmstepd"):
+                steps.add(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+
+    def under_a_step(pid: int) -> bool:
+        for _ in range(64):  # a chain of parents, not a loop
+            if pid in steps:
+                return True
+            if pid not in parent:
+                return False
+            pid = parent[pid]
+        return False
+
+    return [pid for pid in parent if under_a_step(pid)]
 
 
 def _stop(pids: list[int], timeout: float) -> None:
@@ -204,10 +223,11 @@ def _teardown(cluster: SlurmCluster) -> None:
         active = ("RUNNING", "PENDING", "COMPLETING", "REQUEUED", "CONFIGURING", "SUSPENDED")
         while time.monotonic() < deadline and any(line.split()[1] in active for line in cluster.jobs()):
             time.sleep(0.5)
+    # what could outlive the daemons: job steps (slurmstepd) and their processes, found while their parents live
+    steps = _job_processes(f"SLURM_CONF={cluster.conf}".encode())
     daemons = [_pid(cluster.root / f"{n}.pid") for n in ("slurmctld", *(f"slurmd-{x}" for x in cluster.nodes))]
     _stop([pid for pid in daemons if pid], timeout=10)
-    # what outlived them: job steps (slurmstepd) and the jobs' processes, all carrying this SLURM_CONF
-    _stop(_processes_with(f"SLURM_CONF={cluster.conf}".encode()), timeout=10)
+    _stop(steps, timeout=10)
     munged = _pid(cluster.root / "munged.pid")
     _stop([munged] if munged else [], timeout=10)
 
@@ -222,9 +242,9 @@ def local_slurm(nodes: int = 2) -> Iterator[SlurmCluster]:
         raise FileNotFoundError(f"no {', '.join(missing)} on this host ({INSTALL})")
     root = Path(tempfile.mkdtemp(prefix="lychee-slurm-"))
     root.chmod(0o755)  # munged wants its socket's directory searchable by everyone
-    (root / "state").mkdir()
-    (root / "spool").mkdir()
     names = tuple(f"node{k + 1}" for k in range(nodes))
+    for path in ("state", "spool", *(f"spool/{name}" for name in names)):
+        (root / path).mkdir()
     cpus = max(1, (os.cpu_count() or 1) // nodes)
     conf = write_conf(root, names, cpus, max(1, _memory_mb() // nodes))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
@@ -237,3 +257,24 @@ def local_slurm(nodes: int = 2) -> Iterator[SlurmCluster]:
             _teardown(cluster)
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    """`python -m lychee_exp.testing.local_slurm [--nodes N]`: a cluster to try the commands of docs/cluster.md
+    on; prints the SLURM_CONF to export, runs until Ctrl-C (or SIGTERM), then stops everything it started."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--nodes", type=int, default=2, help="node names on this host (they share its CPUs)")
+    nodes = parser.parse_args().nodes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # through the finally clauses, as Ctrl-C
+    with local_slurm(nodes) as cluster:
+        print(f"export SLURM_CONF={cluster.conf}", flush=True)
+        print(cluster.run("sinfo", "-N"), end="", flush=True)
+        print("Ctrl-C stops the cluster", file=sys.stderr, flush=True)
+        with suppress(KeyboardInterrupt):
+            signal.pause()
+
+
+if __name__ == "__main__":
+    main()
