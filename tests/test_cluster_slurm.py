@@ -25,15 +25,8 @@ from lychee_exp.testing.local_slurm import INSTALL, local_slurm, missing_binarie
 
 pytestmark = pytest.mark.slow
 
-# conf/hydra/launcher/slurm.yaml sized for this host's nodes (1 CPU, no GPUs each); every other key as shipped
-LAUNCH = [
-    "hydra/launcher=slurm",
-    "hydra.launcher.gpus_per_node=null",
-    "hydra.launcher.cpus_per_task=1",
-    "hydra.launcher.mem_gb=1",
-    "hydra.launcher.timeout_min=20",
-    "hydra.launcher.signal_delay_s=60",
-]
+# conf/hydra/launcher/slurm_cpu.yaml: slurm.yaml for nodes without GPUs, sized for local_slurm's 1-CPU nodes
+LAUNCH = ["hydra/launcher=slurm_cpu"]
 SWEPT = ("optimizer.lr=", "data.batch_size=")  # lr_batch searches them: not fixed on the command line
 
 
@@ -72,9 +65,12 @@ def _ended(slurm, job_id: str, timeout: float = 60) -> dict[str, str]:
     """The job's record once it ended: the sweeper has its result as soon as the job wrote it, and Slurm marks
     the job finished a moment later (its step and batch script exit)."""
     final = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
-    return slurm.wait_for(
-        f"job {job_id} ending", lambda: (s := _job(slurm, job_id))["JobState"] in final and s, timeout
-    )
+
+    def record() -> dict[str, str] | None:
+        state = _job(slurm, job_id)
+        return state if state["JobState"] in final else None
+
+    return slurm.wait_for(f"job {job_id} ending", record, timeout)
 
 
 def _submitit_jobs(sweep: Path) -> list[str]:
@@ -85,7 +81,7 @@ def _submitit_jobs(sweep: Path) -> list[str]:
 # ------------------------------------------------------------------------ a sweep whose trials are sbatch jobs
 @pytest.fixture(scope="module")
 def slurm_sweep(slurm, tmp_path_factory) -> Path:
-    """lr_batch, 2 trials, n_jobs=2: one array job of two tasks. Trial 1's rank 1 raises after step 2."""
+    """lr_batch, 2 trials, n_jobs=2, each trial a job of 2 DDP ranks. Trial 1's rank 1 raises after step 2."""
     root = tmp_path_factory.mktemp("slurm-sweep")
     sweep = root / "sweep"
     args = ["-m", *LAUNCH, "hparams_search=lr_batch", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2"]
@@ -163,12 +159,12 @@ def test_two_node_job_under_srun_matches_in_process_ddp(slurm, tmp_path):
 
 # ------------------------------------------------------------------------------ preemption: USR2, requeue
 def test_preempted_job_is_requeued_by_slurm_and_ends_as_if_uninterrupted(slurm, tmp_path):
-    """`scancel --signal=USR2` (what Slurm sends signal_delay_s before the time limit, and what a preemption
-    with a grace time is turned into): the ranks checkpoint, submitit runs `scontrol requeue` on its own job, Slurm
-    starts it again (SLURM_RESTART_COUNT=1) and it resumes. Would fail if the signal killed the job (no requeue:
-    FAILED/CANCELLED, Restarts=0), if the requeued job started over (no "resumed from", other losses are
-    impossible to tell from a restart, but the log line and the checkpoint step are not), or if the resume lost
-    state (optimizer, data position, RNG: the steps after it would differ from the uninterrupted run)."""
+    """`scancel --signal=USR2` (what Slurm sends signal_delay_s before the time limit) while the trial trains:
+    the ranks checkpoint, submitit runs `scontrol requeue` on its own job, Slurm starts it again and it resumes.
+    Would fail if the signal killed the job (FAILED, or no requeue: Restarts=0; it did, before the forkserver
+    ignored USR2), if the requeued job started over instead of resuming (no "resumed from" line at the stopped
+    step), or if the resume lost state (optimizer, data position, RNG: the later steps would differ from the
+    uninterrupted run's)."""
     args = [*TINY_MULTI, "parallel=ddp", "gpus=2", "trainer.max_steps=40", "trainer.measure_speedup=false"]
     args += ["trainer.save_model=true", "trainer.eval_before_training=false"]
     sweep = tmp_path / "sweep"
