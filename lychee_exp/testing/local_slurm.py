@@ -232,14 +232,7 @@ def _teardown(cluster: SlurmCluster) -> None:
     _stop([munged] if munged else [], timeout=10)
 
 
-@contextmanager
-def local_slurm(nodes: int = 2) -> Iterator[SlurmCluster]:
-    """Starts munged, slurmctld and `nodes` slurmd on 127.0.0.1, each node with its share of this host's CPUs
-    (at least one); yields the cluster once sinfo shows every node idle; cancels its jobs and stops every process
-    it started after, failures included."""
-    missing = missing_binaries()
-    if missing:
-        raise FileNotFoundError(f"no {', '.join(missing)} on this host ({INSTALL})")
+def _new_cluster(nodes: int) -> SlurmCluster:
     root = Path(tempfile.mkdtemp(prefix="lychee-slurm-"))
     root.chmod(0o755)  # munged wants its socket's directory searchable by everyone
     names = tuple(f"node{k + 1}" for k in range(nodes))
@@ -248,15 +241,39 @@ def local_slurm(nodes: int = 2) -> Iterator[SlurmCluster]:
     cpus = max(1, (os.cpu_count() or 1) // nodes)
     conf = write_conf(root, names, cpus, max(1, _memory_mb() // nodes))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    cluster = SlurmCluster(root, conf, names, cpus, {**env, "SLURM_CONF": str(conf)})
+    return SlurmCluster(root, conf, names, cpus, {**env, "SLURM_CONF": str(conf)})
+
+
+def _close(cluster: SlurmCluster) -> None:
     try:
-        _start_daemons(cluster)
+        _teardown(cluster)
+    finally:
+        shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+@contextmanager
+def local_slurm(nodes: int = 2, attempts: int = 2) -> Iterator[SlurmCluster]:
+    """Starts munged, slurmctld and `nodes` slurmd on 127.0.0.1, each node with its share of this host's CPUs
+    (at least one); yields the cluster once sinfo shows every node idle; cancels its jobs and stops every process
+    it started after, failures included. A start that fails (a free port taken meanwhile) is cleaned up and
+    tried again with new ports and directories, `attempts` times in all; the last failure is raised."""
+    missing = missing_binaries()
+    if missing:
+        raise FileNotFoundError(f"no {', '.join(missing)} on this host ({INSTALL})")
+    for attempt in range(1, attempts + 1):
+        cluster = _new_cluster(nodes)
+        try:
+            _start_daemons(cluster)
+            break
+        except (RuntimeError, subprocess.TimeoutExpired) as err:
+            _close(cluster)
+            if attempt == attempts:
+                raise
+            print(f"local Slurm: start {attempt} of {attempts} failed, trying again: {err}", file=sys.stderr)
+    try:
         yield cluster
     finally:
-        try:
-            _teardown(cluster)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+        _close(cluster)
 
 
 def main() -> None:
