@@ -28,12 +28,13 @@ def cluster_env(**extra: str) -> dict:
     return {**env, "HYDRA_FULL_ERROR": "0", **extra}
 
 
-def start_until_step_2(args: list[str], cwd: Path, rank0_logs: str, timeout_s: float) -> subprocess.Popen:
-    """`python -m lychee_exp.run <args>`, returned once rank 0's log (the glob under cwd) shows step 2."""
+def start_until_step_2(args: list[str], cwd: Path, rank0_logs: str, timeout_s: float, **env: str) -> subprocess.Popen:
+    """`python -m lychee_exp.run <args>` (env: more variables), returned once rank 0's log (the glob under cwd)
+    shows step 2."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "lychee_exp.run", *args],
         cwd=cwd,
-        env=cluster_env(),
+        env=cluster_env(**env),
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -5,6 +5,8 @@ with its killed launcher: tests/test_cluster.py's killed node (its rank would tr
 from __future__ import annotations
 
 import os
+import signal
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +27,7 @@ def test_a_forked_rank_takes_the_launchers_environment_of_now_and_keeps_the_agen
 
 
 def test_cuda_ranks_are_spawned_and_cpu_ranks_forked_from_one_server():
+    before = signal.getsignal(rank_start.PREEMPT_SIGNAL)
     method, parent = rank_start.rank_start("cuda")
     assert method == "spawn" and parent == RankParent(os.getpid())
     first_method, first = rank_start.rank_start("cpu")
@@ -34,3 +37,8 @@ def test_cuda_ranks_are_spawned_and_cpu_ranks_forked_from_one_server():
     assert first.pid == second.pid != os.getpid()  # the same server serves every launch of this process
     assert first.server_environ is second.server_environ and second.environ == dict(os.environ)
     assert second.launcher_pid == os.getpid()  # what a forked rank watches: the forkserver outlives a killed launcher
+    # SLURM signals every process of the step: the server ignores the preemption notice, this process still has
+    # its handler (a real Slurm's USR2 killed the server and its ranks: tests/test_cluster_slurm.py's preemption)
+    status = Path(f"/proc/{first.pid}/status").read_text().splitlines()
+    ignored = int(next(line for line in status if line.startswith("SigIgn:")).split()[1], 16)
+    assert ignored >> (rank_start.PREEMPT_SIGNAL - 1) & 1 and signal.getsignal(rank_start.PREEMPT_SIGNAL) is before

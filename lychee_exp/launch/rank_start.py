@@ -16,9 +16,12 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import forkserver
 
+from lychee_exp.launch.preemption import PREEMPT_SIGNAL
 from lychee_exp.launch.processes import die_with_parent
 
 # what every CPU rank imports: the forkserver imports them once (lychee_exp.launch.ranks: training; scoring: rerank)
@@ -74,13 +77,31 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@contextmanager
+def _helpers_ignore(signum: int) -> Iterator[None]:
+    """Processes started inside ignore `signum` for life (an ignored signal stays ignored across fork and exec).
+    SLURM signals every process of a job step: the forkserver and multiprocessing's resource tracker, whose
+    default action for USR2 is to end, would die of a preemption notice (and with the forkserver its ranks, which
+    die with their parent); the ranks install their own handler. This process's handler is back at once (the
+    server starts in milliseconds; it does not wait for the preloads)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signum, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
 def rank_start(device_type: str) -> tuple[str, RankParent]:
     """The start method for a launch's ranks and what they take from this process."""
     server = getattr(forkserver, "_forkserver", None)
     if device_type != "cpu" or server is None or not hasattr(server, "_forkserver_pid"):
         return "spawn", RankParent(os.getpid())
     multiprocessing.set_forkserver_preload(RANK_MODULES)
-    server.ensure_running()  # (re)starts it if it is not running, with this process's environment as it is now
+    with _helpers_ignore(PREEMPT_SIGNAL):
+        server.ensure_running()  # (re)starts it if it is not running, with this process's environment as it is now
     global _server
     if _server is None or _server[0] != server._forkserver_pid:  # started just now
         _server = (server._forkserver_pid, dict(os.environ))

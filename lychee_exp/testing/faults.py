@@ -1,7 +1,9 @@
 """Fault injection for the tests of failure handling:
-LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang|oom>[:<trial>[:<batch>]] makes that rank fail right after that
-optimizer step (oom: as a CUDA out-of-memory error would); with a trial number (-1: any), only in that sweep
-trial (the sweep's other trials run normally); with a batch, only while data.batch_size is at least that (so
+LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang|oom|wait>[:<trial>[:<batch>]] makes that rank fail right after that
+optimizer step (oom: as a CUDA out-of-memory error would; wait is no failure: the rank waits until the path in
+LYCHEE_FAULT_WAIT_FOR exists, e.g. a trial held until another worker's trial began, and raises after WAIT_S
+seconds without it); with a trial number (-1: any), only in that sweep trial (the sweep's other trials run
+normally); with a batch, only while data.batch_size is at least that (so
 an OOM retry with half the batch completes, as it would on a real GPU). Several faults, comma-separated, fire
 each in its own rank/trial (one sweep then shows several failures); where two match, the first is the one.
 
@@ -17,6 +19,8 @@ import time
 from typing import Callable
 
 import torch
+
+WAIT_S = 300
 
 
 def fault_hook(rank: int, trial_number: int = -1, batch_size: int = 0) -> Callable[[int], None] | None:
@@ -48,3 +52,9 @@ def _fire(action: str, rank: int, step: int) -> None:
         raise torch.OutOfMemoryError(f"injected out of memory on rank {rank} at step {step}")
     if action == "hang":
         time.sleep(3600)
+    if action == "wait":
+        path, deadline = os.environ["LYCHEE_FAULT_WAIT_FOR"], time.monotonic() + WAIT_S
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {rank} waited {WAIT_S} s after step {step} for {path}: it never appeared")
+            time.sleep(0.2)

@@ -1,0 +1,225 @@
+"""The SLURM paths on a real Slurm: a throwaway controller and two slurmd node names on this host
+(lychee_exp/testing/local_slurm.py), driven through the user's commands. Sweep trials as sbatch jobs (n_jobs at
+once) with a failing rank, a job of two nodes under srun equal to in-process DDP, a preempted trial requeued by
+Slurm that continues from its checkpoint, and launch/slurm/sweep_array.sbatch as an array job on one study.
+What only a real cluster shows stays out of the other test_cluster* files (there: submitit's local executor, a
+stand-in srun, faked SLURM variables)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from cluster_helpers import TINY_MULTI, cluster_env, start_until_step_2
+from conftest import REPO_ROOT, run_metrics
+
+from lychee_exp.testing.equivalence import assert_same_training
+from lychee_exp.testing.jobs import run_job
+from lychee_exp.testing.local_slurm import INSTALL, local_slurm, missing_binaries
+
+pytestmark = pytest.mark.slow
+
+# conf/hydra/launcher/slurm_cpu.yaml: slurm.yaml for nodes without GPUs, sized for local_slurm's 1-CPU nodes
+LAUNCH = ["hydra/launcher=slurm_cpu"]
+SWEPT = ("optimizer.lr=", "data.batch_size=")  # lr_batch searches them: not fixed on the command line
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    missing = missing_binaries()
+    if missing and (os.geteuid() != 0 or shutil.which("apt-get") is None):
+        pytest.skip(f"no {', '.join(missing)}, and this user cannot install them ({INSTALL} needs root)")
+    assert not missing, f"no {', '.join(missing)} on this host: {INSTALL} (bash .ci/run does it)"
+    with local_slurm(nodes=2) as cluster:
+        yield cluster
+
+
+def _cli(slurm, args: list[str], cwd: Path, timeout: float = 400, **env: str) -> subprocess.CompletedProcess:
+    """`python -m lychee_exp.run <args>` as a user on the cluster's login node would run it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lychee_exp.run", *args],
+        cwd=cwd,
+        env=cluster_env(SLURM_CONF=str(slurm.conf), **env),
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{slurm.logs()}"
+    return proc
+
+
+def _job(slurm, job_id: str) -> dict[str, str]:
+    """`scontrol show job` of one job (or array task) as key -> value."""
+    text = slurm.run("scontrol", "show", "job", "-o", job_id)
+    return dict(re.findall(r"(\w+)=(\S*)", text))
+
+
+def _ended(slurm, job_id: str, timeout: float = 60) -> dict[str, str]:
+    """The job's record once it ended: the sweeper has its result as soon as the job wrote it, and Slurm marks
+    the job finished a moment later (its step and batch script exit)."""
+    final = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
+
+    def record() -> dict[str, str] | None:
+        state = _job(slurm, job_id)
+        return state if state["JobState"] in final else None
+
+    return slurm.wait_for(f"job {job_id} ending", record, timeout)
+
+
+def _submitit_jobs(sweep: Path) -> list[str]:
+    """The Slurm job ids submitit recorded, one folder each (array tasks as <array id>_<task>)."""
+    return sorted(p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+(_\d+)?", p.name))
+
+
+# ------------------------------------------------------------------------ a sweep whose trials are sbatch jobs
+@pytest.fixture(scope="module")
+def slurm_sweep(slurm, tmp_path_factory) -> Path:
+    """lr_batch, 2 trials, n_jobs=2, each trial a job of 2 DDP ranks. Trial 1's rank 1 raises after step 2."""
+    root = tmp_path_factory.mktemp("slurm-sweep")
+    sweep = root / "sweep"
+    args = ["-m", *LAUNCH, "hparams_search=lr_batch", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2"]
+    args += ["hydra.sweeper.max_failure_rate=1", "parallel=ddp", "gpus=2", "trainer.max_steps=4"]
+    args += [*(a for a in TINY_MULTI if not a.startswith(SWEPT)), f"hydra.sweep.dir={sweep}"]
+    _cli(slurm, args, root, LYCHEE_FAULT="1:2:raise:1")
+    return sweep
+
+
+def test_sweep_trials_run_as_slurm_jobs_at_once(slurm, slurm_sweep):
+    """Would fail if the trials ran anywhere but in batch jobs of this cluster (no job ids, or ids slurmctld does
+    not know), one after another (Slurm's start and end times would not overlap), or if the results did not reach
+    the study."""
+    import optuna
+
+    sweep = slurm_sweep
+    jobs = _submitit_jobs(sweep)
+    assert len(jobs) == 2, jobs  # a job per trial (the sweeper hands each slot its next trial on its own)
+    first, second = (_ended(slurm, job) for job in jobs)
+    for record in (first, second):
+        # COMPLETED even for the failed trial: the job returns Hydra's JobReturn, which carries the trial's error
+        assert record["JobState"] == "COMPLETED" and record["BatchFlag"] == "1", record
+        assert record["NodeList"] in slurm.nodes, record
+    assert second["StartTime"] < first["EndTime"] and first["StartTime"] < second["EndTime"], (first, second)
+    study = optuna.load_study(study_name="lr_batch", storage=f"sqlite:///{sweep / 'optuna.db'}")
+    done, failed = study.trials
+    assert (done.state.name, failed.state.name) == ("COMPLETE", "FAIL")
+    m = run_metrics(sweep / "0")
+    assert done.value == m["ndcg@10"] and m["num_devices"] == m["num_processes"] == 2 and m["steps"] == 4
+    assert m["effective_batch_size"] == done.params["trainer.global_batch_size"]
+
+
+def test_a_failed_rank_fails_its_job_and_the_trial(slurm, slurm_sweep):
+    """Would fail if the rank's error stayed inside the job (its trial left RUNNING and the sweep waiting: the
+    subprocess timeout would end it) or reached the sweeper without its reason."""
+    import csv
+
+    jobs = _submitit_jobs(slurm_sweep)
+    with (slurm_sweep / "trials.csv").open() as handle:
+        rows = {row["number"]: row for row in csv.DictReader(handle)}
+    assert rows["1"]["state"] == "FAIL" and rows["1"]["reason"].startswith("crashed: rank 1 failed"), rows
+    assert "injected fault" in rows["1"]["reason"] and not (slurm_sweep / "1" / "metrics.json").exists()
+    logs = {job: "".join(p.read_text() for p in (slurm_sweep / ".submitit" / job).glob("*_log.*")) for job in jobs}
+    [failed] = [job for job, log in logs.items() if "injected fault on rank 1" in log]
+    state = _ended(slurm, failed)
+    rank1 = "".join(p.read_text() for p in (slurm_sweep / "1").glob("logs/**/1/stderr.log"))
+    fired = float(re.findall(r"LYCHEE_FAULT raise fired at ([\d.]+)", rank1)[0])
+    ended = datetime.fromisoformat(state["EndTime"]).timestamp()  # Slurm's local time, to the second
+    print(f"job {failed} ended {ended - fired:.0f} s after the fault (slurmctld's EndTime, 1 s resolution)")
+
+
+# ------------------------------------------------------------------------------------- two nodes under srun
+def test_two_node_job_under_srun_matches_in_process_ddp(slurm, tmp_path):
+    """hydra.launcher.nodes=2: sbatch -N2, srun starts one task per node (node1, node2: two slurmd), each task's
+    agent one rank; they meet at MASTER_ADDR. Would fail if the ranks did not form one process group (each would
+    train alone: other gradients), if a node's batch were counted twice, or if the weights drifted."""
+    args = [*TINY_MULTI, "trainer.save_model=true", "trainer.measure_speedup=false"]
+    reference = tmp_path / "in-process"
+    run_job([*args, "parallel=ddp", "gpus=2"], reference)
+    sweep = tmp_path / "sweep"
+    two_nodes = ["-m", *LAUNCH, "hydra.launcher.nodes=2", *args, "parallel=ddp", "gpus=1"]
+    two_nodes += ["parallel.cpu_threads_per_rank=1", "trainer.global_batch_size=4", f"hydra.sweep.dir={sweep}"]
+    # the one thing one host cannot give: node names that resolve (node1, node2); a real cluster's do
+    _cli(slurm, two_nodes, tmp_path, MASTER_ADDR="127.0.0.1")
+    [job] = _submitit_jobs(sweep)
+    state = _ended(slurm, job)
+    assert (state["JobState"], state["NumNodes"], state["NodeList"]) == ("COMPLETED", "2", "node[1-2]"), state
+    m = run_metrics(sweep / "0")
+    assert m["num_devices"] == 2 and m["num_processes"] == 2 and m["steps"] == 4
+    assert_same_training(sweep / "0", reference)  # every step's loss and pre-clip gradient norm, the weights
+    want = run_metrics(reference)
+    for key in ("initial_ndcg@10", "ndcg@10", "mrr@10"):
+        assert m[key] == pytest.approx(want[key], abs=1e-6), key
+
+
+# ------------------------------------------------------------------------------ preemption: USR2, requeue
+def test_preempted_job_is_requeued_by_slurm_and_ends_as_if_uninterrupted(slurm, tmp_path):
+    """`scancel --signal=USR2` (what Slurm sends signal_delay_s before the time limit) while the trial trains:
+    the ranks checkpoint, submitit runs `scontrol requeue` on its own job, Slurm starts it again and it resumes.
+    Would fail if the signal killed the job (FAILED, or no requeue: Restarts=0; it did, before the forkserver
+    ignored USR2), if the requeued job started over instead of resuming (no "resumed from" line at the stopped
+    step), or if the resume lost state (optimizer, data position, RNG: the later steps would differ from the
+    uninterrupted run's)."""
+    args = [*TINY_MULTI, "parallel=ddp", "gpus=2", "trainer.max_steps=40", "trainer.measure_speedup=false"]
+    args += ["trainer.save_model=true", "trainer.eval_before_training=false"]
+    sweep = tmp_path / "sweep"
+    proc = start_until_step_2(
+        ["-m", *LAUNCH, *args, f"hydra.sweep.dir={sweep}"],
+        tmp_path,
+        "sweep/0/logs/**/0/stderr.log",
+        timeout_s=240,
+        SLURM_CONF=str(slurm.conf),
+    )
+    try:
+        [job] = slurm.wait_for("the job in squeue", lambda: _submitit_jobs(sweep), timeout=30)
+        slurm.run("scancel", "--signal=USR2", job)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, f"{out[-3000:]}\n{slurm.logs()}"
+    state = _ended(slurm, job)
+    assert (state["JobState"], state["Restarts"]) == ("COMPLETED", "1"), state
+    resumed = re.findall(r"resumed from \S+ at step (\d+) ", (sweep / "0" / "run.log").read_text())
+    assert len(resumed) == 1 and 2 <= int(resumed[0]) < 40, resumed
+    reference = tmp_path / "uninterrupted"
+    run_job(args, reference)
+    assert run_metrics(sweep / "0")["steps"] == 40
+    assert_same_training(sweep / "0", reference)  # each step's loss and gradient norm, the final weights
+    print(f"job {job}: stopped after step {resumed[0]}, requeued by Slurm, resumed, finished 40 steps")
+
+
+# --------------------------------------------------------------------------- launch/slurm/sweep_array.sbatch
+def test_sweep_array_script_as_an_array_job(slurm, tmp_path):
+    """sbatch --array=0-1 of the shipped script (its #SBATCH sizes overridden on the command line, as a user with
+    a smaller node would): two workers, one SQLite study, n_trials=2. Worker 0's trial 0 holds after its first
+    step until trial 1's directory exists, which only worker 1 can make: so each worker runs one trial, at the same
+    time. Would fail if the tasks used separate studies (each would run 2 trials, or worker 1 would not find the
+    study), if a task did not run the sweep to the end, or if the study ran more or fewer than n_trials."""
+    import optuna
+
+    sweep, db = tmp_path / "sweep", tmp_path / "study.db"
+    (tmp_path / "outputs" / "slurm").mkdir(parents=True)  # --output's directory, as the script's header says
+    tiny = [a for a in TINY_MULTI if not a.startswith(SWEPT)]
+    env = cluster_env(SLURM_CONF=str(slurm.conf), LYCHEE_FAULT="0:1:wait:0", LYCHEE_FAULT_WAIT_FOR=str(sweep / "1"))
+    env |= {"LYCHEE_STORAGE": f"sqlite:///{db}", "PYTHON": sys.executable}
+    sbatch = ["sbatch", "--parsable", "--array=0-1", "--cpus-per-task=1", "--mem=1G", "--time=20", "--gpus-per-node=0"]
+    script = [str(REPO_ROOT / "launch/slurm/sweep_array.sbatch"), "hparams_search=lr_batch"]
+    script += ["hydra.sweeper.n_trials=2", "gpus=1", *tiny, "trainer.measure_speedup=false", f"hydra.sweep.dir={sweep}"]
+    submitted = subprocess.run([*sbatch, *script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    array = submitted.stdout.strip().split(";")[0]
+    tasks = [f"{array}_0", f"{array}_1"]
+    states = [_ended(slurm, task, timeout=400)["JobState"] for task in tasks]
+    outputs = [(tmp_path / "outputs" / "slurm" / f"lychee-sweep_{task}.out").read_text() for task in tasks]
+    assert states == ["COMPLETED", "COMPLETED"], f"{states}\n{outputs[0][-3000:]}\n{outputs[1][-3000:]}"
+    assert "Using an existing study" in outputs[1], outputs[1][-3000:]  # the one worker 0 created
+    for out in outputs:
+        assert "2/2 trials finished (2 complete, 0 pruned, 0 failed); this worker ran 1;" in out, out[-3000:]
+    study = optuna.load_study(study_name="lr_batch", storage=f"sqlite:///{db}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    assert sorted(p.parent.name for p in sweep.glob("*/metrics.json")) == ["0", "1"]
