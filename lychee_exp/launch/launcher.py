@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -124,6 +125,9 @@ def run_ranks(
     log_dir = output_dir / "logs"
     nnodes = nodes.nnodes if nodes else 1
     os.environ[QUIET_CTRL_C_ENV] = "1"  # the ranks end silently on Ctrl-C: this process says the one line
+    # torch's agent leaves its SIGINT/SIGTERM handlers (raising SignalException) installed after the launch: a
+    # SIGTERM after it (SLURM's requeue, while submitit hands the preemption over) must reach the handler we had
+    handlers = _stop_handlers()
     try:
         start_method, parent = rank_start(plan.device_type)
         config = LaunchConfig(
@@ -157,6 +161,19 @@ def run_ranks(
         raise RunFailed(f"rank {rank} failed: {message}{where}", failure_kind(message)) from None
     finally:
         os.environ.pop(QUIET_CTRL_C_ENV, None)
+        _restore(handlers)
+
+
+def _stop_handlers() -> dict:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 def _stop_on_signal(err: SignalException) -> None:
