@@ -177,10 +177,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def companion(target: Path, kind: str) -> Path:
+    """A hidden path beside target named for its owner (this process), which clean_leftovers and the run directory's
+    recovery read back: `.<short name>.<kind>-<pid>-<random>`."""
+    return target.parent / f".{short_name(target)}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def listed(names: Sequence[str]) -> str:
+    """The first few names of a directory's entries, for a one-line refusal."""
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+
+
 def _companion(target: Path, kind: str, spec: str, key: str) -> Path:
     """A fresh hidden directory beside target, named for its owner, with the permissions of the user's umask (not
     mkdtemp's 0700, which the results would keep once moved into place)."""
-    path = target.parent / f".{short_name(target)}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+    path = companion(target, kind)
     try:
         path.mkdir(mode=0o777)  # minus the umask
     except OSError as err:
@@ -201,16 +212,14 @@ def _check_existing(
     if not held:
         return  # an empty directory: nothing to lose
     if not overwrite:
-        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
-        raise UserError(f"{key}={spec} already holds results ({shown}): set {overwrite_flag} to replace them")
+        raise UserError(f"{key}={spec} already holds results ({listed(held)}): set {overwrite_flag} to replace them")
     if read_only(target):
         raise UserError(
             f"{key}={spec} is read-only: not replaced (make it writable to let {overwrite_flag} replace it)"
         )
     foreign = [name for name in held if name not in results] if directory else []
     if foreign:
-        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-        raise UserError(f"{key}={spec} holds files this command does not write ({shown}): not replaced")
+        raise UserError(f"{key}={spec} holds files this command does not write ({listed(foreign)}): not replaced")
 
 
 def _move_into_place(staging: Path, target: Path, directory: bool) -> None:
@@ -222,7 +231,7 @@ def _move_into_place(staging: Path, target: Path, directory: bool) -> None:
         os.replace(staging, target)  # rename(2) replaces an empty directory in one step
         return
     # a directory with the old results: out of the way, the new one in, then the old one deleted
-    old = target.parent / f".{short_name(target)}.{SET_ASIDE}-{os.getpid()}-{secrets.token_hex(4)}"
+    old = companion(target, SET_ASIDE)
     os.replace(target, old)
     try:
         os.replace(staging, target)

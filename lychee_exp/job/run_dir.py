@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.output_lock import OutputLock, short_name
-from lychee_exp.core.outputs import clean_leftovers, output_target, refuse_inputs, writable_parent
+from lychee_exp.core.outputs import clean_leftovers, companion, listed, output_target, refuse_inputs, writable_parent
 from lychee_exp.core.resources import resolve_path
 from lychee_exp.launch.cluster import is_main_process
 
@@ -138,7 +137,7 @@ def _decide(spec: str, target: Path, resume: str, overwrite: bool) -> Path | Non
         raise UserError(f"overwrite=true starts {KEY}={spec} anew, trainer.resume={resume} continues it: choose one")
     if not held:
         return None
-    shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+    shown = listed(held)
     if continues:
         if any(name in held for name in FINISHED) and not _has_checkpoint(target):
             raise UserError(
@@ -151,7 +150,7 @@ def _decide(spec: str, target: Path, resume: str, overwrite: bool) -> Path | Non
             f"{KEY}={spec} already holds a run ({shown}): trainer.resume=auto continues it, overwrite=true "
             "replaces it once the new run has finished, or choose another directory"
         )
-    aside = target.parent / f".{short_name(target)}.{REPLACED}-{os.getpid()}-{secrets.token_hex(4)}"
+    aside = companion(target, REPLACED)
     os.replace(target, aside)  # Hydra creates the directory afresh; the old run waits here until the new one ends
     return aside
 
