@@ -50,6 +50,9 @@ def test_cuda_without_varlen_stops_naming_the_fallback_key(probe):
     assert packing.check_packed_attention(CUDA, "bf16", "sdpa", 0.0, "none") == "varlen"
     with pytest.raises(UserError, match="attention dropout"):
         packing.check_packed_attention(CUDA, "bf16", "sdpa", 0.1, "none")
+    with pytest.raises(UserError, match="attends both ways"):  # an encoder: the varlen call here is causal
+        packing.check_packed_attention(CUDA, "bf16", "sdpa", 0.0, "none", causal=False)
+    assert packing.check_packed_attention(CUDA, "bf16", "sdpa", 0.0, "sdpa", causal=False) == "sdpa_per_prompt"
 
 
 def test_the_cpu_takes_the_per_prompt_path_without_asking(probe, tmp_path):

@@ -191,7 +191,7 @@ def test_evaluation_batches_score_as_before_under_packed_attention(tmp_path):
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        (["model=minilm_cross_encoder"], "data.packing"),
+        (["model=tiny_lychee", "model.kind=sequence_classification"], "data.packing"),  # not a BERT encoder
         (["model=tiny_lychee", "model.attn_implementation=flash_attention_2"], "model.attn_implementation"),
         (["model=tiny_lychee", "parallel=dp"], "parallel=ddp"),
     ],

@@ -13,6 +13,7 @@ from typing import Any
 from lychee_exp.core.chunks import forward_chunk_count
 from lychee_exp.core.devices import parse_gpus
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.packing_rule import PACKABLE_ENCODERS, check_packing_setting, encoder_model_type
 
 
 def at_least(low: float, default: Any) -> Any:
@@ -64,10 +65,15 @@ def _check_trainer(trainer: Any) -> None:  # a core.config.TrainerConfig
 
 
 def _check_packing(cfg: Any) -> None:  # a core.config.RunConfig
-    if not cfg.data.packing:
+    check_packing_setting(cfg.data.packing)
+    if cfg.data.packing is not True:  # auto decides per device (core.packing.packing_on), never against these
         return
-    if cfg.model.kind != "causal_lm":
-        raise UserError(f"data.packing=true needs a causal LM reranker; model.kind={cfg.model.kind} pads its batches")
+    model_type = encoder_model_type(cfg.model.path)
+    if cfg.model.kind != "causal_lm" and model_type not in PACKABLE_ENCODERS:
+        raise UserError(
+            f"data.packing=true: model.kind={cfg.model.kind} packs BERT-family encoders only "
+            f"(model_type {', '.join(PACKABLE_ENCODERS)}), and model.path={cfg.model.path} is {model_type}"
+        )
     if cfg.model.attn_implementation not in ("sdpa", "eager"):
         got = cfg.model.attn_implementation
         raise UserError(f"data.packing=true needs model.attn_implementation sdpa or eager, got {got}")

@@ -20,6 +20,7 @@ from lychee_exp.core.config import ModelConfig
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.model_card import ADAPTER_DIR, has_weights, new_head_allowed, write_card
 from lychee_exp.core.model_files import check_config_json, check_tokenizer_files, check_weights
+from lychee_exp.core.packed_encoder import score_packed_encoder
 from lychee_exp.core.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX, packed_attention
 from lychee_exp.core.pair_prompt import PairEncoder, pair_max_len, token_types
 from lychee_exp.core.prompt import PromptEncoder
@@ -77,7 +78,8 @@ class Reranker(nn.Module):
         """One relevance logit per row. `chunks` (from bucketing.length_chunks): score the rows in groups of
         similar length, each cut to its own width, so that fewer padding slots are computed; every row's logit
         is the same as in one pass (positions count real tokens, padding is masked), in the rows' order.
-        `packed` (core.packing.pack, without its input_ids): input_ids is one packed row; one logit per prompt."""
+        `packed` (core.packing.pack, without its input_ids): input_ids is one packed row; one logit per prompt
+        (encoder cross-encoders: core.packed_encoder)."""
         if packed is not None:
             return self._score_packed(input_ids, packed)
         if not chunks or len(chunks) == 1:
@@ -114,8 +116,10 @@ class Reranker(nn.Module):
 
     def _score_packed(self, input_ids: torch.Tensor, packed: dict) -> torch.Tensor:
         config = self.backbone.config
-        if not KINDS[self.kind].yes_no or not config._attn_implementation.startswith(PACKED_PREFIX):
-            raise ValueError("a packed batch needs a causal LM loaded with packing=True (load_reranker)")
+        if not config._attn_implementation.startswith(PACKED_PREFIX):
+            raise ValueError("a packed batch needs a reranker loaded with packing=True (load_reranker)")
+        if not KINDS[self.kind].yes_no:  # an encoder cross-encoder: each prompt's [CLS] through the classifier
+            return score_packed_encoder(self.backbone, input_ids, packed, self.sep_id)
         # A prepared mask per layer type skips transformers' mask building (and its device read): the packed
         # attention confines each prompt to itself from the segment boundaries.
         masks = dict.fromkeys(getattr(config, "layer_types", None) or ["full_attention"])

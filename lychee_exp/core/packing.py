@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.segment_rows import segment_rows_attention, use_segment_rows
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +74,15 @@ def pack(sequences: Sequence[Sequence[int]], pad_id: int, multiple: int, width: 
     }
 
 
-def block_causal_mask(cu_seqlens: torch.Tensor, width: int) -> torch.Tensor:
-    """(1, 1, width, width) boolean: token i sees token j iff j <= i in the same segment."""
+def block_causal_mask(cu_seqlens: torch.Tensor, width: int, causal: bool = True) -> torch.Tensor:
+    """(1, 1, width, width) boolean: token i sees token j iff both are in the same segment (and j <= i if causal)."""
     segment = torch.repeat_interleave(
         torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     )
     idx = torch.arange(width, device=cu_seqlens.device)
-    mask = (segment[:, None] == segment[None, :]) & (idx[None, :] <= idx[:, None])
+    mask = segment[:, None] == segment[None, :]
+    if causal:
+        mask = mask & (idx[None, :] <= idx[:, None])
     return mask[None, None]
 
 
@@ -132,22 +135,27 @@ def _probe(device: torch.device) -> tuple[bool, str]:
     return True, f"ok (relative error {err:.1e} against sdpa)"
 
 
-def packed_attention_path(device: torch.device, precision: str, base: str, dropout: float) -> str:
-    """The path packed rows take on this device and precision (what `attention` below does with them)."""
+def packed_attention_path(device: torch.device, precision: str, base: str, dropout: float, causal=True) -> str:
+    """The path packed rows take on this device and precision (what `attention` below does with them); on CPU in
+    bf16, prompts of up to segment_rows.MAX_SEGMENT_TOKENS take segment_rows (recorded as they run)."""
     half = precision in ("bf16", "fp16")
-    if device.type == "cuda" and half and not dropout and varlen_probe(device)[0]:
+    if device.type == "cuda" and causal and half and not dropout and varlen_probe(device)[0]:
         return "varlen"
     return "sdpa_per_prompt" if base == "sdpa" else "eager_block_mask"
 
 
-def check_packed_attention(device: torch.device, precision: str, base: str, dropout: float, fallback: str) -> str:
+def check_packed_attention(
+    device: torch.device, precision: str, base: str, dropout: float, fallback: str, causal: bool = True
+) -> str:
     """The packed path, decided at setup; on CUDA anything but varlen is a one-line error unless
     `data.packing_fallback=sdpa` (slower: one attention call per prompt per layer, or a full mask)."""
-    path = packed_attention_path(device, precision, base, dropout)
+    path = packed_attention_path(device, precision, base, dropout, causal)
     if device.type == "cuda" and path != "varlen" and fallback != "sdpa":
         why = varlen_probe(device)[1] if precision in ("bf16", "fp16") else f"trainer.precision={precision}"
         if dropout:
             why = "attention dropout is on (the varlen kernel has none)"
+        if not causal:
+            why = "an encoder cross-encoder attends both ways, and the varlen call here is causal"
         raise UserError(
             f"data.packing=true on CUDA without the varlen kernel ({why}): set data.packing_fallback=sdpa to run "
             f"packed rows through {path} (slower), or data.packing=false"
@@ -158,11 +166,11 @@ def check_packed_attention(device: torch.device, precision: str, base: str, drop
 def packed_attention_path_of(cfg, device: torch.device, precision: str) -> str:
     """A run's attention path (RunConfig `cfg`): check_packed_attention's for a packed run, else padded rows
     through the model's own attention (e.g. sdpa_padded)."""
-    if not cfg.data.packing:
+    if cfg.data.packing is not True:  # false, or auto not yet decided for a device (core.packing_rule)
         return f"{cfg.model.attn_implementation}_padded"
     model = cfg.model
     return check_packed_attention(device, precision, model.attn_implementation, model.dropout or 0.0,
-                                  cfg.data.packing_fallback)  # fmt: skip
+                                  cfg.data.packing_fallback, model.kind == "causal_lm")  # fmt: skip
 
 
 def _record(path: str) -> None:
@@ -221,12 +229,16 @@ def _make_packed_attention(base: str):
         if cu_seqlens is None:  # an ordinary padded batch (evaluation)
             _record(f"{base}_padded")
             return base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        if not dropout and _use_varlen(query):  # the varlen kernel has no attention dropout
+        causal = getattr(module, "is_causal", True)  # BERT-family encoders attend both ways within a prompt
+        if causal and not dropout and _use_varlen(query):  # the varlen call below is causal and has no dropout
             out = _varlen(module, query, key, value, cu_seqlens, max_length, scaling)
             if out is not None:
                 _record("varlen")
                 return out, None
-        if base == "sdpa":  # causal attention segment by segment: no width x width mask or scores
+        if base == "sdpa" and use_segment_rows(query, bounds):  # CPU bf16, short prompts: one batched matmul
+            _record("segment_rows")
+            return segment_rows_attention(query, key, value, bounds, scaling, causal, dropout), None
+        if base == "sdpa":  # attention segment by segment: no width x width mask or scores
             parts = [
                 base_fn(
                     module,
@@ -242,7 +254,7 @@ def _make_packed_attention(base: str):
             return torch.cat(parts, dim=1), None
         _record("eager_block_mask")
         # eager adds its mask to the scores
-        allowed = block_causal_mask(cu_seqlens, query.shape[2])
+        allowed = block_causal_mask(cu_seqlens, query.shape[2], causal)
         mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(~allowed, float("-inf"))
         return base_fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
 

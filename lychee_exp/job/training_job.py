@@ -21,6 +21,7 @@ from lychee_exp.core.inputs import RunInputs, load_inputs
 from lychee_exp.core.losses import LOSSES
 from lychee_exp.core.model_card import model_choice, resolve_model
 from lychee_exp.core.optim import OPTIMIZERS, with_global_batch
+from lychee_exp.core.packing_rule import packing_on
 from lychee_exp.job.context import in_sweep, trials_run_here
 from lychee_exp.job.results import write_results
 from lychee_exp.job.run_dir import check_resumed_model
@@ -29,16 +30,17 @@ from lychee_exp.launch.cluster import is_main_process, job_devices, local_ranks,
 log = logging.getLogger("lychee_exp")
 
 
-def preflight(cfg: RunConfig) -> RunInputs:
+def preflight(cfg: RunConfig, device_type: str = "cpu", strategy: str = "single") -> RunInputs:
     """Everything a user can get wrong, checked before any training process starts; returns the inputs read,
-    which the ranks that train in this process reuse."""
+    which the ranks that train in this process reuse. The token budget is checked packed or padded as the ranks
+    on `device_type` will batch (data.packing=auto decides per device)."""
     LOSSES.lookup(cfg.loss.name)
     OPTIMIZERS.lookup(cfg.optimizer.name)
     tensorboard = cfg.logger.name == "tensorboard" or (cfg.logger.tensorboard and cfg.logger.name != "none")
     if tensorboard and importlib.util.find_spec("tensorboard") is None:  # else rank 0 would fail at its first log
         raise UserError("logger: TensorBoard's event files need the tensorboard package (pip install tensorboard)")
     inputs = load_inputs(cfg)
-    check_token_budget(cfg, inputs)
+    check_token_budget(cfg, inputs, packing_on(cfg, device_type, strategy))
     return inputs
 
 
@@ -68,7 +70,6 @@ def train_job(cfg: DictConfig) -> float:
         check_resumed_model(run_cfg.trainer.resume, output_dir, dataclasses.asdict(run_cfg.model))
         output_dir.mkdir(parents=True, exist_ok=True)
         metrics_path.unlink(missing_ok=True)  # a stale result must not pass for this run's
-    inputs = preflight(run_cfg)
     # under torchrun `gpus` is its ranks on this node, so CPU threads per rank follow the in-process rule
     plan = plan_devices(
         run_cfg.parallel.strategy,
@@ -76,6 +77,7 @@ def train_job(cfg: DictConfig) -> float:
         cpu_threads_per_rank=run_cfg.parallel.cpu_threads_per_rank,
         cpu_offload=run_cfg.parallel.cpu_offload,
     )
+    inputs = preflight(run_cfg, plan.device_type, plan.strategy)
     # the searched (effective) batch stays the same on whatever devices a sweep slot gives the trial; counted over
     # every node's devices (the plan is this node's until the ranks have joined)
     run_cfg = with_global_batch(run_cfg, job_devices(plan.num_devices))

@@ -30,6 +30,7 @@ from lychee_exp.core.memory_plan import resolved_model_config
 from lychee_exp.core.model import count_parameters, load_reranker
 from lychee_exp.core.optim import build_optimizer, optimizer_step, scaled_lr
 from lychee_exp.core.packing import packed_attention_path_of
+from lychee_exp.core.packing_rule import packing_on
 from lychee_exp.core.seeding import seed_everything
 from lychee_exp.recipe.baseline_phase import one_device_baseline, run_speedup
 from lychee_exp.recipe.checkpoint import TrainingState, restore_training_state, resume_path, save_training_state
@@ -85,7 +86,8 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
-        cfg = self.cfg
+        packs = packing_on(self.cfg, self.device.type, self.plan.strategy)  # data.packing=auto decided here
+        cfg = self.cfg = dataclasses.replace(self.cfg, data=dataclasses.replace(self.cfg.data, packing=packs))
         seed_everything(cfg.seed, cfg.trainer.deterministic)
         inputs = self.inputs or load_inputs(cfg, warn_unknown=False)  # the Hydra process warned already
         self._setup_model(inputs)

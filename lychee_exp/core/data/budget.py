@@ -147,11 +147,11 @@ def first_epoch_sizes(cfg, inputs) -> tuple[list[tuple[int, int]], TrainGroups]:
     return group_sizes(groups, encoder, 0), groups
 
 
-def check_token_budget(cfg, inputs) -> None:
+def check_token_budget(cfg, inputs, packing: bool) -> None:
     """Preflight (the Hydra process, before any rank starts): the first epoch's plan, so that a group that cannot
     fit data.max_tokens_per_batch is one line. A later epoch's resampled group that no longer fits stops that
     epoch's plan the same way."""
     data = cfg.data
     if data.max_tokens_per_batch:
         sizes, groups = first_epoch_sizes(cfg, inputs)
-        plan_epoch(sizes, data.max_tokens_per_batch, data.packing, groups.group_size, cfg.seed, 0, 0)
+        plan_epoch(sizes, data.max_tokens_per_batch, packing, groups.group_size, cfg.seed, 0, 0)

@@ -1,0 +1,160 @@
+"""Packed rows through the BERT-family cross-encoder (core.packed_encoder) and the CPU bf16 attention over segment
+rows (core.segment_rows): the padded batch's logits and per-parameter gradients, the token types of each prompt,
+and where data.packing=auto packs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import compose_config, run_job
+from test_packing import _grads, _groups
+
+from lychee_exp.core import packing
+from lychee_exp.core.config import to_run_config
+from lychee_exp.core.data.groups import GroupCollator
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.losses import RankingLoss
+from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
+from lychee_exp.core.packed_encoder import packed_token_types
+from lychee_exp.core.packing_rule import packing_on
+from lychee_exp.core.pair_prompt import token_types
+from lychee_exp.core.segment_rows import MAX_SEGMENT_TOKENS, segment_rows_attention, use_segment_rows
+
+MINILM = ["model=minilm_cross_encoder", "model.dropout=0.0"]
+PACKED_KEYS = ("position_ids", "cu_seqlens", "last_index", "max_length", "bounds")
+
+
+@pytest.fixture(scope="module")
+def minilm_pair(tmp_path_factory):
+    """MiniLM loaded padded and packed with the same weights; the new classifier spread so that scores differ."""
+    cfg = to_run_config(compose_config(MINILM, tmp_path_factory.mktemp("run"))).model
+    encoder = build_encoder(cfg, load_tokenizer(cfg))
+    padded = load_reranker(cfg, encoder, 0, training=True)
+    with torch.no_grad():
+        padded.backbone.classifier.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    packed = load_reranker(cfg, encoder, 0, packing=True, training=True)
+    packed.load_state_dict(padded.state_dict())
+    return encoder, padded, packed
+
+
+def _both(encoder, padded, packed, groups):
+    plain = GroupCollator(encoder)(groups)
+    row = GroupCollator(encoder, pack_multiple=64)(groups)
+    assert int(row["lengths"].sum()) == int(plain["attention_mask"].sum())  # the same tokens
+    return (lambda: padded(plain["input_ids"], plain["attention_mask"])), (
+        lambda: packed(row["input_ids"], packed={k: row[k] for k in PACKED_KEYS})
+    )
+
+
+def test_packed_minilm_logits_and_gradients_equal_padded(minilm_pair):
+    encoder, padded, packed = minilm_pair
+    run_padded, run_packed = _both(encoder, padded, packed, _groups(3))
+    for model in (padded, packed):
+        model.zero_grad(set_to_none=True)
+    loss = RankingLoss("listwise", 4)
+    a, b = run_padded(), run_packed()
+    loss(a)[0].sum().backward()
+    loss(b)[0].sum().backward()
+    assert a.shape == b.shape == (12,) and a.std() > 0.05  # the scores differ: parity has teeth
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    g_pad, g_pack = _grads(padded), _grads(packed)
+    # to 1e-5 of the model's largest gradient: a few parameters' true gradient is 0 (softmax ignores a bias added
+    # to every key, and the listwise loss one added to every score), and there both sides are rounding noise
+    largest = max(float(g.abs().max()) for g in g_pad.values())
+    assert g_pad.keys() == g_pack.keys() and largest > 0
+    for name in g_pad:
+        torch.testing.assert_close(g_pack[name], g_pad[name], atol=1e-5 * largest, rtol=1e-4, msg=name)
+
+
+def test_packed_minilm_in_bf16_takes_segment_rows_and_stays_close(minilm_pair):
+    encoder, padded, packed = minilm_pair
+    run_padded, run_packed = _both(encoder, padded, packed, _groups(3, seed=2))
+    packing.ATTENTION_PATHS.clear()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = run_padded(), run_packed()
+    assert {"segment_rows"} == packing.ATTENTION_PATHS  # (the padded model records nothing)
+    assert float((a - b).abs().max()) < 0.05 * float(a.std())  # bf16 rounding, not a different model
+
+
+def test_packed_token_types_restart_at_each_prompt(minilm_pair):
+    encoder = minilm_pair[0]
+    ids = encoder.encode_many([("Judge", "q one", "doc a b"), ("Judge", "a longer query", "d")])
+    row = packing.pack(ids, encoder.pad_id, 16)
+    got = packed_token_types(row["input_ids"], row["cu_seqlens"], encoder.sep_id)[0].tolist()
+    want = []
+    for seq in ids:
+        t = torch.tensor([seq])
+        want += token_types(t, torch.ones_like(t), encoder.sep_id)[0].tolist()
+    assert got[: len(want)] == want and 1 in want and want.count(0) > 2
+
+
+def _reference(q, k, v, bounds, causal, scale):
+    """sdpa on each segment in turn, (1, width, heads, dim)."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    parts = [
+        F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=causal, scale=scale)
+        for s, e in zip(bounds, bounds[1:])
+    ]
+    return torch.cat(parts, dim=2).transpose(1, 2)
+
+
+@pytest.mark.parametrize("causal, kv_heads", [(False, 4), (True, 4), (True, 2)], ids=["both-ways", "causal", "gqa"])
+def test_segment_rows_equal_sdpa_per_segment_forward_and_backward(causal, kv_heads):
+    gen = torch.Generator().manual_seed(0)
+    bounds = (0, 5, 6, 19, 30, 32)  # uneven segments, one of a single token
+    q = torch.randn(1, 4, 32, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, 32, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in "kv")
+    grad = torch.randn(1, 32, 4, 8, dtype=torch.float64, generator=gen)
+    got = segment_rows_attention(q, k, v, bounds, 0.3, causal)
+    (g_q, g_k, g_v) = torch.autograd.grad(got, (q, k, v), grad)
+    want = _reference(q, k, v, bounds, causal, 0.3)
+    (w_q, w_k, w_v) = torch.autograd.grad(want, (q, k, v), grad)
+    for a, b in ((got, want), (g_q, w_q), (g_k, w_k), (g_v, w_v)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+def test_segment_rows_only_for_short_bf16_prompts_on_cpu():
+    bf16 = torch.zeros(1, 1, 4, 4, dtype=torch.bfloat16)
+    assert use_segment_rows(bf16, (0, MAX_SEGMENT_TOKENS, MAX_SEGMENT_TOKENS + 3))
+    assert not use_segment_rows(bf16, (0, 3, MAX_SEGMENT_TOKENS + 4))  # one long prompt: sdpa per segment
+    assert not use_segment_rows(bf16.float(), (0, 3, 6))  # fp32 keeps sdpa
+
+
+@pytest.mark.parametrize(
+    "overrides, device, strategy, packs",
+    [
+        (MINILM, "cpu", "single", True),
+        (MINILM, "cpu", "ddp", True),
+        (MINILM, "cuda", "ddp", False),
+        (MINILM, "cpu", "dp", False),
+        ([*MINILM, "data.packing=false"], "cpu", "single", False),
+        (["model=tiny_lychee"], "cpu", "single", False),  # causal LMs pad unless asked
+        (["model=tiny_lychee", "data.packing=true"], "cpu", "single", True),
+    ],
+)
+def test_auto_packs_encoder_cross_encoders_on_cpu(tmp_path, overrides, device, strategy, packs):
+    assert packing_on(to_run_config(compose_config(overrides, tmp_path)), device, strategy) is packs
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.packing=sometimes", "data.packing must be true, false or auto, got 'sometimes'"),
+        ("model.kind=sequence_classification", "packs BERT-family encoders only"),
+    ],
+)
+def test_packing_setting_mistakes_are_one_line(tmp_path, override, message):
+    with pytest.raises(UserError, match=message) as err:
+        to_run_config(compose_config(["model=tiny_lychee", "data.packing=true", override], tmp_path))
+    assert "\n" not in str(err.value)
+
+
+def test_the_minilm_default_trains_packed(tmp_path):
+    """The CPU default (data.packing=auto): packed rows, a few percent of slots padding (each row's rounding)."""
+    common = [*MINILM, "data=sample", "trainer.max_steps=2", "trainer.evaluate=false", "trainer.save_model=false"]
+    _, metrics = run_job([*common, "logger=none", "trainer.measure_speedup=false"], tmp_path / "auto")
+    _, padded = run_job([*common, "logger=none", "trainer.measure_speedup=false", "data.packing=false",
+                      "trainer.forward_chunks=1"], tmp_path / "padded")  # fmt: skip
+    assert metrics["padding_share"] < 0.05 < padded["padding_share"]
