@@ -54,21 +54,17 @@ def segment_rows_attention(
     valid = offsets[None, :] < lengths[:, None]  # (segments, longest)
     index = (starts[:, None] + offsets[None, :]).clamp(max=width - 1)  # past a segment's end: masked below
     rows = len(lengths)
-
-    def gathered(t: torch.Tensor) -> torch.Tensor:  # (segments * heads, longest, dim)
-        return t[0][:, index].transpose(0, 1).reshape(rows * heads, longest, dim)
-
-    q, k, v = gathered(query), gathered(key), gathered(value)
-    allowed = valid[:, None, :].expand(rows, longest, longest)
-    if causal:
-        allowed = allowed & torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
-    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=device).masked_fill(~allowed, float("-inf"))
-    bias = bias.repeat_interleave(heads, dim=0)
+    # heads-major (heads * segments, longest, dim): the gather's own layout, so no transpose is copied
+    q, k, v = (t[0][:, index].reshape(heads * rows, longest, dim) for t in (query, key, value))
     scale = dim**-0.5 if scaling is None else scaling
-    scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)  # in place: bmm's backward does not read its output
+    blocked = ~valid[:, None, :]  # keys past each segment's end, broadcast over heads and queries
+    if causal:
+        blocked = blocked | torch.ones(longest, longest, dtype=torch.bool, device=device).triu(1)
+    scores.view(heads, rows, longest, longest).masked_fill_(blocked, float("-inf"))
     half = scores.dtype in (torch.bfloat16, torch.float16)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32 if half else None).to(v.dtype)
     if dropout:
         probs = F.dropout(probs, p=dropout)
-    out = torch.bmm(probs, v).reshape(rows, heads, longest, dim).transpose(1, 2)  # (segments, longest, heads, dim)
+    out = torch.bmm(probs, v).view(heads, rows, longest, dim).permute(1, 2, 0, 3)  # (segments, longest, heads, dim)
     return out[valid][None]  # the segments' own tokens, in row order: (1, width, heads, dim)
