@@ -48,12 +48,21 @@ def answer_row_logit(
 ) -> torch.Tensor:
     """(rows, hidden) -> (rows,): h·(w_yes - w_no) + (b_yes - b_no), or with no_id None the yes logit alone;
     in fp32. A gradient reaches the hidden states and, where they train, the two rows of weight and bias."""
-    row = weight[yes_id].float() if no_id is None else weight[yes_id].float() - weight[no_id].float()
+    row = weight[yes_id].float() if no_id is None else _difference(weight, yes_id, no_id)
     with torch.autocast(hidden.device.type, enabled=False):  # fp32 even under bf16 autocast (module docstring)
         logit = (hidden.float() @ row.unsqueeze(1)).squeeze(1)  # a matmul, as FLOP counters count the head
     if bias is None:
         return logit.clone()  # not a view: FSDP2 hooks the output for its backward
-    return logit + (bias[yes_id].float() if no_id is None else bias[yes_id].float() - bias[no_id].float())
+    return logit + (bias[yes_id].float() if no_id is None else _difference(bias, yes_id, no_id))
+
+
+def _difference(tensor: torch.Tensor, yes_id: int, no_id: int) -> torch.Tensor:
+    """tensor[yes_id] - tensor[no_id] in fp32, read through one strided view of the two rows: where the head
+    trains, its backward writes both rows into one vocabulary-sized gradient (two row reads would build one each
+    and their sum; a gather, an index tensor and a scatter); no index tensor crosses to the device."""
+    low, high = sorted((yes_id, no_id))
+    pair = tensor[low : high + 1 : high - low].float()  # rows low and high (yes_id != no_id: one-token answers)
+    return pair[0] - pair[1] if yes_id == low else pair[1] - pair[0]
 
 
 def full_answer(logits: torch.Tensor, yes_id: int, no_id: int | None) -> torch.Tensor:
