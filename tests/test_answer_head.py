@@ -128,3 +128,16 @@ def test_architectures_not_known_plain_keep_the_full_path(tmp_path):
     assert split_backbone(padded.backbone) is not None
     padded.backbone.config.model_type = "gemma2"  # soft-capped logits: its forward is not lm_head(decoder(...))
     assert split_backbone(padded.backbone) is None
+
+
+def test_bench_counts_the_full_logits_and_not_the_weight():
+    """bench/yes_no_head.py's peak: the full path holds at least its (rows, vocab) logits, the two-row path a
+    small fraction of them (the weight and hidden states, which exist before the step, are not counted)."""
+    from lychee_exp.bench.yes_no_head import measure, shapes
+
+    hidden, vocab = shapes()["tiny"]
+    got = measure((hidden, vocab), "fp32", False, rows=4, repeats=1)
+    logits_mib = 4 * vocab * 4 / 2**20
+    assert got["full"]["peak_mb"] >= logits_mib
+    assert got["two_rows"]["peak_mb"] < 0.05 * logits_mib
+    assert got["full"]["ms"] > 0 and got["two_rows"]["ms"] > 0
