@@ -123,11 +123,28 @@ def test_reranker_logits_and_gradients_equal_the_full_vocabulary_path(tmp_path, 
         _assert_same_grads(want_grads, got_grads)
 
 
-def test_architectures_not_known_plain_keep_the_full_path(tmp_path):
+def test_heads_it_was_not_written_for_keep_the_full_path(tmp_path):
+    """Soft-capped logits, a head that is not a plain Linear (LoRA on lm_head), a sharded (DTensor) weight."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     encoder, padded, _ = _pair(tmp_path)
-    assert split_backbone(padded.backbone) is not None
-    padded.backbone.config.model_type = "gemma2"  # soft-capped logits: its forward is not lm_head(decoder(...))
-    assert split_backbone(padded.backbone) is None
+    backbone = padded.backbone
+    assert split_backbone(backbone) is not None
+    backbone.config.model_type = "gemma2"  # its forward is not lm_head(decoder(...))
+    assert split_backbone(backbone) is None
+    backbone.config.model_type = "qwen2"
+    plain = backbone.lm_head
+    backbone.lm_head = type("WrappedLinear", (torch.nn.Linear,), {})(plain.in_features, plain.out_features, bias=False)
+    assert split_backbone(backbone) is None
+    backbone.lm_head = plain
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        plain.weight = torch.nn.Parameter(distribute_tensor(plain.weight.detach(), mesh, [Shard(0)]))
+        assert split_backbone(backbone) is None
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def test_bench_counts_the_full_logits_and_not_the_weight():

@@ -9,8 +9,9 @@ both). It is computed in fp32 whatever the model's dtype: a difference of two la
 on the full path, loses its low bits, and one row costs nothing.
 
 Where the two-row path could differ from the model's own forward, `split_backbone` gives None and the caller takes
-the full path: architectures whose forward does more than lm_head(decoder(...)) (logit scaling, soft-capping), and
-a head whose weight is still a sharded DTensor (FSDP2 gathers the root's parameters, the head's included, before
+the full path: architectures whose forward does more than lm_head(decoder(...)) (logit scaling, soft-capping), a
+head that is not a plain nn.Linear (LoRA on lm_head, a quantised layer: its own forward is the truth), and a head
+whose weight is still a sharded DTensor (FSDP2 gathers the root's parameters, the head's included, before
 Reranker.forward runs: a DTensor there means a layout this path was not written for). It lives apart from
 core/model.py, which keeps the Reranker's batching; this module only knows how one logit is read.
 """
