@@ -27,7 +27,7 @@ SHAPE = Shape.of(QWEN25_1P5B)
 
 def counted_flops(tmp_path, lengths: list[int], checkpointing: bool) -> tuple[float, Shape, int]:
     """FlopCounterMode's count of one forward + backward of the tiny Qwen2 with LoRA (r=4, no dropout) on
-    left-padded rows of `lengths`, the LM head's share left out (the formula leaves it out: one position per row).
+    left-padded rows of `lengths`, the answer head's one row included (the LM head module itself never runs).
     Eager attention: its matmuls are counted as bmm (the CPU's fused sdpa kernel has no FLOP rule). The
     embeddings' output is made to need a gradient so that the first layer's input gradient is computed, as the
     formula counts it (2N backward for every layer)."""
@@ -47,10 +47,9 @@ def counted_flops(tmp_path, lengths: list[int], checkpointing: bool) -> tuple[fl
     with FlopCounterMode(display=False) as counter:
         model(ids, mask).sum().backward()
     counts = counter.get_flop_counts()
-    total = sum(counts["Global"].values())
-    head = sum(sum(ops.values()) for name, ops in counts.items() if name.endswith("lm_head"))
+    assert not [name for name in counts if name.endswith("lm_head")]  # no full-vocabulary projection
     shape = Shape.of(json.loads((TINY_QWEN2 / "config.json").read_text()))
-    return total - head, shape, shape.lora_params(4, list(cfg.lora.target_modules))
+    return sum(counts["Global"].values()), shape, shape.lora_params(4, list(cfg.lora.target_modules))
 
 
 def test_model_flops_equal_flop_counter_on_equal_rows(tmp_path):
@@ -277,7 +276,10 @@ def test_lychee_exp_and_hf_trainer_do_the_same_math(built_weights, tmp_path):
     ]
     ours, hf = (row["first_losses"] for row in rows)
     assert len(ours) == len(hf) == 5
-    assert ours == pytest.approx(hf, rel=1e-4)
+    assert ours[0] == pytest.approx(hf[0], rel=1e-4)  # step 1: the same weights, batch and loss
+    # then within 1e-3 (measured: 2.3e-4): lychee_exp reads the yes/no logit in fp32 (core.answer_head), HF from
+    # its bf16 LM head's logits, so the gradients, and the weights after step 1, differ in their low bits
+    assert ours == pytest.approx(hf, rel=1e-3)
     assert len(set(ours)) == 5  # the losses move: the comparison is not of a model that does not train
 
 

@@ -5,7 +5,8 @@ Each is run from the repository root as `python -m lychee_exp.bench.<name>` (the
 - `scaling` (also `python -m lychee_exp.bench`): training speed over device counts
 - `peers` (+ `peer_loops`, `peer_batches`): lychee_exp against HF Trainer, a bare loop, sentence-transformers, on
   identical batches; `own_batching` (+ `own_batching_loops`): each system batching the data file its own way
-- `padded_vs_packed`, `step_profile`, `tokenize_startup`, `ir_throughput`, `checkpoint_write`: one part of a run timed
+- `padded_vs_packed`, `step_profile`, `tokenize_startup`, `ir_throughput`, `checkpoint_write`, `yes_no_head`: one
+  part of a run timed
 - `sweep_overhead`, `sweep_throughput`, `optuna_storage`: sweeps
 - `stress_launch`: many DDP launches back to back in one process, failures counted
 - `gpu_check` (+ `gpu/`): the GPU acceptance check, run as `bash lychee_exp/bench/gpu_check.sh`

@@ -55,5 +55,5 @@ def _liger(model: nn.Module, device: torch.device) -> None:
     except ImportError:
         raise UserError("model.liger_kernel=true needs the liger-kernel package (pip install liger-kernel)") from None
     base = model.backbone.get_base_model() if hasattr(model.backbone, "get_base_model") else model.backbone
-    # the LM head's loss kernels are not used: the score reads one position's logits (logits_to_keep=1)
+    # the LM head's loss kernels are not used: the score reads the head's yes/no rows only (core.answer_head)
     _apply_liger_kernel_to_instance(model=base, cross_entropy=False, fused_linear_cross_entropy=False)

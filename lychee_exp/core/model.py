@@ -2,7 +2,8 @@
 
 For a causal LM (Lychee, Qwen2, Qwen3-Reranker) the logit is logit(yes) - logit(no) at the last position of a
 left-padded batch, so sigmoid(logit) = softmax over (yes, no) = p(yes); with `model.score: yes_logit` it is the raw
-yes logit, as FlagEmbedding's decoder-only rerankers score. A sequence classifier (the MiniLM cross-encoder) has
+yes logit, as FlagEmbedding's decoder-only rerankers score. Only the LM head's yes/no rows are computed
+(core.answer_head), not the whole vocabulary's logits. A sequence classifier (the MiniLM cross-encoder) has
 one logit that plays the same role. Losses and rankings use this logit; `probability` gives sigmoid of it.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lychee_exp.core.answer_head import answer_logits
 from lychee_exp.core.choices import ModelKind
 from lychee_exp.core.config import ModelConfig
 from lychee_exp.core.errors import UserError
@@ -105,14 +107,7 @@ class Reranker(nn.Module):
             return logits[:, 0].float().clone()  # not a view: FSDP2 hooks the output for its backward
         # Positions count real tokens only, so a left-padded row is computed exactly as it would be alone.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=1,
-            use_cache=False,
-        )
-        return self._answer(out.logits[:, -1, :].float())
+        return self._answer(1, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
 
     def _score_packed(self, input_ids: torch.Tensor, packed: dict) -> torch.Tensor:
         config = self.backbone.config
@@ -123,20 +118,18 @@ class Reranker(nn.Module):
         # A prepared mask per layer type skips transformers' mask building (and its device read): the packed
         # attention confines each prompt to itself from the segment boundaries.
         masks = dict.fromkeys(getattr(config, "layer_types", None) or ["full_attention"])
-        out = self.backbone(
+        return self._answer(
+            packed["last_index"],  # only the prompts' last tokens are scored
             input_ids=input_ids,
             attention_mask=masks,
             position_ids=packed["position_ids"],
-            logits_to_keep=packed["last_index"],  # only the prompts' last tokens go through the LM head
-            use_cache=False,
             **{CU_SEQLENS: packed["cu_seqlens"], MAX_LENGTH: packed["max_length"], BOUNDS: packed["bounds"]},
         )
-        return self._answer(out.logits[0].float())
 
-    def _answer(self, last: torch.Tensor) -> torch.Tensor:
-        if self.score == "yes_logit":
-            return last[:, self.yes_id].clone()  # not a view (as above)
-        return last[:, self.yes_id] - last[:, self.no_id]
+    def _answer(self, keep: int | torch.Tensor, **inputs) -> torch.Tensor:
+        """The relevance logit at the kept positions from the LM head's yes/no rows (core.answer_head)."""
+        no_id = None if self.score == "yes_logit" else self.no_id
+        return answer_logits(self.backbone, keep, self.yes_id, no_id, use_cache=False, **inputs)
 
     @torch.inference_mode()
     def probability(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

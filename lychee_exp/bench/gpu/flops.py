@@ -4,10 +4,13 @@ included, for hardware utilisation), from the model's shape and the rows of the 
 Model FLOPs per real token of a row of L tokens (the project's formula plus the adapters): the frozen weights get
 no weight gradients, so 2N forward + 2N backward through the activations for the N non-embedding weights;
 attention 4·layers·hidden·L forward (QK^T and AV over the whole row, causal half not subtracted, as before), twice
-that backward; the LoRA adapters' P weights 2P forward + 2P activation gradient + 2P weight gradient. The LM head
-runs on one position per row (logits_to_keep=1): left out. Hardware FLOPs: the same per token slot computed
-(padding included, each forward chunk at its own width) plus one more forward (2N + attention + 2P) per slot when
-gradient checkpointing recomputes the layers.
+that backward; the LoRA adapters' P weights 2P forward + 2P activation gradient + 2P weight gradient. The answer
+head (core.answer_head) runs once per scored row (a prompt, not a token) on one row of the frozen LM head
+(w_yes - w_no, or w_yes): 2·hidden forward + 2·hidden gradient to the hidden state, as FlopCounterMode counts its
+matmul (the row's difference and the bias are not matmuls); the rest of the vocabulary is never projected. Hardware
+FLOPs: the same per token slot computed (padding included, each forward chunk at its own width) plus one more
+forward (2N + attention + 2P) per slot when gradient checkpointing recomputes the layers (not the head: it is
+outside them); a packed row's rounding pad is computed but not scored.
 """
 
 from __future__ import annotations
@@ -74,6 +77,11 @@ class Shape:
                 "gate_proj": (d, ffn), "up_proj": (d, ffn), "down_proj": (ffn, d)}  # fmt: skip
         return self.layers * sum(r * (dims[t][0] + dims[t][1]) for t in targets if t in dims)
 
+    @property
+    def answer_head(self) -> int:
+        """FLOPs per scored row of the one-row answer head, frozen: forward and gradient to the hidden state."""
+        return 4 * self.hidden
+
     def attention(self, length: float) -> float:
         """Attention FLOPs per token of a row `length` tokens wide, forward."""
         return 4 * self.layers * self.hidden * length
@@ -88,8 +96,9 @@ def step_flops(
     model = hardware = 0.0
     for lengths, widths in rows:
         for length, width in zip(lengths, widths):
-            model += length * (4 * n + 6 * lora + 3 * shape.attention(length))
-            hardware += width * (4 * n + 6 * lora + 3 * shape.attention(width))
+            head = shape.answer_head if length else 0  # forward_rows' packing pad has length 0: not scored
+            model += length * (4 * n + 6 * lora + 3 * shape.attention(length)) + head
+            hardware += width * (4 * n + 6 * lora + 3 * shape.attention(width)) + head
             if checkpointing:
                 hardware += width * (2 * n + 2 * lora + shape.attention(width))
     return model, hardware

@@ -1,7 +1,8 @@
 """The same LoRA training as Hugging Face's docs would have a user set it up: transformers.Trainer + peft on the
 same model (the check's weights, loaded with from_pretrained: bf16, sdpa), the same LoRA config (peft's defaults
 otherwise: float32 adapters), the same pre-tokenized pairs (the rows lychee_exp's sampler draws, in its order), the
-same yes/no loss read at the last position with logits_to_keep=1, the same AdamW settings (fused, as
+same yes/no loss read at the last position with logits_to_keep=1 (the whole vocabulary's logits there, as a HF
+user writes it: lychee_exp's core.answer_head computes only the yes/no rows), the same AdamW settings (fused, as
 `optim="adamw_torch_fused"`), schedule and clipping. Gradient checkpointing is HF's own decision: the rule behind
 lychee_exp's `auto` applied to what HF holds (its widest padded batch, peft's float32 adapter path).
 
