@@ -50,4 +50,4 @@ def score_packed_encoder(backbone: nn.Module, input_ids: torch.Tensor, packed: d
     ).last_hidden_state
     firsts = cu_seqlens[: packed["last_index"].shape[0]].long()  # each prompt's [CLS]
     logits = classifier(dropout(pooler(hidden[0, firsts][:, None])))
-    return logits[:, 0].float()
+    return logits[:, 0].float().clone()  # not a view: FSDP2 hooks the output for its backward
