@@ -203,8 +203,8 @@ def torch_loop(spec: dict, pairs: list[Pair], out: str) -> None:
         for batch in loader:
             batch = {k: v.to(device) for k, v in batch.items()}
             labels = batch.pop("labels")
-            with autocast(s):  # the loss on fp32 logits, as lychee's Reranker and the Trainers' losses take it
-                loss = F.binary_cross_entropy_with_logits(model(**batch).logits.view(-1).float(), labels)
+            with autocast(s):  # the BCE itself runs in fp32 under autocast
+                loss = F.binary_cross_entropy_with_logits(model(**batch).logits.view(-1), labels)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
             optimizer.step()
