@@ -238,7 +238,7 @@ def write_outputs(rows: list[dict], out: Path, title: str) -> None:
 
     harness.write_csv(out / "peers.csv", rows, COLUMNS)
     (out / "peers.md").write_text(markdown_table(rows) + "\n")
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(9, 1.5 + 0.25 * len(rows)))  # a bar per system and precision
     colors = ["#dd8452" if r["system"].startswith("lychee") else "#4c72b0" for r in rows]
     ax.barh(
         [f"{r['system']} {r['precision']} ({r['processes']}x{r['threads']})" for r in rows],
