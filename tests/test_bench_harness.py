@@ -32,6 +32,16 @@ def test_medians_and_the_ratio_to_the_fastest_peer():
     ]
     harness.add_ratio_to_fastest(rows, ("slow_peer", "fast_peer"))
     assert [r["vs_fastest_peer"] for r in rows] == [0.5, 1.0, 1.2]
+    mixed = [
+        {"system": "fast_peer", "precision": "fp32", "tokens_per_s": 100.0},
+        {"system": "fast_peer", "precision": "bf16", "tokens_per_s": 400.0},
+        {"system": "ours", "precision": "fp32", "tokens_per_s": 120.0},
+        {"system": "ours", "precision": "bf16", "tokens_per_s": 200.0},
+        {"system": "ours", "precision": "fp16", "tokens_per_s": 200.0},
+    ]
+    harness.add_ratio_to_fastest(mixed, ("fast_peer",))  # each row against the peers of its own precision
+    assert [r["vs_fastest_peer"] for r in mixed[:4]] == [1.0, 1.0, 1.2, 0.5]
+    assert math.isnan(mixed[4]["vs_fastest_peer"])  # no fp16 peer: not a ratio to a peer of another precision
     lone = [{"system": "ours", "tokens_per_s": 1.0}]
     harness.add_ratio_to_fastest(lone, ("fast_peer",))  # no peer ran: no ratio rather than a division by zero
     assert math.isnan(lone[0]["vs_fastest_peer"])
@@ -62,6 +72,16 @@ def test_a_child_process_prints_its_row_and_the_parent_does_nothing(capsys):
     assert capsys.readouterr().out == ""
     assert harness.child_call([harness.CHILD_FLAG, "torch_loop", json.dumps({"steps": 3})], child) is True
     assert json.loads(capsys.readouterr().out) == {"system": "torch_loop", "steps": 3}
+
+
+def test_precision_option_and_run_names():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    harness.add_precision_option(parser)
+    assert parser.parse_args([]).precision == ["fp32", "bf16"]  # both by default
+    assert parser.parse_args(["--precision", "bf16"]).precision == ["bf16"]
+    assert harness.split_run_name(harness.run_name("hf_trainer", "bf16")) == ("hf_trainer", "bf16")
 
 
 def test_a_failed_child_is_reported_and_left_out(caplog):

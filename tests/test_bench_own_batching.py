@@ -1,5 +1,6 @@
-"""The own-batching benchmark: every system's batches hold the same tokens, they are counted the same way, and a
-tiny run yields one row per system, each having trained on 32 pairs a step."""
+"""The own-batching benchmark: every system's batches hold the same tokens, they are counted the same way, every
+system runs in every precision (compared within it only), FlagEmbedding's runner reads the file itself and
+trains, and a tiny run yields one row per system and precision, each having trained on 32 pairs a step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("datasets")
 
-from lychee_exp.bench import own_batching, own_batching_loops  # noqa: E402
+from lychee_exp.bench import harness, own_batching, own_batching_loops  # noqa: E402
 from lychee_exp.core.resources import resolve_path  # noqa: E402
 
 SAMPLE = "pkg://lychee_exp.assets/sample/train.jsonl"
@@ -116,21 +117,77 @@ def test_window_counts_only_the_steps_after_warmup():
         meter.window(4)
 
 
+def test_every_system_runs_in_every_precision_and_is_compared_within_it(tmp_path, monkeypatch):
+    """A run per system and precision, lychee told its precision last; each ratio is to the fastest peer of the
+    row's own precision (a bf16 lychee row against the fp32 peers would read 2.0 here, not 1.0)."""
+    calls = []
+
+    def fake_child(module, system, spec, env):
+        calls.append((system, spec["precision"], spec["lychee_overrides"][-1]))
+        speed = {"fp32": 100.0, "bf16": 200.0}[spec["precision"]]
+        return {"pairs_per_s": 1.0, "tokens_per_s": speed, "padding_share": 0.1, "pairs_per_step": [32],
+                "timed_steps": 1, "own_metric_tokens_per_s": float("nan")}  # fmt: skip
+
+    monkeypatch.setattr(harness, "run_child", fake_child)
+    rows = own_batching.measure(tmp_path, ["fp32", "bf16"], 1, 1, ["trainer.precision=fp32"])
+    assert "flag_embedding" in own_batching.PEERS
+    expected = [(system, p) for p in ("fp32", "bf16") for system in own_batching.SYSTEMS]
+    assert [(r["system"], r["precision"]) for r in rows] == expected
+    assert sorted(c[:2] for c in calls) == sorted(expected)
+    assert all(last == f"trainer.precision={p}" for _, p, last in calls)
+    assert [r["vs_fastest_peer"] for r in rows] == [1.0] * len(rows)
+
+
+def test_flag_embedding_reads_the_file_itself_and_trains(tmp_path, monkeypatch):
+    """FlagEmbedding's runner samples its query groups from the JSONL file: 2 queries x 4 documents a step, every
+    step stamped, its model's reads metered, its weights moved; in bf16 its forward computes in bfloat16."""
+    pytest.importorskip("FlagEmbedding")
+    from transformers import BertForSequenceClassification
+
+    from lychee_exp.bench.flag_peer import own_file
+
+    spec = own_batching.build_spec(tmp_path, 2, 2, "cpu", [])
+    spec.update(pairs_per_step=8, max_steps=3, precision="bf16")
+    model, dtypes = _tiny_classifier().train(), []
+    model.classifier.register_forward_hook(lambda m, args, out: dtypes.append(out.dtype))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(own_batching_loops, "sequence_classifier", lambda spec: model)  # not the 88 MB MiniLM
+    meter = own_batching_loops.Meter()
+    monkeypatch.setattr(own_batching_loops, "METER", meter)
+    undo = meter.wrap(BertForSequenceClassification)
+    try:
+        own_file(spec, str(tmp_path / "flag"))
+    finally:
+        undo()
+    window = meter.window(1)
+    assert window["steps"] == 2 and window["pairs_per_step"] == [8, 8]
+    assert 0 < window["tokens"] < window["slots"]  # its own padding, counted as read
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+
+
 @pytest.mark.slow
 def test_tiny_run_gives_one_row_per_system_at_32_pairs_a_step(tmp_path, capsys):
     assert own_batching.main(["--steps", "2", "--rounds", "1", "--out", str(tmp_path)]) == 0
     with (tmp_path / "own_batching.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    assert [r["system"] for r in rows] == list(own_batching.SYSTEMS)
+    assert [(r["system"], r["precision"]) for r in rows] == [
+        (system, p) for p in ("fp32", "bf16") for system in own_batching.SYSTEMS
+    ]
     for r in rows:
         assert r["pairs_per_step"] == "32", r  # every timed step of every system: 8 queries x 4 documents
         assert r["timed_steps"] == "2" and r["rounds"] == "1"
         assert float(r["tokens_per_s"]) > 0 and float(r["pairs_per_s"]) > 0
         assert 0 <= float(r["padding_share"]) < 1
-    assert max(float(r["vs_fastest_peer"]) for r in rows if r["system"] in own_batching.PEERS) == 1.0
-    lychee = rows[-1]
-    # lychee's own metric (sum of its step times) and the step-end clock time the same steps
-    assert float(lychee["own_metric_tokens_per_s"]) == pytest.approx(float(lychee["tokens_per_s"]), rel=0.2)
+    for p in ("fp32", "bf16"):  # the fastest peer of each precision is its own 1.0
+        assert (
+            max(float(r["vs_fastest_peer"]) for r in rows if r["system"] in own_batching.PEERS and r["precision"] == p)
+            == 1.0
+        )
+    for lychee in (r for r in rows if r["system"] == "lychee_single"):
+        # lychee's own metric (sum of its step times) and the step-end clock time the same steps
+        assert float(lychee["own_metric_tokens_per_s"]) == pytest.approx(float(lychee["tokens_per_s"]), rel=0.2)
     table = (tmp_path / "own_batching.md").read_text()
-    assert "| system | pairs/s | non-pad tokens/s | vs fastest peer | padding share | pairs per step |" in table
+    header = "| system | precision | pairs/s | non-pad tokens/s | vs fastest peer | padding share | pairs per step |"
+    assert header in table
     assert "loadavg" in table and "lychee_single" in capsys.readouterr().out

@@ -1,10 +1,12 @@
 """The one harness of every side-by-side benchmark here: rounds that run each system once (the order rotating, so
 that no system always runs first and load changes hit all of them), each system run in a fresh process where the
-benchmark asks for one, medians over rounds, each row's ratio to the fastest peer, and the table written as CSV
-and markdown."""
+benchmark asks for one, medians over rounds, each row's ratio to the fastest peer of its precision, and the table
+written as CSV and markdown. Every system runs in each precision under test (`--precision fp32,bf16`), as a run
+of its own named `system:precision`."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import logging
@@ -20,6 +22,34 @@ from typing import Any
 
 log = logging.getLogger("lychee_exp.bench.harness")
 CHILD_FLAG = "--child"
+PRECISIONS = ("fp32", "bf16")
+
+
+def precisions(text: str) -> list[str]:
+    """`--precision`'s value: a comma-separated list of fp32 and bf16 (argparse type)."""
+    chosen = [p.strip() for p in text.split(",") if p.strip()]
+    if not chosen or set(chosen) - set(PRECISIONS):
+        raise argparse.ArgumentTypeError(f"--precision takes {','.join(PRECISIONS)} or one of them, not {text!r}")
+    return list(dict.fromkeys(chosen))
+
+
+def add_precision_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--precision",
+        type=precisions,
+        default=",".join(PRECISIONS),
+        help="precisions to run every system in (each its own row): fp32, bf16 or both",
+    )
+
+
+def run_name(system: str, precision: str) -> str:
+    """A run's name in the rounds (and its directory's): one system in one precision."""
+    return f"{system}:{precision}"
+
+
+def split_run_name(name: str) -> tuple[str, str]:
+    system, precision = name.rsplit(":", 1)
+    return system, precision
 
 
 def turn_order(names: Sequence[str], round_: int) -> list[str]:
@@ -65,10 +95,16 @@ def medians(runs: list[dict], keys: Sequence[str]) -> dict[str, float]:
 
 
 def add_ratio_to_fastest(rows: list[dict], peers: Sequence[str], key: str = "tokens_per_s") -> None:
-    """Sets each row's vs_fastest_peer: its `key` over the best peer's (NaN when no peer has a row)."""
-    fastest = max((row[key] for row in rows if row["system"] in peers), default=0.0)
+    """Sets each row's vs_fastest_peer: its `key` over the best peer's of the same precision (NaN when no peer
+    has a row in it), so that a bf16 row is never measured against fp32 peers (a row without a precision is
+    one of its own kind: those are compared among themselves)."""
+    fastest: dict[str | None, float] = {}
     for row in rows:
-        row["vs_fastest_peer"] = row[key] / fastest if fastest else float("nan")
+        if row["system"] in peers:
+            fastest[row.get("precision")] = max(fastest.get(row.get("precision"), 0.0), row[key])
+    for row in rows:
+        best = fastest.get(row.get("precision"), 0.0)
+        row["vs_fastest_peer"] = row[key] / best if best else float("nan")
 
 
 @dataclass(frozen=True)
@@ -80,6 +116,7 @@ class Column:
 
 
 SYSTEM = Column("system", lambda r: r["system"])
+PRECISION = Column("precision", lambda r: r["precision"])
 PAIRS_PER_S = Column("pairs/s", lambda r: f"{r['pairs_per_s']:.1f}")
 TOKENS_PER_S = Column("non-pad tokens/s", lambda r: f"{r['tokens_per_s']:.0f}")
 VS_FASTEST_PEER = Column("vs fastest peer", lambda r: f"{r['vs_fastest_peer']:.2f}")

@@ -1,16 +1,20 @@
 """Own-batching benchmark: every system reads the same JSONL file and batches it its own way, side by side.
 
-    python -m lychee_exp.bench.own_batching [--steps 20] [--rounds 2] [--out DIR] [lychee_exp overrides]
+    python -m lychee_exp.bench.own_batching [--precision fp32,bf16] [--steps 20] [--rounds 2] [--out DIR] [overrides]
 
 Systems (lychee_exp.bench.own_batching_loops): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
-CrossEncoderTrainer, and lychee_exp `parallel=single gpus=1` with its defaults (only data.batch_size and
-data.train_group_size set so that it too takes 32 pairs a step, fp32 stated, and evaluation, saving and logging
-off). Same file (the built-in sample set), model (MiniLM cross-encoder, 1 logit, lychee's dropout), prompt text
-("Query: {query} Document: {document}", query cut to 24 tokens, document to 64), threads (all cores), steps, lr
-(lychee's, scaled to its batch), fp32. Each system runs in a fresh process, systems interleaved in every round;
-each is timed by the wall clock between step-end stamps after the same warm-up, and its non-pad tokens are the
-attention-mask sums of what its model read. Overrides on the command line (e.g. trainer.forward_chunks=1) go to
-lychee_single only, to try a setting against the same peers (whose settings come from the defaults alone).
+CrossEncoderTrainer, FlagEmbedding's reranker runner (lychee_exp.bench.flag_peer: its own group sampling and pair
+tokenization of the file, its group cross-entropy loss), and lychee_exp `parallel=single gpus=1` with its defaults
+(only data.batch_size and data.train_group_size set so that it too takes 32 pairs a step, the precision stated,
+and evaluation, saving and logging off). Same file (the built-in sample set), model (MiniLM cross-encoder, 1 logit,
+lychee's dropout), prompt text ("Query: {query} Document: {document}", query cut to 24 tokens, document to 64),
+threads (all cores), steps, lr (lychee's, scaled to its batch). Every system runs in each precision of
+`--precision` (default both), a row each: fp32, or bf16 by its own switch (the Trainers' `bf16=True`, the bare
+loop's autocast, lychee's trainer.precision=bf16); ratios to the fastest peer stay within a precision. Each run
+is a fresh process, systems interleaved in every round; each is timed by the wall clock between step-end stamps
+after the same warm-up, and its non-pad tokens are the attention-mask sums of what its model read. Overrides on
+the command line (e.g. trainer.forward_chunks=1) go to lychee_single only, to try a setting against the same peers
+(whose settings come from the defaults alone).
 Writes own_batching.csv and own_batching.md into the output directory.
 """
 
@@ -27,11 +31,12 @@ from lychee_exp.bench.harness import Column
 
 log = logging.getLogger("lychee_exp.bench.own_batching")
 
-PEERS = ("hf_trainer", "torch_loop", "st_cross_encoder")
+PEERS = ("hf_trainer", "torch_loop", "st_cross_encoder", "flag_embedding")
 SYSTEMS = (*PEERS, "lychee_single")
 QUERIES, GROUP = 8, 4  # 32 pairs a step
 COLUMNS = [
     "system",
+    "precision",
     "pairs_per_s",
     "tokens_per_s",
     "vs_fastest_peer",
@@ -41,14 +46,13 @@ COLUMNS = [
     "rounds",
     "own_metric_tokens_per_s",
 ]
-# lychee_exp's defaults, with only the batch shape (32 pairs), the precision the peers use and the parts that are
-# no training (evaluation, saving, logging, speedup calibration) set
+# lychee_exp's defaults, with only the batch shape (32 pairs) and the parts that are no training (evaluation,
+# saving, logging, speedup calibration) set; each run adds its trainer.precision
 LYCHEE = [
     "parallel=single",
     "gpus=1",
     f"data.batch_size={QUERIES}",
     f"data.train_group_size={GROUP}",
-    "trainer.precision=fp32",
     "trainer.evaluate=false",
     "trainer.save_model=false",
     "trainer.checkpoint_every=0",
@@ -122,6 +126,10 @@ def child(name: str, spec: dict) -> dict:
     if name == "lychee_single":
         metrics = systems.lychee(spec, spec["out"])
         own = {"own_metric_tokens_per_s": metrics["train_tokens_per_s"], "threads": metrics["cpu_threads_per_rank"]}
+    elif name == "flag_embedding":  # reads the file itself
+        from lychee_exp.bench.flag_peer import own_file
+
+        own_file(spec, spec["out"])
     else:
         tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
         pairs = systems.read_pairs(Path(spec["train_file"]), tokenizer, spec["query_max_len"], spec["doc_max_len"])
@@ -138,7 +146,7 @@ def child(name: str, spec: dict) -> dict:
     }
 
 
-def measure(out: Path, steps: int, rounds: int, overrides: list[str]) -> list[dict]:
+def measure(out: Path, precisions: list[str], steps: int, rounds: int, overrides: list[str]) -> list[dict]:
     import torch
 
     from lychee_exp.core.devices import available_cores
@@ -148,22 +156,30 @@ def measure(out: Path, steps: int, rounds: int, overrides: list[str]) -> list[di
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
 
     def run_one(name: str, round_: int) -> dict | None:
-        run_dir = out / f"round{round_}" / name
+        system, precision = harness.split_run_name(name)
+        run_dir = out / f"round{round_}" / name.replace(":", "_")
         run_dir.mkdir(parents=True, exist_ok=True)
-        return harness.run_child("lychee_exp.bench.own_batching", name, {**spec, "out": str(run_dir)}, env)
+        # the run's precision after the command line's overrides: it names the row
+        lychee = [*spec["lychee_overrides"], f"trainer.precision={precision}"]
+        run = {**spec, "out": str(run_dir), "precision": precision, "lychee_overrides": lychee}
+        return harness.run_child("lychee_exp.bench.own_batching", system, run, env)
 
-    return summarize(harness.in_rounds(SYSTEMS, rounds, run_one))
+    names = [harness.run_name(system, p) for p in precisions for system in SYSTEMS]
+    return summarize(harness.in_rounds(names, rounds, run_one))
 
 
 def summarize(results: dict[str, list[dict]]) -> list[dict]:
-    """Medians over rounds; pairs_per_step as the distinct counts seen over every timed step of every round."""
+    """One row per system and precision (results keyed by harness.run_name): medians over rounds; pairs_per_step
+    as the distinct counts seen over every timed step of every round."""
     rows = []
     for name, runs in results.items():
         if runs:
             med = harness.medians(runs, ("pairs_per_s", "tokens_per_s", "padding_share", "own_metric_tokens_per_s"))
+            system, precision = harness.split_run_name(name)
             rows.append(
                 {
-                    "system": name,
+                    "system": system,
+                    "precision": precision,
                     **med,
                     "pairs_per_step": "/".join(str(n) for n in sorted({n for r in runs for n in r["pairs_per_step"]})),
                     "timed_steps": min(r["timed_steps"] for r in runs),
@@ -176,6 +192,7 @@ def summarize(results: dict[str, list[dict]]) -> list[dict]:
 
 TABLE = [
     harness.SYSTEM,
+    harness.PRECISION,
     harness.PAIRS_PER_S,
     harness.TOKENS_PER_S,
     harness.VS_FASTEST_PEER,
@@ -202,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     harness.log_to_console()
     parser = argparse.ArgumentParser(description="own-batching benchmark", usage=__doc__.strip().splitlines()[2])
+    harness.add_precision_option(parser)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per system (after warm-up)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds; each runs every system once")
     parser.add_argument("--out", type=Path, default=None)
@@ -211,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps and --rounds must be >= 1")
     out = harness.output_dir(args.out, "bench_own_batching")
     started, load_before = datetime.now(timezone.utc), _load()
-    rows = measure(out, args.steps, args.rounds, args.overrides)
+    rows = measure(out, args.precision, args.steps, args.rounds, args.overrides)
     if not rows:
         log.error("error: every system failed (see the messages above)")
         return 1

@@ -5,7 +5,11 @@
 - torch_loop: a shuffled `DataLoader` over the pairs whose collate_fn calls the tokenizer with padding=True.
 - st_cross_encoder: `CrossEncoderTrainer` on its documented (query, document, label) columns with
   `BinaryCrossEntropyLoss`; it tokenizes the two texts as a pair, so it reads one [SEP] more per pair.
+- flag_embedding: FlagEmbedding's EncoderOnlyRerankerRunner reads the file itself (lychee_exp.bench.flag_peer).
 - lychee: `python -m lychee_exp.run parallel=single gpus=1` in this process, with its defaults.
+
+Precision (spec["precision"]): bf16 is the Trainer-based peers' `bf16=True`, the bare loop's autocast to
+bfloat16 and lychee's `trainer.precision=bf16`; fp32 is none of them.
 
 Every system is measured the same way: `Meter` wraps the model class's forward before any model exists and
 records each call's attention mask (non-pad tokens = its sum, slots = its size, pairs = its rows), and every
@@ -23,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lychee_exp.bench.peer_loops import Settings, step_end_callback, trainer_arguments
+from lychee_exp.bench.peer_loops import Settings, autocast, step_end_callback, trainer_arguments
 
 DOCS_PER_QUERY = 4  # 1 positive + 3 negatives from the file: lychee's groups of 4
 
@@ -134,7 +138,7 @@ def loop_collate(tokenizer, template: str, rows: list[Pair]) -> dict:
     return batch
 
 
-def _sequence_classifier(spec: dict):
+def sequence_classifier(spec: dict):
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(spec["seed"])
@@ -145,10 +149,15 @@ def _bce(outputs, labels, num_items_in_batch=None):
     return F.binary_cross_entropy_with_logits(outputs["logits"].view(-1), labels.float())
 
 
-def _args(spec: dict, out: str) -> dict:
-    device = torch.device(spec["device"])
-    settings = Settings(spec["lr"], spec["weight_decay"], spec["max_grad_norm"], spec["seed"], device)
-    return trainer_arguments(out, settings, spec["pairs_per_step"], spec["max_steps"], spec["warmup_ratio"])
+def settings(spec: dict) -> Settings:
+    device, bf16 = torch.device(spec["device"]), spec["precision"] == "bf16"
+    return Settings(spec["lr"], spec["weight_decay"], spec["max_grad_norm"], spec["seed"], device, bf16)
+
+
+def trainer_args(spec: dict, out: str) -> dict:
+    """A Trainer-based peer's arguments, bf16 included."""
+    s = settings(spec)
+    return trainer_arguments(out, s, spec["pairs_per_step"], spec["max_steps"], spec["warmup_ratio"])
 
 
 def hf_trainer(spec: dict, pairs: list[Pair], out: str) -> None:
@@ -161,8 +170,8 @@ def hf_trainer(spec: dict, pairs: list[Pair], out: str) -> None:
     )
     rows = rows.map(lambda b: hf_tokenize(tokenizer, b["text"]), batched=True, remove_columns=["text"])
     trainer = Trainer(
-        model=_sequence_classifier(spec),
-        args=TrainingArguments(**_args(spec, out)),
+        model=sequence_classifier(spec),
+        args=TrainingArguments(**trainer_args(spec, out)),
         train_dataset=rows,
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_loss_func=_bce,
@@ -175,9 +184,10 @@ def torch_loop(spec: dict, pairs: list[Pair], out: str) -> None:
     from torch.utils.data import DataLoader
     from transformers import AutoTokenizer, get_linear_schedule_with_warmup
 
-    device = torch.device(spec["device"])
+    s = settings(spec)
+    device = s.device
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
-    model = _sequence_classifier(spec).to(device).train()
+    model = sequence_classifier(spec).to(device).train()
     loader = DataLoader(
         pairs,
         batch_size=spec["pairs_per_step"],
@@ -193,7 +203,8 @@ def torch_loop(spec: dict, pairs: list[Pair], out: str) -> None:
         for batch in loader:
             batch = {k: v.to(device) for k, v in batch.items()}
             labels = batch.pop("labels")
-            loss = F.binary_cross_entropy_with_logits(model(**batch).logits.view(-1), labels)
+            with autocast(s):  # the BCE itself runs in fp32 under autocast
+                loss = F.binary_cross_entropy_with_logits(model(**batch).logits.view(-1), labels)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
             optimizer.step()
@@ -219,7 +230,7 @@ def st_cross_encoder(spec: dict, pairs: list[Pair], out: str) -> None:
     )
     trainer = CrossEncoderTrainer(
         model=model,
-        args=CrossEncoderTrainingArguments(**_args(spec, out)),
+        args=CrossEncoderTrainingArguments(**trainer_args(spec, out)),
         train_dataset=rows,
         loss=BinaryCrossEntropyLoss(model),
         callbacks=[step_end_callback(METER.stamp)],

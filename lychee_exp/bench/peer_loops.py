@@ -6,6 +6,9 @@ warm-up, gradient clipping at 1.0 and the pointwise loss (binary cross-entropy o
 the step's pairs), one step per batch, in batch order.
 Each returns the `perf_counter` time at the end of every step, so that warm-up can be cut off the same way.
 sentence-transformers tokenizes its own text pairs, so it counts its own tokens (`tokens`).
+Precision: `Settings.bf16` is each peer's own bf16 switch (the Trainer-based peers' `bf16=True` in their
+TrainingArguments, the bare loop's `torch.autocast` to bfloat16); off, all run in fp32.
+FlagEmbedding's trainer, the fourth peer, lives in lychee_exp.bench.flag_peer.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ class Settings:
     max_grad_norm: float
     seed: int
     device: torch.device
+    bf16: bool = False  # mixed precision: weights and optimizer stay fp32, the forward computes in bfloat16
+
+
+def autocast(s: Settings):
+    """A bare loop's bf16 switch: the forward and loss under autocast to bfloat16 (a no-op without bf16)."""
+    return torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=s.bf16)
 
 
 class PairLoss(nn.Module):
@@ -55,8 +64,9 @@ def torch_loop(model: nn.Module, steps: list[Step], s: Settings) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: max(0.0, 1 - i / len(steps)))
     ends = []
     for step in steps:
-        logits = model(step.input_ids.to(s.device), step.attention_mask.to(s.device))
-        loss = F.binary_cross_entropy_with_logits(logits, step.labels.to(s.device))
+        with autocast(s):
+            logits = model(step.input_ids.to(s.device), step.attention_mask.to(s.device))
+            loss = F.binary_cross_entropy_with_logits(logits, step.labels.to(s.device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), s.max_grad_norm)
         optimizer.step()
@@ -79,7 +89,7 @@ def step_end_callback(on_step_end: Callable[[], None]):
     return StepClock()
 
 
-def _pair_rows(steps: list[Step]) -> list[dict]:
+def pair_rows(steps: list[Step]) -> list[dict]:
     return [
         {"input_ids": ids[mask.bool()].tolist(), "labels": float(label)}
         for step in steps
@@ -105,23 +115,31 @@ def trainer_arguments(out_dir: str, s: Settings, pairs_per_step: int, max_steps:
         "disable_tqdm": True,
         "seed": s.seed,
         "use_cpu": s.device.type == "cpu",
+        "bf16": s.bf16,
     }
 
 
-def _common_args(out_dir: str, steps: list[Step], s: Settings) -> dict:
+def common_args(out_dir: str, steps: list[Step], s: Settings) -> dict:
     """The identical-batches benchmark's: no warm-up, the fused AdamW lychee_exp uses, batches built in-process."""
     fixed = {"optim": "adamw_torch_fused", "dataloader_num_workers": 0}
     return {**trainer_arguments(out_dir, s, len(steps[0].labels), len(steps), 0), **fixed}
 
 
-def hf_trainer(model: nn.Module, steps: list[Step], s: Settings, encoder, out_dir: str) -> dict:
-    """transformers.Trainer on (token ids, label) rows, batched in order and padded as lychee_exp pads."""
+def in_order(trainer_cls: type) -> type:
+    """A transformers.Trainer subclass that takes its rows in dataset order: the same batches as every other
+    system, not a fresh shuffle."""
     from torch.utils.data import SequentialSampler
-    from transformers import Trainer, TrainingArguments
 
-    class InOrderTrainer(Trainer):  # the same batches as every other system, not a fresh shuffle
+    class InOrder(trainer_cls):
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
+
+    return InOrder
+
+
+def hf_trainer(model: nn.Module, steps: list[Step], s: Settings, encoder, out_dir: str) -> dict:
+    """transformers.Trainer on (token ids, label) rows, batched in order and padded as lychee_exp pads."""
+    from transformers import Trainer, TrainingArguments
 
     def collate(rows):
         batch = encoder.pad([r["input_ids"] for r in rows])
@@ -129,11 +147,11 @@ def hf_trainer(model: nn.Module, steps: list[Step], s: Settings, encoder, out_di
         return batch
 
     ends: list[float] = []
-    args = TrainingArguments(**_common_args(out_dir, steps, s), remove_unused_columns=False)
-    trainer = InOrderTrainer(
+    args = TrainingArguments(**common_args(out_dir, steps, s), remove_unused_columns=False)
+    trainer = in_order(Trainer)(
         model=PairLoss(model),
         args=args,
-        train_dataset=_pair_rows(steps),
+        train_dataset=pair_rows(steps),
         data_collator=collate,
         callbacks=[step_end_callback(lambda: ends.append(time.perf_counter()))],
     )
@@ -172,7 +190,7 @@ def st_cross_encoder(path: str, dropout: float | None, steps: list[Step], s: Set
             return BatchSampler(SequentialSampler(dataset), batch_size, drop_last)
 
     ends: list[float] = []
-    args = CrossEncoderTrainingArguments(**_common_args(out_dir, steps, s))
+    args = CrossEncoderTrainingArguments(**common_args(out_dir, steps, s))
     trainer = InOrderTrainer(
         model=model,
         args=args,
@@ -183,3 +201,23 @@ def st_cross_encoder(path: str, dropout: float | None, steps: list[Step], s: Set
     assert batch_size == args.per_device_train_batch_size
     trainer.train()
     return {"ends": ends, "tokens": tokens, "padded": padded}
+
+
+def timed_row(result: dict, batches: list, warmup: int, device) -> dict:
+    """A peer's figures over its steps after `warmup`: from its step-end times and the batches' (or its own) token
+    counts."""
+    from lychee_exp.tracking.throughput import peak_memory_mb
+
+    ends, timed = result["ends"], batches[warmup:]
+    elapsed = ends[-1] - ends[warmup - 1]
+    real = sum(int(b.attention_mask.sum()) for b in timed)
+    padded = sum(b.attention_mask.numel() for b in timed)
+    if "tokens" in result:  # a peer that builds its own batches: its own counts, scaled to the timed steps
+        share = len(timed) / len(batches)
+        real, padded = result["tokens"] * share, result["padded"] * share
+    return {
+        "pairs_per_s": sum(len(b.labels) for b in timed) / elapsed,
+        "tokens_per_s": real / elapsed,
+        "padding_share": 1 - real / padded,
+        "peak_memory_mb": peak_memory_mb(device),
+    }

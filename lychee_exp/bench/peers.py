@@ -1,18 +1,22 @@
 """Peer benchmark: lychee_exp against the loops a user would pick instead, on identical inputs, side by side.
 
-    python -m lychee_exp.bench.peers [--mix sample|longtail] [--steps 10] [--rounds 2] [--out DIR] [overrides]
+    python -m lychee_exp.bench.peers [--mix longtail] [--precision fp32,bf16] [--steps 10] [--rounds 2] [--out D] [...]
 
 Systems (see lychee_exp.bench.peer_loops): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
-CrossEncoderTrainer (cross-encoder models only), lychee_exp parallel=single (1 process x all threads), lychee_exp
-parallel=ddp (2 ranks x 1 thread), lychee_exp on 1 process x 1 thread (the CPU speedup baseline), and lychee_exp
-with trainer.forward_chunks (pairs of similar length forwarded together: less padding computed). All train
-the same model on the same batches (the sample set with the MiniLM preset's prompt, 8 queries x 4 documents = 32 pairs,
-same truncation), fp32, fused AdamW without weight decay (Trainer exempts biases and norms from it, the others do not),
-dropout 0; each runs in a fresh process, systems interleaved in every round (the order rotates), and
-each step time is counted after the same warm-up. `--mix longtail` trains the tiny Qwen2 on documents of 32-2048
-tokens instead (a long-tailed length mix), with and without `data.bucket_by_length` and forward chunks.
-`pip install -e .[bench]`
-installs the peers. Writes peers.csv, peers.png and peers.md (a README table) into the output directory.
+CrossEncoderTrainer and FlagEmbedding's reranker trainer (lychee_exp.bench.flag_peer; these two on cross-encoder
+models only), lychee_exp parallel=single (1 process x all threads), lychee_exp parallel=ddp (2 ranks x 1 thread),
+lychee_exp on 1 process x 1 thread (the CPU speedup baseline), and lychee_exp with trainer.forward_chunks (pairs
+of similar length forwarded together: less padding computed). All train the same model on the same batches (the
+sample set with the MiniLM preset's prompt, 8 queries x 4 documents = 32 pairs, same truncation), fused AdamW
+without weight decay (Trainer exempts biases and norms from it, the others do not), dropout 0; each runs in a
+fresh process, systems interleaved in every round (the order rotates), and each step time is counted after the
+same warm-up. `--mix longtail` (default: sample) trains the tiny Qwen2 on documents of 32-2048 tokens instead (a
+long-tailed length mix), with and without `data.bucket_by_length` and forward chunks.
+Every system runs in each precision of `--precision` (default both), a row each: fp32, or bf16 by its own switch
+(the Trainers' `bf16=True`, the bare loop's autocast, lychee_exp's trainer.precision=bf16); a row's ratio to the
+fastest peer is to the fastest peer of its own precision. `pip install -e .[bench]` installs the peers.
+Writes peers.csv, peers.png and peers.md (a README table) into the output directory; the rest of the command line
+is lychee_exp overrides (every system reads them).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ log = logging.getLogger("lychee_exp.bench.peers")
 
 COLUMNS = [
     "system",
+    "precision",
     "processes",
     "threads",
     "pairs_per_s",
@@ -40,12 +45,12 @@ COLUMNS = [
     "peak_memory_mb",
     "rounds",
 ]
-PEERS = ("hf_trainer", "torch_loop", "st_cross_encoder")
-# What every system trains with (lychee_exp overrides; the peers read the same composed config)
+PEERS = ("hf_trainer", "torch_loop", "st_cross_encoder", "flag_embedding")
+# What every system trains with (lychee_exp overrides; the peers read the same composed config), besides the
+# run's trainer.precision
 SETTINGS = [
     "data.train_group_size=4",
     "data.random_negatives=1",
-    "trainer.precision=fp32",
     "model.dropout=0.0",
     "optimizer.lr=1e-4",
     "optimizer.lr_scaling=none",
@@ -80,8 +85,8 @@ def _system(name: str, processes: int, threads: int, *overrides: str) -> dict:
 def systems(mix: str, cores: int, cuda: int) -> list[dict]:
     """name, processes x threads, extra lychee_exp overrides."""
     rows = [_system("hf_trainer", 1, cores), _system("torch_loop", 1, cores)]
-    if mix == "sample":
-        rows.append(_system("st_cross_encoder", 1, cores))
+    if mix == "sample":  # the cross-encoder peers (the longtail mix's tiny Qwen2 is a causal LM)
+        rows += [_system("st_cross_encoder", 1, cores), _system("flag_embedding", 1, cores)]
     rows.append(_system("lychee_single", 1, cores, "parallel=single", "gpus=1", ONE_PASS))
     chunked = f"trainer.forward_chunks={CHUNKS}"
     if mix == "longtail":
@@ -145,39 +150,29 @@ def child(name: str, spec: dict) -> dict:
         cfg.optimizer.max_grad_norm,
         cfg.seed,
         torch.device(spec["device"]),
+        spec["precision"] == "bf16",
     )
     if name == "torch_loop":
         result = peers.torch_loop(model, batches, settings)
     elif name == "hf_trainer":
         result = peers.hf_trainer(model, batches, settings, encoder, str(out / "hf"))
+    elif name == "flag_embedding":
+        from lychee_exp.bench.flag_peer import identical_batches
+
+        group = cfg.data.train_group_size
+        result = identical_batches(model, batches, settings, encoder, group, str(out / "flag"))
     else:
         from lychee_exp.core.model import model_dir
 
         result = peers.st_cross_encoder(
             str(model_dir(cfg.model)), cfg.model.dropout, batches, settings, str(out / "st")
         )
-    return timed_row(result, batches, warmup, settings.device)
+    return peers.timed_row(result, batches, warmup, settings.device)
 
 
-def timed_row(result: dict, batches: list, warmup: int, device) -> dict:
-    from lychee_exp.tracking.throughput import peak_memory_mb
-
-    ends, timed = result["ends"], batches[warmup:]
-    elapsed = ends[-1] - ends[warmup - 1]
-    real = sum(int(b.attention_mask.sum()) for b in timed)
-    padded = sum(b.attention_mask.numel() for b in timed)
-    if "tokens" in result:  # a peer that tokenizes for itself: its own counts, scaled to the timed steps
-        share = len(timed) / len(batches)
-        real, padded = result["tokens"] * share, result["padded"] * share
-    return {
-        "pairs_per_s": sum(len(b.labels) for b in timed) / elapsed,
-        "tokens_per_s": real / elapsed,
-        "padding_share": 1 - real / padded,
-        "peak_memory_mb": peak_memory_mb(device),
-    }
-
-
-def measure(mix: str, overrides: list[str], out: Path, steps: int, rounds: int, queries: int) -> list[dict]:
+def measure(
+    mix: str, precisions: list[str], overrides: list[str], out: Path, steps: int, rounds: int, queries: int
+) -> list[dict]:
     import torch
 
     from lychee_exp.core.devices import available_cores, torch_device
@@ -189,11 +184,15 @@ def measure(mix: str, overrides: list[str], out: Path, steps: int, rounds: int, 
     if mix == "longtail":
         data = longtail_file(out, queries * (WARMUP_STEPS + steps) * 2)
         base += [f"data.train_file={data}", f"data.dev_file={data}"]
-    plan = {s["system"]: s for s in systems(mix, available_cores(), cuda)}
+    plan = {
+        harness.run_name(s["system"], p): {**s, "precision": p}
+        for p in precisions
+        for s in systems(mix, available_cores(), cuda)
+    }
 
     def run_one(name: str, round_: int) -> dict | None:
         s = plan[name]
-        run_dir = out / f"round{round_}" / name
+        run_dir = out / f"round{round_}" / name.replace(":", "_")
         run_dir.mkdir(parents=True, exist_ok=True)
         spec = {
             "out": str(run_dir),
@@ -203,25 +202,29 @@ def measure(mix: str, overrides: list[str], out: Path, steps: int, rounds: int, 
             "threads": s["threads"],
             "processes": s["processes"],
             "device": str(device),
-            "overrides": [*base, *s["overrides"], *overrides],
+            "precision": s["precision"],
+            # the run's precision last: it names the row, whatever the command line says
+            "overrides": [*base, *s["overrides"], *overrides, f"trainer.precision={s['precision']}"],
         }
-        return harness.run_child("lychee_exp.bench.peers", name, spec, {"OMP_NUM_THREADS": str(s["threads"])})
+        return harness.run_child("lychee_exp.bench.peers", s["system"], spec, {"OMP_NUM_THREADS": str(s["threads"])})
 
     return summarize(list(plan.values()), harness.in_rounds(list(plan), rounds, run_one))
 
 
 def summarize(plan: list[dict], results: dict[str, list[dict]]) -> list[dict]:
-    """One row per system that ran: the medians of its figures over rounds, and its ratio to the fastest peer."""
+    """One row per system and precision that ran (results keyed by harness.run_name): the medians of its figures
+    over rounds, and its ratio to the fastest peer of the same precision."""
     rows = [
         {
             "system": s["system"],
+            "precision": s["precision"],
             "processes": s["processes"],
             "threads": s["threads"],
             "rounds": len(runs),
             **harness.medians(runs, list(runs[0])),
         }
         for s in plan
-        if (runs := results[s["system"]])
+        if (runs := results[harness.run_name(s["system"], s["precision"])])
     ]
     harness.add_ratio_to_fastest(rows, PEERS)
     return rows
@@ -235,10 +238,10 @@ def write_outputs(rows: list[dict], out: Path, title: str) -> None:
 
     harness.write_csv(out / "peers.csv", rows, COLUMNS)
     (out / "peers.md").write_text(markdown_table(rows) + "\n")
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(9, 1.5 + 0.25 * len(rows)))  # a bar per system and precision
     colors = ["#dd8452" if r["system"].startswith("lychee") else "#4c72b0" for r in rows]
     ax.barh(
-        [f"{r['system']} ({r['processes']}x{r['threads']})" for r in rows],
+        [f"{r['system']} {r['precision']} ({r['processes']}x{r['threads']})" for r in rows],
         [r["tokens_per_s"] for r in rows],
         color=colors,
     )
@@ -251,6 +254,7 @@ def write_outputs(rows: list[dict], out: Path, title: str) -> None:
 
 TABLE = [
     harness.SYSTEM,
+    harness.PRECISION,
     Column("processes x threads", lambda r: f"{r['processes']} x {r['threads']}"),
     harness.PAIRS_PER_S,
     harness.TOKENS_PER_S,
@@ -271,13 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     harness.log_to_console()
     parser = argparse.ArgumentParser(description="peer benchmark", usage=__doc__.strip().splitlines()[2])
     parser.add_argument("--mix", choices=sorted(MIXES), default="sample")
+    harness.add_precision_option(parser)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per system (after warm-up)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds; each runs every system once")
     parser.add_argument("--queries", type=int, default=8, help="queries per step (x 4 documents)")
     parser.add_argument("--out", type=Path, default=None)
     args, overrides = parser.parse_known_args(argv)
     out = harness.output_dir(args.out, "bench_peers", f"_{args.mix}")
-    rows = measure(args.mix, overrides, out, args.steps, args.rounds, args.queries)
+    rows = measure(args.mix, args.precision, overrides, out, args.steps, args.rounds, args.queries)
     if not rows:
         log.error("error: every system failed (see the messages above)")
         return 1
