@@ -158,3 +158,26 @@ def test_the_minilm_default_trains_packed(tmp_path):
     _, padded = run_job([*common, "logger=none", "trainer.measure_speedup=false", "data.packing=false",
                       "trainer.forward_chunks=1"], tmp_path / "padded")  # fmt: skip
     assert metrics["padding_share"] < 0.05 < padded["padding_share"]
+
+
+def test_the_own_batching_meter_counts_packed_rows(minilm_pair):
+    """bench.own_batching meters what each model reads; packed rows skip the classifier class's forward, so the
+    encoder's packed calls are metered: every prompt and real token, not the rounding pad."""
+    from lychee_exp.bench.own_batching_loops import Meter, _encoder_class
+
+    encoder, padded, packed = minilm_pair
+    meter = Meter()
+    undo = meter.wrap_packed(_encoder_class(type(packed.backbone)))
+    try:
+        run_padded, run_packed = _both(encoder, padded, packed, _groups(3))
+        with torch.no_grad():
+            run_padded()  # not a packed call: not counted here
+            run_packed()
+        meter.stamp()
+    finally:
+        undo()
+    row = GroupCollator(encoder, pack_multiple=64)(_groups(3))
+    assert row["input_ids"].shape[1] > int(row["lengths"].sum())  # a rounding pad to leave out
+    assert [(int(t), slots, int(n)) for t, slots, n in meter.calls] == [
+        (int(row["lengths"].sum()), row["input_ids"].shape[1], 12)
+    ]

@@ -43,7 +43,7 @@ class Pair:
 class Meter:
     """What the model read (per forward call) and when each step ended (with how many calls came before)."""
 
-    calls: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (mask sum, slots, rows)
+    calls: list[tuple[torch.Tensor, int, int | torch.Tensor]] = field(default_factory=list)  # (mask sum, slots, rows)
     stamps: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, calls so far)
 
     def install(self, model_path: str):
@@ -51,7 +51,28 @@ class Meter:
         from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-        return self.wrap(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(AutoConfig.from_pretrained(model_path))])
+        cls = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(AutoConfig.from_pretrained(model_path))]
+        undo, undo_packed = self.wrap(cls), self.wrap_packed(_encoder_class(cls))
+        return lambda: (undo(), undo_packed())
+
+    def wrap_packed(self, encoder_cls):
+        """Records the encoder's packed calls (lychee_exp's packed rows skip the classifier class's forward,
+        core.packed_encoder): non-pad tokens, the row's slots, and its prompts (segments not starting with pad)."""
+        from lychee_exp.core.packing import BOUNDS
+
+        original = encoder_cls.forward
+
+        @functools.wraps(original)
+        def forward(module, *args, **kwargs):
+            bounds = kwargs.get(BOUNDS)
+            if bounds is not None:
+                ids, pad = kwargs["input_ids"], module.config.pad_token_id
+                prompts = (ids[0, list(bounds[:-1])] != pad).sum()  # a device count: no host sync here
+                self.calls.append(((ids != pad).sum(), ids.numel(), prompts))
+            return original(module, *args, **kwargs)
+
+        encoder_cls.forward = forward
+        return lambda: setattr(encoder_cls, "forward", original)
 
     def wrap(self, cls):
         """Records every call of cls.forward from now on (every instance, existing or not); returns the undo."""
@@ -83,14 +104,22 @@ class Meter:
         return {
             "seconds": self.stamps[-1][0] - self.stamps[warmup - 1][0],
             "steps": len(marks) - 1,
-            "pairs": sum(c[2] for c in calls),
+            "pairs": sum(int(c[2]) for c in calls),
             "tokens": float(sum(int(c[0]) for c in calls)),
             "slots": sum(c[1] for c in calls),
-            "pairs_per_step": [sum(c[2] for c in self.calls[a:b]) for a, b in zip(marks, marks[1:])],
+            "pairs_per_step": [sum(int(c[2]) for c in self.calls[a:b]) for a, b in zip(marks, marks[1:])],
         }
 
 
 METER = Meter()
+
+
+def _encoder_class(cls):
+    """The base model class a *ForSequenceClassification class wraps (e.g. BertModel), by transformers' naming."""
+    import importlib
+
+    module = importlib.import_module(cls.__module__)
+    return getattr(module, cls.__name__.replace("ForSequenceClassification", "Model"))
 
 
 def stamp_hook(rank: int, trial_number: int, batch_size: int = 0):
