@@ -28,6 +28,7 @@ from lychee_exp.core.chunks import forward_chunk_count
 from lychee_exp.core.config import RunConfig
 from lychee_exp.core.devices import DevicePlan, resolve_precision, torch_device
 from lychee_exp.core.optim import uses_fused
+from lychee_exp.core.packing_rule import packing_on
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ def throughput_settings(cfg: RunConfig, device_type: str) -> dict:
     for the device type (so that a default whose meaning changes does not reuse old figures): a baseline measured
     under other settings (another loss, forward chunks, bucketing, accumulation...) must not be divided by."""
     data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _NOT_THROUGHPUT}
+    # data.packing=auto as decided on this device type: the ranks' config holds the decision, the job's `auto`
+    data["packing"] = packing_on(cfg, device_type, cfg.parallel.strategy)
     t = cfg.trainer
     return {
         "model": dataclasses.asdict(cfg.model),
