@@ -119,7 +119,7 @@ class DataConfig:
     bucket_by_length: bool = False  # batch queries whose prompts have similar lengths (less padding)
     bucket_pool_batches: int = at_least(1, 64)  # optimizer steps' worth of queries sorted by length together
     # a micro-batch's prompts end to end in one row, each attending to itself only (docs/performance.md): true,
-    # false, or auto (BERT-family cross-encoders on CPU pack, everything else pads; core.packing.packing_on)
+    # false, or auto (BERT-family cross-encoders on CPU pack, everything else pads; core.packing_rule.packing_on)
     packing: Any = "auto"
     pack_multiple: int = at_least(1, 64)  # a packed row's width is rounded up to a multiple: few distinct shapes
     # on CUDA, packed rows need torch's varlen kernel (probed at setup); sdpa = accept the per-prompt fallback

@@ -66,7 +66,7 @@ def _check_trainer(trainer: Any) -> None:  # a core.config.TrainerConfig
 
 def _check_packing(cfg: Any) -> None:  # a core.config.RunConfig
     check_packing_setting(cfg.data.packing)
-    if cfg.data.packing is not True:  # auto decides per device (core.packing.packing_on), never against these
+    if cfg.data.packing is not True:  # auto decides per device (core.packing_rule.packing_on), never against these
         return
     model_type = encoder_model_type(cfg.model.path)
     if cfg.model.kind != "causal_lm" and model_type not in PACKABLE_ENCODERS:

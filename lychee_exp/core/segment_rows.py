@@ -2,14 +2,14 @@
 
 Why: on CPU, sdpa's flash kernel was the costliest operator of a bf16 cross-encoder step (its backward 30% of the
 step's self time, forward 6%, `python -m lychee_exp.bench.step_profile trainer.precision=bf16`), and one sdpa call
-per segment adds a call per prompt per layer. Gathering the segments into (segments, heads, longest, dim) rows and
-running baddbmm + softmax + bmm is faster in bf16 up to ~160 tokens a segment and no faster beyond
-(`python -m lychee_exp.bench.attention_cpu`); in fp32 sdpa is as fast or faster at every length measured, so fp32
-keeps it (core.packing decides, `use_segment_rows`).
+per segment adds a call per prompt per layer. Gathering the segments into (heads x segments, longest, dim) rows and
+running bmm + masked softmax + bmm is faster in bf16 up to 160 tokens a segment and slower beyond
+(`python -m lychee_exp.bench.attention_cpu`); in fp32 it is faster only at 64 tokens and slower from 96 on, so fp32
+keeps sdpa (core.packing decides, `use_segment_rows`).
 
 The scores' softmax runs in float32 for bf16/fp16 inputs (as sdpa's math path does), keys past a segment's end are
 masked, and each output row is read back for its own tokens only, so the result equals sdpa per segment up to
-rounding (tests/test_segment_rows.py compares them in float64, forward and backward).
+rounding (tests/test_packed_encoder.py compares them in float64, forward and backward).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-# Longest segment the matmul path takes (bf16 on CPU): 3.5x sdpa's speed at 96 tokens, 1.5x at 160, 1.0x at 192
-# (forward + backward, 32 rows, 2 threads, docs/benchmarks.md "Attention on CPU")
+# Longest segment the matmul path takes (bf16 on CPU): 2.24x sdpa's speed at 96 tokens, 1.73x at 160, 0.88x at 192
+# (forward + backward, 32 segments, 2 threads, docs/benchmarks.md "Attention on CPU")
 MAX_SEGMENT_TOKENS = 160
 
 
