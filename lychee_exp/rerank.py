@@ -19,6 +19,7 @@ from pathlib import Path
 
 from lychee_exp.core.atomic import write_json_atomic, write_text_atomic
 from lychee_exp.core.devices import DevicePlan, plan_devices
+from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.beir import dataset_dir, split_names
 from lychee_exp.core.ir.commands import RerankConfig, check_rerank_config, command_inputs, register_ir_schemas
 from lychee_exp.core.ir.dense import DenseConfig, corpus_embeddings
@@ -27,6 +28,7 @@ from lychee_exp.core.ir.pipeline import open_split
 from lychee_exp.core.ir.trec import write_run
 from lychee_exp.core.model_card import card_ranking, check_trained_head
 from lychee_exp.core.outputs import staged_output
+from lychee_exp.job.results import standing_below_first_stage
 from lychee_exp.run import run_output_command
 
 log = logging.getLogger("lychee_exp.rerank")
@@ -51,10 +53,26 @@ def rerank_command(cfg: RerankConfig) -> dict:
         f"{k} {metrics[k]:.4f} (first stage {metrics['first_stage_' + k]:.4f})" for k in (*KEYS, f"recall@{cfg.top_k}")
     )
     log.info("%s: %s over %d judged queries (%s); %s", cfg.out, shown, metrics["queries_judged"], scored, speed)
-    if cfg.teacher_weight:
-        alone = ", ".join(f"{who} alone {metrics[who + '_ndcg@10']:.4f}" for who in ("model", "teacher"))
-        log.info("ndcg@10 mixes the model with the teacher at weight %s: %s", cfg.teacher_weight, alone)
+    weights = {"the teacher": cfg.teacher_weight, "the first stage": cfg.first_stage_weight}
+    if any(weights.values()):
+        mix = " and ".join(f"{who} at weight {w}" for who, w in weights.items() if w)
+        log.info("ndcg@10 (run.trec) mixes the model's scores with %s (run.model.trec: the model alone)", mix)
+    log.info("%s", standing_line(metrics, cfg.first_stage))
+    below = standing_below_first_stage(metrics, "first_stage")
+    if below:
+        log.warning("%s", below.replace("dev", cfg.split, 1))
     return {**metrics, **timing}
+
+
+def standing_line(metrics: dict, first_stage: str) -> str:
+    """`ndcg@10: model alone X vs first stage (bm25) Y vs teacher Z`: what an IR engineer checks first."""
+    alone = metrics.get("model_ndcg@10", metrics["ndcg@10"])
+    line = f"ndcg@10: model alone {alone:.4f} vs first stage ({first_stage}) {metrics['first_stage_ndcg@10']:.4f}"
+    if "teacher_ndcg@10" in metrics:
+        line += f" vs teacher {metrics['teacher_ndcg@10']:.4f}"
+    if "model_ndcg@10" in metrics:
+        line += f" (mix {metrics['ndcg@10']:.4f})"
+    return line
 
 
 def launch_rerank(cfg: RerankConfig, plan: DevicePlan, out: Path) -> dict:
@@ -81,12 +99,25 @@ def _rerank_into(cfg: RerankConfig, out: Path) -> tuple[dict, dict]:
             len(split.query_ids),
         )
     retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense, stemmer=cfg.bm25_stemmer)
-    if cfg.teacher_weight is None:  # the recipe the model was trained with (its card), else the model alone
-        ranking = card_ranking(cfg.model.path)
+    ranking = card_ranking(cfg.model.path)  # the recipe the model was trained with ({"teacher_weight": 0} if none)
+    if cfg.teacher_weight is None:  # the card's mix, else the model alone
         cfg.teacher_weight = ranking["teacher_weight"]
-        if cfg.teacher_weight and cfg.dense == DenseConfig() and ranking.get("teacher"):
-            cfg.dense = DenseConfig(**ranking["teacher"])
-    if cfg.teacher_weight:
+    if cfg.first_stage_weight is None:
+        cfg.first_stage_weight = ranking.get("first_stage_weight", 0.0)
+    if cfg.teacher_weight + cfg.first_stage_weight > 1:
+        raise UserError(
+            f"teacher_weight={cfg.teacher_weight} + first_stage_weight={cfg.first_stage_weight} exceeds 1, which "
+            "would leave the model a negative weight"
+        )
+    if cfg.dense == DenseConfig() and ranking.get("teacher"):  # the teacher the model was trained against
+        cfg.dense = DenseConfig(**ranking["teacher"])
+    if cfg.teacher_weight and cfg.teacher_figures is False:
+        raise UserError(
+            f"teacher_figures=false with teacher_weight={cfg.teacher_weight}: the mix needs the teacher's scores"
+        )
+    if cfg.teacher_figures is None:
+        cfg.teacher_figures = bool(cfg.teacher_weight or ranking.get("teacher"))
+    if cfg.teacher_figures:
         corpus_embeddings(corpus, cfg.dense, "dense.model")  # cached for rank 0's teacher scores
     model_dir(cfg.model)
     check_trained_head(cfg.model)  # never a freshly initialised head
@@ -100,7 +131,9 @@ def _rerank_into(cfg: RerankConfig, out: Path) -> tuple[dict, dict]:
     # timing apart: metrics.json is the same file whenever the same command runs again
     write_json_atomic(out / "timing.json", timing)
     metrics = {**result["metrics"], **counts, "first_stage": cfg.first_stage, "split": cfg.split}
-    metrics.update(model_path=cfg.model.path, teacher_weight=cfg.teacher_weight)
+    metrics.update(
+        model_path=cfg.model.path, teacher_weight=cfg.teacher_weight, first_stage_weight=cfg.first_stage_weight
+    )
     if result["metrics"]:
         write_text_atomic(out / "per_query.tsv", result["per_query"])
         write_json_atomic(out / "metrics.json", metrics)

@@ -147,7 +147,7 @@ def test_cli_bad_value_is_one_line_exit_2(tmp_path):
         ("optimized_metric=map", "[ndcg@10, mrr@10]"),
         ("parallel.strategy=zero3", "[single, dp, ddp, fsdp]"),
         ("optimizer.lr_scaling=cubic", "[none, linear, sqrt]"),
-        ("model.kind=seq2seq", "[causal_lm, sequence_classification]"),
+        ("model.kind=seq2seq", "[causal_lm, sequence_classification, bi_encoder]"),
     ],
 )
 def test_closed_choice_fails_at_compose_naming_key_and_choices(override, allowed, compose_cfg, tmp_path):

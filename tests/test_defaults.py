@@ -45,7 +45,13 @@ def schema_defaults() -> dict:
 
 
 def raw_option(group: str, option: str) -> dict:
-    return OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml")) or {}
+    """The option's YAML as loaded; a global-package option (data=beir, which also picks the model and the lr)
+    is marked `_global_`: its keys are full dotted keys of the run's config."""
+    path = CONF / group / f"{option}.yaml"
+    raw = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    if "# @package _global_" in path.read_text().splitlines()[:2]:
+        raw["_global_"] = True
+    return raw
 
 
 def default_options() -> set[str]:
@@ -57,19 +63,21 @@ def default_options() -> set[str]:
 def option_problems(group: str, option: str, raw: dict, schema: dict, defaults: set[str]) -> list[str]:
     """What breaks the rule in one group option's YAML (raw, as loaded): restated or disagreeing keys."""
     inherited = {}
+    full = "" if raw.pop("_global_", False) else f"{group}."  # how the file's keys name the run's keys
     for parent in raw.pop("defaults", []):  # an option built on another of its group (trainer/quick on default)
-        inherited.update(leaves(raw_option(group, parent)))
+        if isinstance(parent, str):  # (a mapping overrides another group's choice: data=beir's model)
+            inherited.update(leaves(raw_option(group, parent)))
     is_default = f"{group}/{option}" in defaults or option == "default"
     chosen = DEFAULT_RUN_CHOICES.get(f"{group}/{option}", set())
     problems = []
     for key, value in leaves(raw).items():
-        before = inherited.get(key, schema[f"{group}.{key}"])
+        before = inherited.get(key, schema[f"{full}{key}"])
         if key in IDENTITY_KEYS:
             continue
         if value == before:
             problems.append(f"{group}/{option}.yaml: {key}: {value!r} restates the default")
-        elif is_default and key not in chosen and value != schema[f"{group}.{key}"]:
-            got = schema[f"{group}.{key}"]
+        elif is_default and key not in chosen and value != schema[f"{full}{key}"]:
+            got = schema[f"{full}{key}"]
             problems.append(f"{group}/{option}.yaml: {key}: {value!r} disagrees with the schema's {got!r}")
     return problems
 

@@ -10,18 +10,23 @@ import math
 
 import pytest
 from beir_helpers import fruit_dataset
+from conftest import compose_config
 from test_model import _spread_weights, tiny_reranker
 
+from lychee_exp.core.config import to_run_config
 from lychee_exp.core.data.groups import DevPairs
+from lychee_exp.core.errors import UserError
 from lychee_exp.core.evaluate import metrics_of, ranking_metrics
+from lychee_exp.core.ir.candidates import RerankPairs
 from lychee_exp.core.ir.commands import RerankConfig, register_ir_schemas
 from lychee_exp.core.ir.dense import DenseConfig
-from lychee_exp.core.ir.fusion import interpolate, standardise
+from lychee_exp.core.ir.first_stage import retrieve
+from lychee_exp.core.ir.fusion import fuse, interpolate, standardise
 from lychee_exp.core.ir.metrics import trec_metrics
 from lychee_exp.core.ir.pipeline import dense_teacher, open_split
 from lychee_exp.core.ir.trec import read_run
 from lychee_exp.core.model import save_reranker
-from lychee_exp.rerank import rerank_command
+from lychee_exp.rerank import rerank_command, standing_line
 from lychee_exp.run import command_config
 
 
@@ -108,3 +113,62 @@ def test_an_explicit_weight_wins_over_the_card_and_zero_ranks_by_the_model_alone
     metrics = _rerank(*args)
     assert metrics["teacher_weight"] == 0 and "model_ndcg@10" not in metrics
     assert not (out / "run.model.trec").exists()
+    # the card names the teacher: its figures stand beside the model's and the first stage's all the same
+    reference = _rerank(*args[:-2], f"out={tmp_path / 'mixed'}")
+    assert metrics["teacher_ndcg@10"] == reference["teacher_ndcg@10"]
+    assert metrics["ndcg@10"] == reference["model_ndcg@10"]
+    line = standing_line(metrics, "bm25")
+    assert line == (
+        f"ndcg@10: model alone {metrics['ndcg@10']:.4f} vs first stage (bm25) "
+        f"{metrics['first_stage_ndcg@10']:.4f} vs teacher {metrics['teacher_ndcg@10']:.4f}"
+    )
+    assert "(mix " in standing_line(reference, "bm25")
+    alone = _rerank(*args[:-2], f"out={tmp_path / 'alone'}", "teacher_weight=0", "teacher_figures=false")
+    assert "teacher_ndcg@10" not in alone and alone["ndcg@10"] == metrics["ndcg@10"]
+
+
+def test_fuse_weighs_each_partner_and_leaves_the_model_the_rest():
+    groups = [0, 0, 0, 1, 1]
+    model, teacher, first = [5.0, -1.0, 2.0, 0.3, 0.1], [0.1, 0.9, 0.5, 20.0, 40.0], [12.0, 3.0, 7.5, 9.0, 1.0]
+    zm, zt, zf = (standardise(s, groups) for s in (model, teacher, first))
+    mixed = fuse(model, groups, [(teacher, 0.3), (first, 0.2)])
+    assert mixed == pytest.approx([0.5 * m + 0.3 * t + 0.2 * f for m, t, f in zip(zm, zt, zf)])
+    assert fuse(model, groups, [(teacher, 0.0), (first, 0.0)]) == model  # no weight: the model's raw scores
+    assert fuse(model, groups, [(first, 0.2)]) == interpolate(model, first, groups, 0.2)
+
+
+def test_the_dev_evaluation_mixes_the_first_stage_scores_of_a_beir_split():
+    pairs = RerankPairs([0, 0, 0], [0, 1, 0], [[1], [2], [3]], [], qrels={"q": {"b": 1}}, first_stage={"q": {}})
+    pairs.qids, pairs.doc_ids, pairs.first_stage_scores = ["q"] * 3, ["a", "b", "c"], [1.0, 9.0, 2.0]
+    model = [3.0, 1.0, 2.0]  # the model ranks the relevant b last; BM25 ranks it first
+    mixed = fuse(model, pairs.query_index, [(pairs.first_stage_scores, 0.6)])
+    assert metrics_of(pairs, mixed)["ndcg@10"] == 1.0 and metrics_of(pairs, model)["ndcg@10"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["data.first_stage_weight=0.2"], "only data=beir's dev split has a first stage"),
+        (["data=beir", "data.teacher_weight=0.7", "data.first_stage_weight=0.5"], "exceeds 1"),
+    ],
+)
+def test_a_mix_the_dev_split_cannot_make_is_one_line(args, message, tmp_path):
+    with pytest.raises(UserError, match=message):
+        to_run_config(compose_config(args, tmp_path))
+
+
+def test_rerank_follows_the_cards_first_stage_weight(tmp_path, ir_cache):
+    cfg, tokenizer, _, reranker = tiny_reranker(tmp_path)
+    _spread_weights(reranker.backbone)
+    ranking = {"teacher_weight": 0.0, "first_stage_weight": 0.3, "teacher": dataclasses.asdict(DenseConfig())}
+    save_reranker(reranker, tokenizer, cfg, tmp_path / "model", ranking)
+    root, out = fruit_dataset(tmp_path / "fruit"), tmp_path / "out"
+    metrics = _rerank(f"dataset={root}", "split=test", "top_k=8", f"model.path={tmp_path / 'model'}", f"out={out}")
+    assert metrics["first_stage_weight"] == 0.3 and metrics["teacher_weight"] == 0.0
+    model_run, written = read_run(out / "run.model.trec"), read_run(out / "run.trec")
+    corpus, split = open_split(str(root), "test")
+    first = retrieve("bm25", corpus, split, 8)
+    keys = [(q, d) for q in split.query_ids for d in model_run[q]]
+    expected = fuse([model_run[q][d] for q, d in keys], [q for q, _ in keys], [([first[q][d] for q, d in keys], 0.3)])
+    assert [written[q][d] for q, d in keys] == pytest.approx(expected, abs=1e-4)
+    assert "teacher_ndcg@10" in metrics  # the card names the teacher: its figures beside the model's

@@ -131,9 +131,11 @@ def test_a_directory_from_elsewhere_is_read_by_its_architectures(tmp_path):
     assert cross.dropout is None  # not the MiniLM preset's: the model as its authors made it
     causal = rerank_cfg(f"model.path={fake_dir(tmp_path / 'lm', ['Qwen2ForCausalLM'])}").model
     assert causal.kind == "causal_lm" and causal.random_init is False
-    # a bi-encoder (no reranker head): the default preset stands, for training to put a head on it
+    # a bare encoder (no reranker head) ranks as the bi-encoder it is; model=minilm_cross_encoder puts a head on it
     base = rerank_cfg(f"model.path={fake_dir(tmp_path / 'bi', ['BertModel'])}").model
-    assert base.name == "minilm_cross_encoder" and base.kind == "sequence_classification"
+    assert base.kind == "bi_encoder" and base.prompt.text_pair and base.pooling == "mean"
+    head = rerank_cfg("model=minilm_cross_encoder", f"model.path={fake_dir(tmp_path / 'bi2', ['BertModel'])}").model
+    assert head.kind == "sequence_classification"
 
 
 def test_model_path_loads_its_weights_under_a_random_init_preset(tiny_dir, tmp_path, ir_cache):

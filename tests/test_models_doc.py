@@ -98,6 +98,13 @@ def test_cross_encoder_lines_reproduce_rerank(block, blocks, cross_encoder_dir):
     assert_same_scores(theirs, project_scores(cross_encoder_dir, pairs))
 
 
+def test_bi_encoder_lines_reproduce_rerank(blocks, tmp_path):
+    pytest.importorskip("sentence_transformers")
+    model_dir = saved(tmp_path, "model=minilm_bi_encoder")  # _spread_weights: away from the teacher
+    theirs = run_blocks(blocks, ["bi_encoder_sentence_transformers"], model_dir=str(model_dir), pairs=PAIRS)
+    assert_same_scores(theirs["scores"], project_scores(model_dir, PAIRS))
+
+
 @pytest.mark.parametrize("score", ["yes_minus_no", "yes_logit"])
 def test_causal_lm_lines_reproduce_rerank(score, blocks, tmp_path):
     model_dir = saved(tmp_path, "model=tiny_lychee", f"model.score={score}")

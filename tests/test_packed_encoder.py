@@ -58,13 +58,17 @@ def test_packed_minilm_logits_and_gradients_equal_padded(minilm_pair):
     loss(b)[0].sum().backward()
     assert a.shape == b.shape == (12,) and a.std() > 0.05  # the scores differ: parity has teeth
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
-    g_pad, g_pack = _grads(padded), _grads(packed)
-    # to 1e-5 of the model's largest gradient: a few parameters' true gradient is 0 (softmax ignores a bias added
-    # to every key, and the listwise loss one added to every score), and there both sides are rounding noise
-    largest = max(float(g.abs().max()) for g in g_pad.values())
-    assert g_pad.keys() == g_pack.keys() and largest > 0
-    for name in g_pad:
-        torch.testing.assert_close(g_pack[name], g_pad[name], atol=1e-5 * largest, rtol=1e-4, msg=name)
+    assert_gradients_match(_grads(packed), _grads(padded))
+
+
+def assert_gradients_match(ours: dict, reference: dict) -> None:
+    """Every parameter's gradient to 1e-5 of the model's largest gradient: a few parameters' true gradient is 0
+    (softmax ignores a bias added to every key, and the listwise loss one added to every score), and there both
+    sides are rounding noise."""
+    largest = max(float(g.abs().max()) for g in reference.values())
+    assert ours.keys() == reference.keys() and largest > 0
+    for name in reference:
+        torch.testing.assert_close(ours[name], reference[name], atol=1e-5 * largest, rtol=1e-4, msg=name)
 
 
 def test_packed_minilm_in_bf16_takes_segment_rows_and_stays_close(minilm_pair):
@@ -74,7 +78,14 @@ def test_packed_minilm_in_bf16_takes_segment_rows_and_stays_close(minilm_pair):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         a, b = run_padded(), run_packed()
     assert {"segment_rows"} == packing.ATTENTION_PATHS  # (the padded model records nothing)
-    assert float((a - b).abs().max()) < 0.05 * float(a.std())  # bf16 rounding, not a different model
+    with torch.no_grad():
+        truth = run_padded()  # fp32
+    # bf16 rounding, not a different model: the packed bf16 logits are about as far from the fp32 ones as the
+    # padded bf16 logits are (whose error depends on the CPU's bf16 kernels: AVX-512 BF16, AMX), and far closer
+    # than the logits are to each other
+    padded_error, packed_error = float((a - truth).abs().max()), float((b - truth).abs().max())
+    assert packed_error <= 2 * padded_error + 2**-7 * float(truth.abs().max())
+    assert packed_error < 0.25 * float(truth.std())
 
 
 def test_packed_token_types_restart_at_each_prompt(minilm_pair):

@@ -144,9 +144,11 @@ def test_four_trial_ddp_sweep_and_its_results(tmp_path):
         and float(r["duration_s"]) > 0
         for r in rows
     )
-    for plot in ("optimization_history.html", "param_importances.html", "contour_lr_batch.html"):
-        html = (sweep / plot).read_text()
+    for plot in ("optimization_history", "param_importances", "slice", "contour_lr_batch"):
+        html = (sweep / f"{plot}.html").read_text()
         assert "plotly" in html and len(html) > 1_000_000, plot  # plotly.js inside: opens offline
+        png = (sweep / f"{plot}.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 5_000, plot  # an image docs can embed
 
 
 @pytest.mark.slow

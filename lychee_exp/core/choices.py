@@ -21,6 +21,7 @@ class Choice(str, Enum):
 class ModelKind(Choice):
     causal_lm = "causal_lm"  # score = p(yes) from the yes/no next-token logits (Lychee)
     sequence_classification = "sequence_classification"  # one logit plays logit(yes) - logit(no)
+    bi_encoder = "bi_encoder"  # query and document encoded apart: cosine x 20 (core.bi_encoder)
 
 
 class Score(Choice):

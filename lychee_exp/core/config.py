@@ -29,6 +29,7 @@ from lychee_exp.core.choices import (  # noqa: F401  (Choice: re-exported, the b
     Metric,
     ModelKind,
     PackingFallback,
+    Pooling,
     Precision,
     Schedule,
     Score,
@@ -98,6 +99,8 @@ class ModelConfig:
     # causal_lm relevance logit: yes_minus_no (Lychee, Qwen3-Reranker: softmax over yes/no) | yes_logit (the raw
     # 'Yes' logit, FlagEmbedding's decoder-only rerankers); rank by the score the checkpoint was trained with
     score: Score = Score.yes_minus_no
+    # bi_encoder: how token states become the query's and the document's vector (mean: all-MiniLM-L6-v2's)
+    pooling: Pooling = Pooling.mean
 
 
 @dataclass
@@ -138,6 +141,9 @@ class DataConfig:
     # the dev ranking mixes the model's scores with the teacher's, per query standardised (core.ir.fusion): the dev
     # file's pos_scores/neg_scores, or with data=beir data.dense's bi-encoder; 0 = the model alone (logged as model_*)
     teacher_weight: float = field(default=0.0, metadata={"min": 0, "max": 1})
+    # data=beir: the dev ranking also mixes in the first stage's own scores (BM25's: the dense + BM25 hybrid), the
+    # same way; teacher_weight + first_stage_weight <= 1, the rest is the model's
+    first_stage_weight: float = field(default=0.0, metadata={"min": 0, "max": 1})
     rerank_top_k: int = at_least(1, 100)
 
 

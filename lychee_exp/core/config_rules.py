@@ -42,11 +42,25 @@ def check_run_config(run_cfg: Any) -> None:
         )
     if run_cfg.model.lora.dtype not in ("auto", "float32", "model"):
         raise UserError(f"model.lora.dtype must be auto, float32 or model, got {run_cfg.model.lora.dtype!r}")
+    _check_mix(run_cfg.data)
     _check_packing(run_cfg)
     _check_token_budget(run_cfg)
     _check_fsdp(run_cfg)
     parse_gpus(run_cfg.gpus)
     forward_chunk_count(run_cfg.trainer.forward_chunks, "cpu")
+
+
+def _check_mix(data: Any) -> None:  # a core.config.DataConfig
+    if data.first_stage_weight > 0 and not data.dataset:
+        raise UserError(
+            f"data.first_stage_weight={data.first_stage_weight} mixes the first stage's scores into the dev ranking: "
+            "only data=beir's dev split has a first stage (set data.first_stage_weight=0)"
+        )
+    if data.teacher_weight + data.first_stage_weight > 1:
+        raise UserError(
+            f"data.teacher_weight={data.teacher_weight} + data.first_stage_weight={data.first_stage_weight} exceeds 1, "
+            "which would leave the model a negative weight"
+        )
 
 
 def _check_trainer(trainer: Any) -> None:  # a core.config.TrainerConfig

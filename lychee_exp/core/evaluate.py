@@ -24,7 +24,7 @@ import torch
 from lychee_exp.core.data.groups import DevPairs
 from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.ir.candidates import RerankPairs
-from lychee_exp.core.ir.fusion import interpolate
+from lychee_exp.core.ir.fusion import fuse
 from lychee_exp.core.ir.metrics import mean_metrics, per_query_metrics, trec_metrics
 from lychee_exp.core.prompt import PromptEncoder
 from lychee_exp.core.sharding import is_sharded
@@ -164,15 +164,24 @@ def evaluate(
     env: DistEnv | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     teacher_weight: float = 0.0,
+    first_stage_weight: float = 0.0,
 ) -> dict[str, float]:
     """Dev metrics of the model's scores, sharded across ranks (score_sharded): the fixed-candidate protocol's
     NDCG@10/MRR@10, or, for a BEIR split's first-stage candidates (RerankPairs), trec_eval's metrics. With
-    teacher_weight > 0 (and teacher scores): of the model's scores mixed with the teacher's (core.ir.fusion), the
-    model's own beside them as model_*."""
+    teacher_weight > 0 (and teacher scores) or first_stage_weight > 0 (and first-stage scores): of the model's
+    scores mixed with those (core.ir.fusion), the model's own beside them as model_*."""
     env = env or DistEnv(device=device)
     scores = score_sharded(model, encoder, pairs.token_ids, batch_size, device, env, autocast)
-    if teacher_weight > 0 and pairs.teacher_scores is not None:
-        mixed = interpolate(scores, pairs.teacher_scores, pairs.query_index, teacher_weight)
+    partners = [
+        (partner, weight)
+        for partner, weight in (
+            (pairs.teacher_scores, teacher_weight),
+            (pairs.first_stage_scores, first_stage_weight),
+        )
+        if weight > 0 and partner is not None
+    ]
+    if partners:
+        mixed = fuse(scores, pairs.query_index, partners)
         return {**metrics_of(pairs, mixed), **metrics_of(pairs, scores, prefix="model_")}
     return metrics_of(pairs, scores)
 

@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from lychee_exp.core.answer_head import answer_logits
-from lychee_exp.core.choices import ModelKind
+from lychee_exp.core.bi_encoder import (
+    bi_encoder_logits,
+    bi_encoder_packed_logits,
+    check_pair_split,
+    freeze_pooler,
+    write_sentence_transformers_files,
+)
+from lychee_exp.core.choices import ModelKind, Pooling
 from lychee_exp.core.config import ModelConfig
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.model_card import ADAPTER_DIR, has_weights, new_head_allowed, write_card
@@ -50,6 +57,7 @@ KINDS = {
     ModelKind.sequence_classification: BackboneKind(
         "AutoModelForSequenceClassification", "right", "SEQ_CLS", 1, yes_no=False
     ),
+    ModelKind.bi_encoder: BackboneKind("AutoModel", "right", "FEATURE_EXTRACTION", None, yes_no=False),
 }
 
 
@@ -62,6 +70,7 @@ class Reranker(nn.Module):
         no_id: int | None = None,
         score: str = "yes_minus_no",
         sep_id: int | None = None,
+        pooling: Pooling = Pooling.mean,
     ):
         super().__init__()
         self.backbone = backbone
@@ -69,6 +78,7 @@ class Reranker(nn.Module):
         self.yes_id, self.no_id = yes_id, no_id
         self.score = score
         self.sep_id = sep_id  # text pairs: token_type_ids are derived from the first separator of each row
+        self.pooling = pooling  # bi_encoder: how token states become one vector
 
     def forward(
         self,
@@ -99,6 +109,8 @@ class Reranker(nn.Module):
         return torch.cat(parts)[inverse]
 
     def _score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if self.kind == "bi_encoder":
+            return bi_encoder_logits(self.backbone, input_ids, attention_mask, self.sep_id, self.pooling)
         if self.kind == "sequence_classification":
             types = (
                 {} if self.sep_id is None else {"token_type_ids": token_types(input_ids, attention_mask, self.sep_id)}
@@ -113,6 +125,8 @@ class Reranker(nn.Module):
         config = self.backbone.config
         if not config._attn_implementation.startswith(PACKED_PREFIX):
             raise ValueError("a packed batch needs a reranker loaded with packing=True (load_reranker)")
+        if self.kind == "bi_encoder":  # each pair repacked as its two texts
+            return bi_encoder_packed_logits(self.backbone, input_ids, packed, self.sep_id, self.pooling)
         if not KINDS[self.kind].yes_no:  # an encoder cross-encoder: each prompt's [CLS] through the classifier
             return score_packed_encoder(self.backbone, input_ids, packed, self.sep_id)
         # A prepared mask per layer type skips transformers' mask building (and its device read): the packed
@@ -166,6 +180,10 @@ def model_dir(cfg: ModelConfig) -> Path:
 
 
 def build_encoder(cfg: ModelConfig, tokenizer) -> PromptEncoder:
+    if cfg.kind == "bi_encoder":
+        encoder = PairEncoder(tokenizer, cfg.prompt, padding_side(cfg))
+        encoder.sep_id = check_pair_split(tokenizer)  # where the model cuts each row into its two texts
+        return encoder
     if uses_text_pairs(cfg):
         return PairEncoder(tokenizer, cfg.prompt, padding_side(cfg))
     return PromptEncoder(tokenizer, cfg.prompt, padding_side(cfg))
@@ -218,10 +236,12 @@ def load_reranker(
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen (LoRA) inputs without enable_input_require_grads.
         backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.kind == "bi_encoder":
+        freeze_pooler(backbone)
     if cfg.lora.enabled:
         backbone = add_lora(backbone, cfg)
     yes_id, no_id = answer_token_ids(cfg, encoder)
-    return Reranker(backbone, cfg.kind, yes_id, no_id, cfg.score, getattr(encoder, "sep_id", None))
+    return Reranker(backbone, cfg.kind, yes_id, no_id, cfg.score, getattr(encoder, "sep_id", None), cfg.pooling)
 
 
 def answer_token_ids(cfg: ModelConfig, encoder: PromptEncoder) -> tuple[int | None, int | None]:
@@ -288,4 +308,7 @@ def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path
     if uses_text_pairs(cfg):  # where sentence-transformers' CrossEncoder reads the pair's budget
         tokenizer.model_max_length = pair_max_len(tokenizer, cfg.prompt)
     tokenizer.save_pretrained(str(out_dir))
+    if cfg.kind == "bi_encoder":
+        hidden = backbone.config.hidden_size
+        write_sentence_transformers_files(out_dir, hidden, cfg.pooling, pair_max_len(tokenizer, cfg.prompt))
     write_card(cfg, out_dir, base, adapter, ranking)

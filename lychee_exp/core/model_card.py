@@ -40,7 +40,12 @@ ADAPTER_DIR = "adapter"  # a LoRA run's peft adapter, beside the merged model
 # that trained it (kernels and attention implementations another machine may lack)
 _NOT_DESCRIBED = ("name", "path", "random_init", "attn_implementation", "compile_layers", "liger_kernel")
 _DESCRIBED = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in _NOT_DESCRIBED]
-_ARCHITECTURE_KINDS = {"ForSequenceClassification": "sequence_classification", "ForCausalLM": "causal_lm"}
+# a bare encoder (BertModel: all-MiniLM-L6-v2 as shipped) has no head: it ranks as the bi-encoder it was trained as
+_ARCHITECTURE_KINDS = {
+    "ForSequenceClassification": "sequence_classification",
+    "ForCausalLM": "causal_lm",
+    "Model": "bi_encoder",
+}
 # a cross-encoder from elsewhere: its own tokenizer's maximum, the pair as its authors feed it
 _PAIR_PROMPT = {"text_pair": True, "query_template": "{query}", "max_len": 0}
 
@@ -79,7 +84,7 @@ def write_card(cfg: ModelConfig, out_dir: Path, base: str | None, adapter: bool,
         "preset": cfg.name,
         "kind": str(cfg.kind),
         # how a score is read: the classifier's one logit, or the yes/no tokens' logits (model.score)
-        "head": "yes_no_tokens" if cfg.kind == "causal_lm" else "logit",
+        "head": {"causal_lm": "yes_no_tokens", "bi_encoder": "cosine"}.get(str(cfg.kind), "logit"),
         "score": str(cfg.score),
         "text_pair": cfg.kind != "causal_lm" and cfg.prompt.text_pair,
         "prompt": described["prompt"],

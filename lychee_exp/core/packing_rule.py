@@ -27,7 +27,7 @@ def packing_on(cfg, device_type: str, strategy: str) -> bool:
     if setting != "auto":
         return setting
     model = cfg.model
-    if model.kind != "sequence_classification" or device_type != "cpu" or strategy == "dp":
+    if model.kind not in ("sequence_classification", "bi_encoder") or device_type != "cpu" or strategy == "dp":
         return False
     return model.attn_implementation in ("sdpa", "eager") and encoder_model_type(model.path) in PACKABLE_ENCODERS
 

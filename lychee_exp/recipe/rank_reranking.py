@@ -19,7 +19,7 @@ from lychee_exp.core.evaluate import score_sharded
 from lychee_exp.core.ir.candidates import build_rerank_pairs
 from lychee_exp.core.ir.commands import RerankConfig
 from lychee_exp.core.ir.first_stage import retrieve
-from lychee_exp.core.ir.fusion import interpolate
+from lychee_exp.core.ir.fusion import fuse
 from lychee_exp.core.ir.metrics import mean_metrics, per_query_metrics, per_query_tsv
 from lychee_exp.core.ir.pipeline import dense_teacher, open_split
 from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
@@ -64,10 +64,15 @@ def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
     if not env.is_main:
         return {}
     runs = {"": pairs.run_of(scores), "first_stage_": first}
-    if cfg.teacher_weight:  # the run is the model's scores mixed with the teacher's; both alone beside it
+    if cfg.teacher_figures:  # the teacher alone beside the model (rerank_command has set it for any mix)
         teacher = dense_teacher(corpus, split, cfg.dense, "dense.model")(list(zip(pairs.qids, pairs.doc_ids)))
-        runs.update(model_=runs[""], teacher_=pairs.run_of(teacher))
-        runs[""] = pairs.run_of(interpolate(scores, teacher, pairs.qids, cfg.teacher_weight))
+        runs["teacher_"] = pairs.run_of(teacher)
+    if cfg.teacher_weight or cfg.first_stage_weight:  # the run is a mix; the model alone beside it
+        partners = [(pairs.first_stage_scores, cfg.first_stage_weight)]
+        if cfg.teacher_weight:  # then teacher_figures is on: rerank_command sets it
+            partners.append((teacher, cfg.teacher_weight))
+        runs["model_"] = runs[""]
+        runs[""] = pairs.run_of(fuse(scores, pairs.qids, partners))
     tables = {prefix: per_query_metrics(run, split.qrels, cfg.top_k) for prefix, run in runs.items()}
     metrics = {k: v for prefix, table in tables.items() for k, v in mean_metrics(table, prefix).items()}
     run = runs[""]

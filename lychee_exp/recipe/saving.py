@@ -31,5 +31,9 @@ def save_model(
         build = functools.partial(load_reranker, model_cfg, encoder, cfg.seed, training=True)
         model = unsharded_copy(model, build, env.is_main)
     if env.is_main:
-        mix = {"teacher_weight": cfg.data.teacher_weight, "teacher": dataclasses.asdict(cfg.data.dense)}
+        mix = {
+            "teacher_weight": cfg.data.teacher_weight,
+            "first_stage_weight": cfg.data.first_stage_weight,
+            "teacher": dataclasses.asdict(cfg.data.dense),
+        }
         save_reranker(model, tokenizer, cfg.model, out_dir, mix)

@@ -133,8 +133,18 @@ class Trainer:
         start, cpu_start = time.perf_counter(), time.process_time()
         scorer = self.train_model if self.plan.strategy == "dp" else self.model  # DP: score on every GPU
         pairs, batch = self.data.dev_pairs, self.cfg.data.eval_batch_size
-        mixed = self.cfg.data.teacher_weight  # > 0: the model's scores mixed with the teacher's, own as model_*
-        metrics = ev.evaluate(scorer, self.encoder, pairs, batch, self.device, self.env, self.step.autocast, mixed)
+        data = self.cfg.data  # weights > 0: the model's scores mixed with the teacher's / first stage's, own as model_*
+        metrics = ev.evaluate(
+            scorer,
+            self.encoder,
+            pairs,
+            batch,
+            self.device,
+            self.env,
+            self.step.autocast,
+            data.teacher_weight,
+            data.first_stage_weight,
+        )
         self.eval_time_s += time.perf_counter() - start
         self.eval_cpu_s += time.process_time() - cpu_start
         return metrics

@@ -1,7 +1,7 @@
 """The sweep directory's summary, rewritten after every trial from the study itself (so any worker can write
 it, and it is right after a resume): optimization_results.yaml (hydra-optuna-sweeper's keys first: name,
 best_params and best_value, or solutions for several objectives; then this project's), trials.csv, and
-optuna's plots as HTML (these at the end, and at most once a minute during the sweep: they take a while).
+optuna's plots as HTML and PNG (these at the end, and at most once a minute during the sweep: they take a while).
 
 Every file is replaced atomically: a reader (or a second worker writing too) never sees half a file; the
 tables are written under a file lock, so that the last one written is from the newest reading of the study.
@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import yaml
 from optuna.trial import TrialState
 
-from lychee_exp.core.atomic import locked, write_text_atomic
+from lychee_exp.core.atomic import locked, write_bytes_atomic, write_text_atomic
 from lychee_exp.sweep.storage import METRICS, REASON, RUN_DIR, SURPLUS, tally
 from lychee_exp.tracking.keys import TRIALS_CSV_COLUMNS
 
@@ -127,8 +127,13 @@ def _overhead(duration: float | str, metrics: dict) -> str:
 
 
 def _write_plots(study: Any, sweep_dir: Path) -> None:
+    """Each plot twice: interactive HTML (plotly) and a PNG (matplotlib) that docs and reports can embed."""
     # imported here: plotly, pandas and scipy cost a second, which a sweep ended by a bad config never needs
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display, and no GUI backend in a worker thread
     import optuna.visualization as vis
+    import optuna.visualization.matplotlib as vis_png
 
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if not complete:
@@ -136,21 +141,35 @@ def _write_plots(study: Any, sweep_dir: Path) -> None:
     # multi-objective: plots follow the first objective
     target = (lambda t: t.values[0]) if len(study.directions) > 1 else None
     name = "objective 0" if target else "value"
-    figures = {
-        "optimization_history.html": lambda: vis.plot_optimization_history(study, target=target, target_name=name)
-    }
+    plots = {"optimization_history": ("plot_optimization_history", {})}
     keys = sorted({key for t in complete for key in t.params})
     if len(complete) >= 2 and keys:
-        figures["param_importances.html"] = lambda: vis.plot_param_importances(study, target=target, target_name=name)
+        plots["param_importances"] = ("plot_param_importances", {})
+        plots["slice"] = ("plot_slice", {})
     lr_key = next((k for k in keys if k.endswith(".lr") or k == "lr"), None)
     batch_key = next((k for k in keys if k.endswith("batch_size")), None)
     pair = [lr_key, batch_key] if lr_key and batch_key else keys[:2]
     if len(complete) >= 2 and len(pair) == 2:
-        figures["contour_lr_batch.html" if lr_key and batch_key else "contour.html"] = lambda: vis.plot_contour(
-            study, params=pair, target=target, target_name=name
-        )
+        plots["contour_lr_batch" if lr_key and batch_key else "contour"] = ("plot_contour", {"params": pair})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # optuna's experimental-API warnings, once per trial, add nothing
-        for filename, make in figures.items():
-            html = make().to_html(include_plotlyjs=True, full_html=True)  # self-contained: opens offline
-            write_text_atomic(sweep_dir / filename, html)
+        for stem, (function, extra) in plots.items():
+            figure = getattr(vis, function)(study, target=target, target_name=name, **extra)
+            html = figure.to_html(include_plotlyjs=True, full_html=True)  # self-contained: opens offline
+            write_text_atomic(sweep_dir / f"{stem}.html", html)
+            write_bytes_atomic(sweep_dir / f"{stem}.png", _png(getattr(vis_png, function), study, target, name, extra))
+
+
+def _png(plot, study: Any, target, name: str, extra: dict) -> bytes:
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    axes = plot(study, target=target, target_name=name, **extra)
+    figure = np.atleast_1d(axes).flat[0].figure
+    if len(np.atleast_1d(axes)) > 1:  # one panel per parameter (slice): wide enough to read the axes
+        figure.set_size_inches(4 * len(np.atleast_1d(axes)), 4)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    plt.close(figure)
+    return buffer.getvalue()

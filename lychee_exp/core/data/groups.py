@@ -114,6 +114,7 @@ class DevPairs:
     token_ids: list[list[int]]
     texts: list[tuple[str, str]]  # (query, document), for lexical baselines
     teacher_scores: list[float] | None = None  # the file's pos_scores/neg_scores when every line has them
+    first_stage_scores: list[float] | None = None  # a BEIR split's candidates: the first stage's own scores
     # core.evaluate.reference_metrics, kept: a process that reuses these pairs (a warm trial) ranks them once
     references: dict[str, float] = field(default_factory=dict)
 

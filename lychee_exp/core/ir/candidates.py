@@ -36,11 +36,13 @@ def build_rerank_pairs(
     corpus: Corpus, split: Split, run: Run, encoder: PromptEncoder, instruction: str, stage: str, top_k: int
 ) -> RerankPairs:
     pairs = RerankPairs([], [], [], [], qrels=split.qrels, first_stage=run, stage=stage, recall_at=top_k)
+    pairs.first_stage_scores = []
     prompts = []
     for qi, qid in enumerate(split.query_ids):
         query = split.queries[qid]
-        for doc, _ in ranked(run.get(qid, {})):
+        for doc, first_stage_score in ranked(run.get(qid, {})):
             text = corpus.text(doc)
+            pairs.first_stage_scores.append(first_stage_score)
             pairs.qids.append(qid)
             pairs.doc_ids.append(doc)
             pairs.query_index.append(qi)

@@ -89,6 +89,12 @@ class RerankConfig:
     # run.trec ranks by the model's scores mixed with the teacher's (dense.model's bi-encoder), each standardised
     # per query (core.ir.fusion): 0 = the model alone; null = the weight the model directory was trained with
     teacher_weight: Optional[float] = field(default=None, metadata={"min": 0, "max": 1})
+    # teacher_* metrics (the bi-encoder teacher alone) beside the model's and the first stage's; null = whenever
+    # the model's card names the teacher it was trained against, or teacher_weight > 0 (the mix needs its scores)
+    teacher_figures: Optional[bool] = None
+    # run.trec also mixes in the first stage's own scores (BM25's: the dense + BM25 hybrid), standardised the same
+    # way; null = the weight the model directory was trained with (0 for a model from elsewhere)
+    first_stage_weight: Optional[float] = field(default=None, metadata={"min": 0, "max": 1})
 
 
 def register_ir_schemas() -> None:

@@ -1,10 +1,11 @@
-"""Interpolating a reranker's scores with its teacher's (the bi-encoder that mined and scored its training data):
-each query's candidate scores are standardised (zero mean, unit deviation over that query's candidates), then
-mixed as (1 - w) * model + w * teacher. The two rankers err on different documents, so the mix can rank better
-than either (docs/beir.md has the figures); w = 0 is the model alone, w = 1 the teacher alone.
+"""Mixing a reranker's scores with other rankers' on the same candidates: its teacher's (the bi-encoder that mined
+and scored its training data) and the first stage's (BM25's, the ranking it reranks). Each query's candidate
+scores are standardised (zero mean, unit deviation over that query's candidates), then mixed as
+(1 - sum w) * model + sum w_i * partner_i. Rankers that err on different documents mix into a better ranking than
+either (a dense model and BM25 are the classic pair; docs/beir.md has the figures); no weight is the model alone.
 
-Standardising per query makes the mix independent of either score's scale (a logit, cosine x 20), which differs
-between models and moves during training."""
+Standardising per query makes the mix independent of each score's scale (a logit, cosine x 20, BM25), which
+differs between models and moves during training."""
 
 from __future__ import annotations
 
@@ -28,11 +29,20 @@ def standardise(scores: Sequence[float], groups: Sequence[object]) -> list[float
     return out
 
 
+def fuse(model: Sequence[float], groups: Sequence[object], partners: Sequence[tuple[Sequence[float], float]]):
+    """(1 - sum of weights) * standardised model scores + each weight * that partner's standardised scores, per
+    group (query); the model's own scores when no partner weighs anything."""
+    partners = [(scores, weight) for scores, weight in partners if weight > 0]
+    if not partners:
+        return [float(s) for s in model]
+    mixed = [(1 - sum(weight for _, weight in partners)) * z for z in standardise(model, groups)]
+    for scores, weight in partners:
+        mixed = [m + weight * z for m, z in zip(mixed, standardise(scores, groups))]
+    return mixed
+
+
 def interpolate(
     model: Sequence[float], teacher: Sequence[float], groups: Sequence[object], weight: float
 ) -> list[float]:
     """(1 - weight) * standardised model scores + weight * standardised teacher scores, per group (query)."""
-    if weight <= 0:
-        return [float(s) for s in model]
-    z_model, z_teacher = standardise(model, groups), standardise(teacher, groups)
-    return [(1 - weight) * m + weight * t for m, t in zip(z_model, z_teacher)]
+    return fuse(model, groups, [(teacher, weight)])

@@ -1,0 +1,135 @@
+"""model.kind=bi_encoder (core/bi_encoder.py): pair rows split into each text's own encoding, an untrained student
+scores exactly as its bi-encoder teacher (core/ir/dense.py), gradients equal those of encoding the texts apart,
+and a saved student loads in sentence-transformers with the same scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from test_packed_encoder import PACKED_KEYS, assert_gradients_match
+from test_packing import _grads, _groups
+
+from lychee_exp.core.bi_encoder import split_pair
+from lychee_exp.core.config import ModelConfig
+from lychee_exp.core.data.groups import GroupCollator
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.ir.dense import SCALE, DenseConfig, embed, pool
+from lychee_exp.core.losses import RankingLoss
+from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer, save_reranker
+
+PAIRS = [
+    ("what is a heap queue", "This module provides an implementation of the heap queue algorithm. " * 3),
+    ("json", "json exposes an API familiar to users of marshal and pickle."),
+    ("how do I read a zip archive in the standard library", "ZIP archives."),
+    ("q", "d"),
+]
+
+
+def bi_encoder_config(**prompt) -> ModelConfig:
+    node = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load("conf/model/minilm_bi_encoder.yaml"))
+    if prompt:
+        node.prompt = OmegaConf.merge(node.prompt, prompt)
+    return OmegaConf.to_object(node)
+
+
+@pytest.fixture(scope="module")
+def student():
+    cfg = bi_encoder_config()
+    tokenizer = load_tokenizer(cfg)
+    encoder = build_encoder(cfg, tokenizer)
+    return cfg, tokenizer, encoder, load_reranker(cfg, encoder, seed=0, training=True)
+
+
+def batch_of(encoder, pairs):
+    return encoder.pad(encoder.encode_many([("", q, d) for q, d in pairs]))
+
+
+def test_split_rows_are_each_texts_own_encoding(student):
+    _, tokenizer, encoder, _ = student
+    batch = batch_of(encoder, PAIRS)
+    (q_ids, q_mask), (d_ids, d_mask) = split_pair(batch["input_ids"], batch["attention_mask"], tokenizer.sep_token_id)
+    for row, (query, doc) in enumerate(PAIRS):
+        assert q_ids[row][q_mask[row].bool()].tolist() == tokenizer(query)["input_ids"]
+        assert d_ids[row][d_mask[row].bool()].tolist() == tokenizer(doc)["input_ids"]
+        assert not q_mask[row, int(q_mask[row].sum()) :].any() and not d_mask[row, int(d_mask[row].sum()) :].any()
+
+
+def test_untrained_student_scores_as_its_teacher(student):
+    _, _, encoder, reranker = student
+    batch = batch_of(encoder, PAIRS)
+    with torch.no_grad():
+        ours = reranker.eval()(batch["input_ids"], batch["attention_mask"])
+    dense = DenseConfig()
+    queries, docs = embed([q for q, _ in PAIRS], dense), embed([d for _, d in PAIRS], dense)
+    teacher = SCALE * (torch.from_numpy(queries) * torch.from_numpy(docs)).sum(-1)
+    torch.testing.assert_close(ours, teacher, atol=1e-5, rtol=0)
+
+
+def test_gradients_equal_encoding_the_texts_apart(student):
+    cfg, tokenizer, encoder, _ = student
+    reranker = load_reranker(cfg, encoder, seed=0, training=True).train()
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    batch = batch_of(encoder, PAIRS)
+    (reranker(batch["input_ids"], batch["attention_mask"]) * weights).sum().backward()
+    ours = {name: p.grad.clone() for name, p in reranker.backbone.named_parameters() if p.requires_grad}
+
+    reference = load_reranker(cfg, encoder, seed=0, training=True).train().backbone
+    vectors = []
+    for texts in ([q for q, _ in PAIRS], [d for _, d in PAIRS]):
+        inputs = tokenizer(texts, padding=True, return_tensors="pt")
+        hidden = reference(**inputs).last_hidden_state
+        vectors.append(torch.nn.functional.normalize(pool(hidden, inputs["attention_mask"], cfg.pooling), dim=-1))
+    (SCALE * (vectors[0] * vectors[1]).sum(-1) * weights).sum().backward()
+    assert_gradients_match(ours, {name: p.grad for name, p in reference.named_parameters() if name in ours})
+    assert not any(name.startswith("pooler.") for name in ours)  # frozen: DDP expects no gradient for it
+
+
+def test_saved_student_scores_the_same_in_sentence_transformers(student, tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    cfg, tokenizer, encoder, _ = student
+    reranker = load_reranker(cfg, encoder, seed=0, training=True).eval()
+    with torch.no_grad():  # a trained model is not the teacher: move the weights away from it
+        for p in reranker.backbone.encoder.layer[0].parameters():
+            p.add_(0.02 * torch.randn_like(p))
+        batch = batch_of(encoder, PAIRS)
+        ours = reranker(batch["input_ids"], batch["attention_mask"])
+    save_reranker(reranker, tokenizer, cfg, tmp_path)
+    model = st.SentenceTransformer(str(tmp_path), device="cpu")
+    queries = model.encode([q for q, _ in PAIRS], convert_to_tensor=True)
+    docs = model.encode([d for _, d in PAIRS], convert_to_tensor=True)
+    torch.testing.assert_close(SCALE * model.similarity_pairwise(queries, docs), ours, atol=1e-4, rtol=0)
+
+    reloaded_cfg = bi_encoder_config()
+    reloaded_cfg.path = str(tmp_path)
+    reloaded = load_reranker(reloaded_cfg, build_encoder(reloaded_cfg, load_tokenizer(reloaded_cfg)), seed=1).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(batch["input_ids"], batch["attention_mask"]), ours, atol=1e-5, rtol=0)
+
+
+def test_a_tokenizer_whose_pairs_do_not_split_is_one_line():
+    cfg = bi_encoder_config()
+    cfg.path = "pkg://lychee_exp.assets/tiny_qwen2"
+    with pytest.raises(UserError, match="model.kind=bi_encoder: this tokenizer's text pairs"):
+        build_encoder(cfg, load_tokenizer(cfg))
+
+
+def test_packed_pairs_give_the_padded_logits_and_gradients(student):
+    """data.packing (auto on CPU): each pair repacked as its two texts (core.bi_encoder.bi_encoder_packed_logits)."""
+    cfg, _, encoder, _ = student
+    padded = load_reranker(cfg, encoder, seed=0, training=True)
+    with torch.no_grad():  # away from the teacher, so that the scores spread
+        for p in padded.backbone.encoder.layer[1].parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    packed = load_reranker(cfg, encoder, seed=0, packing=True, training=True)
+    packed.load_state_dict(padded.state_dict())
+    plain = GroupCollator(encoder)(_groups(3))
+    row = GroupCollator(encoder, pack_multiple=64)(_groups(3))
+    loss = RankingLoss("listwise", 4)
+    a = padded(plain["input_ids"], plain["attention_mask"])
+    b = packed(row["input_ids"], packed={k: row[k] for k in PACKED_KEYS})
+    loss(a)[0].sum().backward()
+    loss(b)[0].sum().backward()
+    assert a.shape == b.shape == (12,) and a.std() > 0.5
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-5)
+    assert_gradients_match(_grads(packed), _grads(padded))
