@@ -652,20 +652,24 @@ def test_lr_tokens_is_lr_batch_searching_tokens_per_step(tmp_path):
 
 
 def test_the_recipe_search_is_lr_batch_over_the_recipes_keys(tmp_path):
-    """hparams_search=recipe (how the shipped CPU recipe was chosen): lr_batch's settings over the lr, the run's
-    length, distillation and the teacher mix, the default job's effective batch fixed; build_space accepts them."""
+    """hparams_search=recipe (how data=beir's recipe was chosen): lr_batch's settings over the lr, the run's
+    length, distillation, group size, warmup and weight decay of data=beir's bi-encoder, the default job's
+    effective batch fixed, the objective the model alone (no mix); build_space accepts them."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from lychee_exp.sweep.space import build_space
 
     recipe, batch = _search_and_lr_batch("recipe")
     sweeper = recipe.hydra.sweeper
-    assert sweeper.study_name == "recipe" and sweeper.pruner == batch.hydra.sweeper.pruner
+    assert sweeper.study_name == "recipe" and sweeper.pruner._target_ == batch.hydra.sweeper.pruner._target_
+    assert recipe.model.kind == "bi_encoder" and recipe.data.name == "beir"
+    assert recipe.data.teacher_weight == 0 and recipe.data.first_stage_weight == 0  # the model alone
+    assert recipe.trainer.eval_every > 0  # dev evaluations the pruner can act on
     space = build_space(sweeper.params, [], recipe, None, OverridesParser.create())
     assert space.fixed == {"trainer.global_batch_size": "trainer.global_batch_size=8"}
-    searched = ["data.teacher_weight", "loss.distill_temperature", "loss.distill_weight", "optimizer.lr"]
-    assert sorted(space.distributions) == [*searched, "trainer.max_steps"]
-    assert space.distributions["data.teacher_weight"].choices == (0.4, 0.5, 0.6, 0.7, 0.8)
+    searched = ["data.train_group_size", "loss.distill_temperature", "loss.distill_weight", "optimizer.lr"]
+    searched += ["optimizer.warmup_ratio", "optimizer.weight_decay", "trainer.max_steps"]
+    assert sorted(space.distributions) == searched
 
 
 def _search_and_lr_batch(name: str):

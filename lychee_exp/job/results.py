@@ -37,7 +37,7 @@ def write_results(run_cfg: RunConfig, metrics: dict, output_dir: Path, is_main: 
         if "ndcg@10" in metrics:
             # the references this run measured: untrained (eval_before_training), BM25, the dev file's teacher
             names = {
-                "model_ndcg@10": "model alone",  # data.teacher_weight > 0: ndcg@10 is of the mix with the teacher
+                "model_ndcg@10": "model alone",  # a teacher or first-stage weight > 0: ndcg@10 is of the mix
                 "initial_ndcg@10": "untrained",
                 "bm25_ndcg@10": "BM25",
                 "teacher_ndcg@10": "teacher",

@@ -15,7 +15,8 @@ HISTORY = {
     "epoch": "epoch",
     "dev_ndcg": "dev/ndcg@10",
     "dev_mrr": "dev/mrr@10",
-    # data.teacher_weight > 0: dev/ndcg@10 is the mix with the teacher; the model alone beside it (core/ir/fusion.py)
+    # data.teacher_weight or data.first_stage_weight > 0: dev/ndcg@10 is of the mix; the model alone beside it
+    # (core/ir/fusion.py)
     "dev_model_ndcg": "dev/model_ndcg@10",
     "dev_model_mrr": "dev/model_mrr@10",
     # rank 0's GPU at each logged step (CUDA only; utilisation where NVML, the nvidia-ml-py package, is available)

@@ -98,7 +98,7 @@ def workspace(entity: str, project: str, name: str = DEFAULT_NAME) -> ws.Workspa
                 by_group(HISTORY["dev_ndcg"], "dev/ndcg@10 by group (sweep)"),
                 per_run([HISTORY["loss"]], "train/loss per run"),
                 per_run([HISTORY["dev_ndcg"], HISTORY["dev_mrr"]], "dev ndcg@10 / mrr@10 per run"),
-                per_run([HISTORY["dev_model_ndcg"], HISTORY["dev_model_mrr"]], "the model alone (teacher mix on)"),
+                per_run([HISTORY["dev_model_ndcg"], HISTORY["dev_model_mrr"]], "the model alone (mix on)"),
                 per_run([HISTORY["lr"]], "learning rate"),
                 per_run([HISTORY["grad_norm"]], "gradient norm"),
             ],

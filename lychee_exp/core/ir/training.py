@@ -24,7 +24,8 @@ class BeirDev:
     run: Run  # the first stage's top-k of each dev query
     stage: str  # bm25 | dense | run
     top_k: int
-    # (query id, document id) -> the bi-encoder teacher's score, for data.teacher_weight > 0 (core.ir.fusion)
+    # (query id, document id) -> the bi-encoder teacher's score: its teacher_* figures, and the mix's with
+    # data.teacher_weight > 0 (core.ir.fusion)
     teacher: dict = field(default_factory=dict)
 
 
@@ -36,9 +37,10 @@ def beir_dev(data) -> BeirDev:
         data.first_stage, corpus, split, data.rerank_top_k, data.dense, "data.first_stage", stemmer=data.bm25_stemmer
     )
     dev = BeirDev(corpus, split, run, stage_name(data.first_stage), data.rerank_top_k)
-    if data.teacher_weight > 0:  # once per process: the corpus embeddings come from the cache
-        pairs = [(qid, doc) for qid in split.query_ids for doc in run.get(qid, {})]
-        dev.teacher = dict(zip(pairs, dense_teacher(corpus, split, data.dense, "data.dense.model")(pairs)))
+    # the teacher's figures stand beside the model's at the end of every run (teacher_*), mixed in only with
+    # data.teacher_weight > 0; once per process: the corpus embeddings come from the cache mining filled
+    pairs = [(qid, doc) for qid in split.query_ids for doc in run.get(qid, {})]
+    dev.teacher = dict(zip(pairs, dense_teacher(corpus, split, data.dense, "data.dense.model")(pairs)))
     return dev
 
 
