@@ -24,11 +24,11 @@ from lychee_exp.core.ir.beir import dataset_dir, split_names
 from lychee_exp.core.ir.commands import RerankConfig, check_rerank_config, command_inputs, register_ir_schemas
 from lychee_exp.core.ir.dense import DenseConfig, corpus_embeddings
 from lychee_exp.core.ir.first_stage import retrieve
+from lychee_exp.core.ir.metrics import standing_below_first_stage
 from lychee_exp.core.ir.pipeline import open_split
 from lychee_exp.core.ir.trec import write_run
 from lychee_exp.core.model_card import card_ranking, check_trained_head
 from lychee_exp.core.outputs import staged_output
-from lychee_exp.job.results import standing_below_first_stage
 from lychee_exp.run import run_output_command
 
 log = logging.getLogger("lychee_exp.rerank")
