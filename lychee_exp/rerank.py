@@ -5,8 +5,9 @@ Scores a split's first-stage top-k with a trained run's model/ (or any model pre
 <out>/run.trec (TREC run); <out>/metrics.json: ndcg@k and recall@k (k = 1, 3, 5, 10, 100 and top_k), map, mrr@10
 as trec_eval -c computes them on run.trec and the split's qrels, the same keys prefixed first_stage_, and the
 queries asked, scored and judged; <out>/per_query.tsv: those figures per query; <out>/timing.json: pairs/s. A split
-without qrels gets run.trec (and timing.json) alone. With teacher_weight > 0 (or a model card that records one)
-run.trec ranks by the model mixed with its teacher (core.ir.fusion), run.model.trec by the model alone. Everything
+without qrels gets run.trec (and timing.json) alone. With teacher_weight or first_stage_weight > 0 (or a model card
+that records one) run.trec ranks by the model mixed with its teacher and/or the first stage (core.ir.fusion),
+run.model.trec by the model alone; teacher_* figures whenever the card names the teacher (teacher_figures). Everything
 a user can get wrong is checked before any rank starts; a mistake is one line, exit 2. out= is written as
 core.outputs says: whole or not at all, never over an input, an earlier result only with overwrite=true; Ctrl-C
 leaves it as it was.
