@@ -25,6 +25,7 @@ from lychee_exp.core.ir.beir import dataset_dir, split_names
 from lychee_exp.core.ir.commands import RerankConfig, check_rerank_config, command_inputs, register_ir_schemas
 from lychee_exp.core.ir.dense import DenseConfig, corpus_embeddings
 from lychee_exp.core.ir.first_stage import retrieve
+from lychee_exp.core.ir.fusion import check_mix_weights
 from lychee_exp.core.ir.metrics import standing_below_first_stage
 from lychee_exp.core.ir.pipeline import open_split
 from lychee_exp.core.ir.trec import write_run
@@ -59,9 +60,9 @@ def rerank_command(cfg: RerankConfig) -> dict:
         mix = " and ".join(f"{who} at weight {w}" for who, w in weights.items() if w)
         log.info("ndcg@10 (run.trec) mixes the model's scores with %s (run.model.trec: the model alone)", mix)
     log.info("%s", standing_line(metrics, cfg.first_stage))
-    below = standing_below_first_stage(metrics, "first_stage")
+    below = standing_below_first_stage(metrics, "first_stage", cfg.split)
     if below:
-        log.warning("%s", below.replace("dev", cfg.split, 1))
+        log.warning("%s", below)
     return {**metrics, **timing}
 
 
@@ -105,11 +106,7 @@ def _rerank_into(cfg: RerankConfig, out: Path) -> tuple[dict, dict]:
         cfg.teacher_weight = ranking["teacher_weight"]
     if cfg.first_stage_weight is None:
         cfg.first_stage_weight = ranking.get("first_stage_weight", 0.0)
-    if cfg.teacher_weight + cfg.first_stage_weight > 1:
-        raise UserError(
-            f"teacher_weight={cfg.teacher_weight} + first_stage_weight={cfg.first_stage_weight} exceeds 1, which "
-            "would leave the model a negative weight"
-        )
+    check_mix_weights(cfg.teacher_weight, cfg.first_stage_weight)
     if cfg.dense == DenseConfig() and ranking.get("teacher"):  # the teacher the model was trained against
         cfg.dense = DenseConfig(**ranking["teacher"])
     if cfg.teacher_weight and cfg.teacher_figures is False:

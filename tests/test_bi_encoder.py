@@ -26,10 +26,8 @@ PAIRS = [
 ]
 
 
-def bi_encoder_config(**prompt) -> ModelConfig:
+def bi_encoder_config() -> ModelConfig:
     node = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load("conf/model/minilm_bi_encoder.yaml"))
-    if prompt:
-        node.prompt = OmegaConf.merge(node.prompt, prompt)
     return OmegaConf.to_object(node)
 
 

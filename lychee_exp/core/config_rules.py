@@ -13,6 +13,7 @@ from typing import Any
 from lychee_exp.core.chunks import forward_chunk_count
 from lychee_exp.core.devices import parse_gpus
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.ir.fusion import check_mix_weights
 from lychee_exp.core.packing_rule import PACKABLE_ENCODERS, check_packing_setting, encoder_model_type
 
 
@@ -56,11 +57,7 @@ def _check_mix(data: Any) -> None:  # a core.config.DataConfig
             f"data.first_stage_weight={data.first_stage_weight} mixes the first stage's scores into the dev ranking: "
             "only data=beir's dev split has a first stage (set data.first_stage_weight=0)"
         )
-    if data.teacher_weight + data.first_stage_weight > 1:
-        raise UserError(
-            f"data.teacher_weight={data.teacher_weight} + data.first_stage_weight={data.first_stage_weight} exceeds 1, "
-            "which would leave the model a negative weight"
-        )
+    check_mix_weights(data.teacher_weight, data.first_stage_weight, "data.")
 
 
 def _check_trainer(trainer: Any) -> None:  # a core.config.TrainerConfig

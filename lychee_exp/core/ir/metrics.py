@@ -68,15 +68,15 @@ def _reciprocal_rank(scores: dict[str, float], judged: dict[str, int], k: int = 
     return 0.0
 
 
-def standing_below_first_stage(metrics: dict, stage: str) -> str | None:
-    """One line when the trained model alone ranks its dev split below the first stage it reranks (a reranker
-    that a user would be better off without), with the teacher beside them; None otherwise."""
+def standing_below_first_stage(metrics: dict, stage: str, split: str = "dev") -> str | None:
+    """One line when the trained model alone ranks `split` below the first stage it reranks (a reranker that a
+    user would be better off without), with the teacher beside them; None otherwise."""
     alone = metrics.get("model_ndcg@10", metrics.get("ndcg@10"))
     first = metrics.get(f"{stage}_ndcg@10")
     if alone is None or first is None or alone >= first:
         return None
     teacher = f", teacher {metrics['teacher_ndcg@10']:.4f}" if "teacher_ndcg@10" in metrics else ""
     return (
-        f"the model alone ranks dev below its first stage: ndcg@10 {alone:.4f} vs {stage} {first:.4f}{teacher} "
+        f"the model alone ranks {split} below its first stage: ndcg@10 {alone:.4f} vs {stage} {first:.4f}{teacher} "
         "(train longer, or on harder negatives: docs/beir.md)"
     )
