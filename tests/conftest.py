@@ -160,3 +160,27 @@ def postgres_url():
     pytest.importorskip("psycopg2")
     with local_postgres() as url:
         yield url
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Callable[[int], Path]]:
+    """small_disk(kib) -> a directory on a file system of that many KiB (a tmpfs mounted for the test), to fill up
+    on purpose: a full disk is ENOSPC from the kernel, not a fake. Skipped where mounting is not allowed."""
+    import shutil as _shutil
+
+    mounted: list[Path] = []
+
+    def make(kib: int) -> Path:
+        if os.geteuid() != 0 or _shutil.which("mount") is None:
+            pytest.skip("a small file system needs root and mount(8)")
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(where)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(where)
+        return where
+
+    yield make
+    for where in reversed(mounted):
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)

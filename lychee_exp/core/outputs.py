@@ -97,7 +97,7 @@ def staged_output(
         try:
             yield staging if directory else staging / target.name
             with _no_interrupts():
-                _move_into_place(staging, target, directory)
+                move_into_place(staging, target, directory)
         except RunFailed:
             # a failed DDP run's one line names a rank log inside the staging directory: keep the logs for it
             # (the next command on this out= removes them: their owner is gone)
@@ -222,7 +222,9 @@ def _check_existing(
         raise UserError(f"{key}={spec} holds files this command does not write ({listed(foreign)}): not replaced")
 
 
-def _move_into_place(staging: Path, target: Path, directory: bool) -> None:
+def move_into_place(staging: Path, target: Path, directory: bool) -> None:
+    """Puts a finished staging directory (or the one file in it) in target's place; an earlier directory at target is
+    set aside first and deleted only once the new one is in (a failed rename puts it back)."""
     if not directory:
         os.replace(staging / target.name, target)
         staging.rmdir()
