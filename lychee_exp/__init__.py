@@ -20,7 +20,7 @@ def _started_as_command() -> bool:
 
 
 def _interrupted_while_starting(signum, frame) -> None:
-    what = "interrupted (Ctrl-C)" if signum == _signal.SIGINT else "terminated (SIGTERM)"
+    what = "interrupted (Ctrl-C)" if signum == _signal.SIGINT else f"terminated ({_signal.Signals(signum).name})"
     _sys.stderr.write(f"{what} while starting; nothing written\n")
     _os._exit(128 + signum)
 
@@ -42,5 +42,8 @@ if _os.environ.get("LYCHEE_RANK_QUIET_CTRL_C") == "1":
     _tqdm.set_lock(_threading.RLock())
 elif _started_as_command() and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
     _signal.signal(_signal.SIGINT, _interrupted_while_starting)
-    if _signal.getsignal(_signal.SIGTERM) is _signal.SIG_DFL:  # kill: the same one line, exit 143
-        _signal.signal(_signal.SIGTERM, _interrupted_while_starting)
+    # kill, a closed terminal, Ctrl-\: the same one line, exit 128 + the signal (one ignored at start, as nohup's
+    # SIGHUP, stays ignored)
+    for _stop in (_signal.SIGTERM, _signal.SIGHUP, _signal.SIGQUIT):
+        if _signal.getsignal(_stop) is _signal.SIG_DFL:
+            _signal.signal(_stop, _interrupted_while_starting)

@@ -24,8 +24,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lychee_exp.core.config import register_schema
-from lychee_exp.core.errors import RunFailed, Terminated, UserError
+from lychee_exp.core.errors import STOP_SIGNALS, RunFailed, Terminated, UserError
 from lychee_exp.core.model_card import model_choice, resolve_model
+from lychee_exp.core.outputs import storage_error, storage_line
 from lychee_exp.job.context import in_sweep, run_stamp
 
 log = logging.getLogger("lychee_exp")
@@ -33,7 +34,6 @@ log = logging.getLogger("lychee_exp")
 # absolute: `lychee-run` imports this module by name, and Hydra would read a relative path as a python package
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 INTERRUPTED, INTERRUPTED_EXIT = "interrupted (Ctrl-C)", 130  # 128 + SIGINT, as a shell reports it
-TERMINATED_EXIT = 143  # 128 + SIGTERM
 
 register_schema()
 OmegaConf.register_new_resolver("lychee_stamp", run_stamp, use_cache=True, replace=True)
@@ -51,13 +51,21 @@ def hydra_main(cfg: DictConfig) -> float:
             raise  # the sweeper records the trial as failed, with this reason, and goes on
         # A user mistake (2) or a failed run (1) gets one line, not a traceback.
         sys.exit(2 if isinstance(err, UserError) else 1)
+    except OSError as err:  # a full disk under the job: a failed run, said in one line
+        if storage_error(err) is None:
+            raise
+        failed = RunFailed(storage_line(err), "crashed")
+        log.error("error: %s", failed)
+        if in_sweep():
+            raise failed from None
+        sys.exit(1)
 
 
 def main() -> None:
     """The CLI (`python -m lychee_exp.run`, `lychee-run`). A config that does not compose (a misspelt key, a
     wrong type, a value outside a closed choice) is a user mistake too: one line naming the key, exit 2.
     Hydra would print several lines, so it is asked to raise instead of printing (HYDRA_FULL_ERROR)."""
-    from lychee_exp.job.run_dir import RunDirRefused, finish_run_dir
+    from lychee_exp.job.run_dir import RunAlreadyFinished, RunDirRefused, finish_run_dir, release_sweep_dir
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
     finished = False
@@ -71,11 +79,19 @@ def main() -> None:
     except RunDirRefused as err:  # raised before Hydra set up logging, by the run directory's check
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except RunAlreadyFinished as done:  # a restarted job whose run had finished: nothing to do
+        print(done, file=sys.stderr)
     except KeyboardInterrupt as stop:  # the ranks are stopped already (launch.launcher); the run keeps its files
         print(stop_line(stop, INTERRUPTED), file=sys.stderr)
         sys.exit(stop_code(stop))
+    except OSError as err:  # the storage failed under the job (a full disk): one line, as a failed run
+        if storage_error(err) is None:
+            raise
+        print(f"error: {storage_line(err)}", file=sys.stderr)
+        sys.exit(1)
     finally:
         finish_run_dir(finished)
+        release_sweep_dir()
 
 
 def command_config(config_name: str, argv: list[str] | None, schema: type):
@@ -137,6 +153,10 @@ def run_output_command(config_name: str, argv: list[str] | None, schema: type, c
     except KeyboardInterrupt as stop:
         log.error("%s", stop_line(stop, interrupted_line(cfg.out)))
         sys.exit(stop_code(stop))
+    except OSError as err:  # the storage failed outside out= (a cache, a rank's log): one line
+        if storage_error(err) is None:
+            raise
+        fail_as_one_line(RunFailed(storage_line(err), "crashed"))
 
 
 def fail_as_one_line(err: Exception) -> None:
@@ -146,27 +166,29 @@ def fail_as_one_line(err: Exception) -> None:
 
 
 def ctrl_c_raises() -> None:
-    """From here on Ctrl-C raises KeyboardInterrupt and SIGTERM Terminated (a KeyboardInterrupt), which the command
-    turns into its one line after cleaning up (until now lychee_exp/__init__ ended the process at once: nothing
-    was written yet)."""
+    """From here on Ctrl-C raises KeyboardInterrupt and SIGTERM, SIGHUP or SIGQUIT Terminated (a KeyboardInterrupt),
+    which the command turns into its one line after cleaning up (until now lychee_exp/__init__ ended the process at
+    once: nothing was written yet). A signal ignored since the start stays ignored (nohup: SIGHUP)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _raise_terminated)
 
 
 def _raise_terminated(signum, frame) -> None:
-    raise Terminated()
+    raise Terminated(signum)
 
 
 def stop_line(stop: KeyboardInterrupt, line: str) -> str:
-    """The one line of Ctrl-C, or of SIGTERM (the same words, naming the signal)."""
+    """The one line of Ctrl-C, or of a stop signal (the same words, naming the signal: `terminated (SIGHUP)`)."""
     if not isinstance(stop, Terminated):
         return line
-    return "terminated (SIGTERM)" + line.removeprefix(INTERRUPTED).removeprefix("interrupted")
+    return f"terminated ({stop.name})" + line.removeprefix(INTERRUPTED).removeprefix("interrupted")
 
 
 def stop_code(stop: KeyboardInterrupt) -> int:
-    """The shell's exit code of the signal: 130 for Ctrl-C, 143 for SIGTERM."""
-    return TERMINATED_EXIT if isinstance(stop, Terminated) else INTERRUPTED_EXIT
+    """The shell's exit code of the signal: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT."""
+    return 128 + stop.signum if isinstance(stop, Terminated) else INTERRUPTED_EXIT
 
 
 def composition_error(err: Exception) -> str:

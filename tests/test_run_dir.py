@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from lychee_exp.core.config import check_config
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.output_lock import OutputLock, short_name
-from lychee_exp.core.outputs import resolved
+from lychee_exp.core.outputs import RUN_MARKER, resolved
 from lychee_exp.job import run_dir
 from lychee_exp.job.run_dir import RunDirGuard, RunDirRefused, check_resumed_model, claim_run_dir, finish_run_dir
 
@@ -35,6 +35,7 @@ def _finished_run(path: Path, model_path: str = "pkg://lychee_exp.assets/tiny_qw
     """What a finished run leaves (the guard reads names only): Hydra's files, the config, model/, metrics."""
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "config.yaml").write_text("seed: 1\n")
+    (path / RUN_MARKER).write_text('{"what": "a lychee_exp training run", "job": null}\n')
     (path / "run.log").write_text("the earlier run's log\n")
     (path / "config.yaml").write_text(f"model:\n  path: {model_path}\n  kind: causal_lm\n")
     (path / "metrics.json").write_text('{"ndcg@10": 0.5}\n')

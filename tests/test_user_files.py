@@ -17,15 +17,14 @@ from pathlib import Path
 import pytest
 from beir_helpers import fruit_dataset
 from ddp_helpers import live_processes_in_group
-from filelock import FileLock
 
 from lychee_exp import mine as mine_entry
 from lychee_exp import rerank as rerank_entry
 from lychee_exp.core.data.queries import load_queries
 from lychee_exp.core.errors import RunFailed, Terminated, UserError
 from lychee_exp.core.ir.beir import read_beir_qrels
-from lychee_exp.core.output_lock import short_name
-from lychee_exp.core.outputs import lock_path, resolved
+from lychee_exp.core.output_lock import OutputLock, short_name
+from lychee_exp.core.outputs import resolved
 
 RERANK = ["model=tiny_lychee", "top_k=6", "batch_size=5", "progress_bar=false", "split=test"]
 MINE = ["split=train", "teacher=none", "range_min=1", "range_max=10", "num_negatives=3", "progress_bar=false"]
@@ -187,7 +186,7 @@ def _mkdir(path: Path, mode: int = 0o755) -> Path:
 def test_a_second_command_on_the_same_out_is_refused(tmp_path, ir_cache, capsys, caplog, which):
     """The test holds the lock a running command would hold: the second command stops at once."""
     root, out = fruit_dataset(tmp_path / "fruit"), tmp_path / "out"
-    with FileLock(lock_path(resolved(str(out)))):
+    with OutputLock(resolved(str(out)), "a running command"):
         start = time.perf_counter()
         code, lines = _run(which, _command(which, root, out), capsys, caplog)
     assert code == 2 and len(lines) == 1 and f"out={out} is in use by another command" in lines[0], lines

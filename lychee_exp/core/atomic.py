@@ -3,9 +3,10 @@ then replaces it in one rename. The temporary name carries the pid, so two proce
 (sweep workers, concurrent runs sharing a baseline cache) never write into each other's temporary file.
 
 A file that several processes read, change and write back (the speedup baseline cache, a sweep's results)
-is changed under `locked(path)`, an OS file lock (filelock) on `<path>.lock`: without it two runs that end
-together both read the old table and the later rename drops the other's entry. The lock file stays beside
-the target (removing it while another process waits would let a third one in)."""
+is changed under `locked(path)`, an OS file lock (core.output_lock, the one every output is written under) on a
+short hidden file beside it: without it two runs that end together both read the old table and the later rename
+drops the other's entry. The lock file goes when its holder lets go (a waiter that had opened the removed file
+sees that and locks the new one), so no lock files pile up beside results."""
 
 from __future__ import annotations
 
@@ -15,9 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from filelock import FileLock
-
-from lychee_exp.core.output_lock import short_name
+from lychee_exp.core.output_lock import OutputLock, short_name
 
 LOCK_TIMEOUT_S = 120  # a writer holds the lock for one read and one rename; minutes mean a stuck filesystem
 
@@ -51,7 +50,7 @@ def read_json(path: Path) -> dict:
 def locked(path: Path) -> Iterator[None]:
     """Holds the inter-process lock of `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(path.with_name(f"{path.name}.lock"), timeout=LOCK_TIMEOUT_S):
+    with OutputLock(path, str(path), wait_s=LOCK_TIMEOUT_S):
         yield
 
 

@@ -1,5 +1,12 @@
 """The project's exceptions, in a module that imports nothing heavy, so that any layer can raise or catch them."""
 
+import signal
+
+# The signals that stop a command as SIGTERM does: kill or a scheduler's cancel (SIGTERM), a closed terminal or
+# dropped ssh session (SIGHUP), Ctrl-\ (SIGQUIT). A signal that was ignored when the command started (nohup's
+# SIGHUP) stays ignored.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
 
 class UserError(Exception):
     """Bad configuration or input data; the message names the key, or the file and line."""
@@ -25,5 +32,16 @@ class Preempted(RunFailed):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (kill, a scheduler's cancel) in a command: handled as Ctrl-C is (the command cleans up and says one
-    line), but exits 143 (128 + SIGTERM) as a shell reports it."""
+    """A stop signal (STOP_SIGNALS) in a command: handled as Ctrl-C is (the command cleans up and says one line
+    naming the signal), but exits 128 + the signal's number as a shell reports it (143 for SIGTERM)."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = int(signum)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    def __reduce__(self):
+        return type(self), (self.signum,)

@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import os
 import socket
+import time
 from pathlib import Path
 
 from lychee_exp.core.errors import UserError
@@ -34,13 +35,24 @@ def lock_path(target: Path) -> Path:
 
 
 class OutputLock:
-    """Held by the process that writes `target`; a second process is refused at once, in one line."""
+    """Held by the process that writes `target`; a second process is refused at once, in one line, or, with
+    `wait_s`, waits that long for it (a table several processes update in turn) before it is refused."""
 
-    def __init__(self, target: Path, what: str):
-        self.target, self.what, self.path = target, what, lock_path(target)
+    def __init__(self, target: Path, what: str, wait_s: float = 0.0):
+        self.target, self.what, self.path, self.wait_s = target, what, lock_path(target), wait_s
         self._fd: int | None = None
 
     def acquire(self) -> OutputLock:
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                return self._try_acquire()
+            except _Busy as busy:
+                if time.monotonic() >= deadline:
+                    raise UserError(str(busy)) from None
+                time.sleep(0.05)
+
+    def _try_acquire(self) -> OutputLock:
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -53,8 +65,9 @@ class OutputLock:
                 os.close(fd)
                 if err.errno not in (errno.EAGAIN, errno.EACCES):
                     raise UserError(f"{self.what}: cannot lock {self.path} ({err.strerror})") from None
-                raise UserError(
-                    f"{self.what} is in use by another command{holder}: wait for it, or write elsewhere"
+                waited = f" (waited {self.wait_s:.0f} s)" if self.wait_s else ""
+                raise _Busy(
+                    f"{self.what} is in use by another command{holder}{waited}: wait for it, or write elsewhere"
                 ) from None
             if _same_file(fd, self.path):
                 break
@@ -79,6 +92,10 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class _Busy(Exception):
+    """Another process holds the lock (its one line)."""
 
 
 def _same_file(fd: int, path: Path) -> bool:

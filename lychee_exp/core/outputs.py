@@ -8,18 +8,24 @@ is lost. The policy, for every command, is stated once in docs/outputs.md; this 
 - An out= that already holds results is refused unless overwrite=true; even then the old results are replaced only
   once the new ones are complete, and a directory holding anything the command does not write is never replaced,
   nor is a read-only one (no write bit: also for root, who may write anything).
-- An out= that is an input, holds one, or lies inside an input directory (a model directory, a dataset) is refused.
+- An out= that is an input, holds one, or lies inside an input directory (a model directory, a dataset) is refused;
+  so is one inside any model directory or dataset, whether the command reads it or not. Inside a training run's
+  directory an output may be added, but nothing there is replaced, whatever overwrite says. The current directory,
+  one that holds it, the home directory and / are never an output directory (replacing them would pull the
+  ground from under the user's shell).
 - out= is locked (core.output_lock) for the whole command: a second command on the same out= is refused at once.
   Holding the lock proves that hidden staging directories of out= left by a process that is gone (SIGKILL) are
   stale: they are removed, and results a killed move had set aside are put back.
-- Every problem with the path (empty, a pkg:// or URL, a trailing slash where a file is written, a file where a
-  directory is expected, a parent that cannot be created) is one UserError, raised before the command reads or
-  scores anything.
+- Every problem with the path (empty, a pkg:// or URL, a trailing slash where a file is written, a name longer than
+  the file system takes, a file where a directory is expected, a parent that cannot be created) is one UserError,
+  raised before the command reads or scores anything. A full disk (or any storage error) while writing is one
+  RunFailed line; the staging directory goes, the earlier results stay.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
@@ -28,7 +34,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.core.errors import STOP_SIGNALS, RunFailed, UserError
 from lychee_exp.core.output_lock import OutputLock, lock_path, short_name
 
 Inputs = Sequence[tuple[str, str]]  # (what it is, as the user named it: "first_stage=run:x.trec", path)
@@ -39,7 +45,24 @@ POLICY_LINE = (
 # a directory input protects what it holds when it is one (a model directory, a BEIR dataset): a wrong path such as
 # `dense.model=/` is not one, and the command's own check names it
 INPUT_DIR_MARKERS = ("config.json", "corpus.jsonl")
+# what makes a directory a model directory for outputs that are not reading it: a config beside weights, adapter,
+# tokenizer or card (a lone config.json is any project's)
+MODEL_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "adapter_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "lychee_reranker.json",
+)
+# written into every training run's directory when the run claims it (lychee_exp.job.run_dir): what overwrite=true
+# may replace is a directory carrying it
+RUN_MARKER = ".lychee_run.json"
 STAGING, SET_ASIDE = "tmp", "old"  # the hidden companions of an output: `.<short name>.<kind>-<pid>-<random>`
+NAME_MAX, PATH_MAX = 255, 4096  # bytes: Linux's limits, where the file system does not say its own
+# an OSError with one of these while writing is the storage's failure, not the user's mistake: one line, exit 1
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS})
 
 __all__ = [
     "POLICY_LINE",
@@ -47,8 +70,10 @@ __all__ = [
     "resolved",
     "output_target",
     "refuse_inputs",
+    "refuse_protected",
     "staged_output",
     "interrupted_line",
+    "storage_error",
 ]
 
 
@@ -66,7 +91,37 @@ def output_target(spec: str, key: str, directory: bool) -> Path:
         raise UserError(f"{key}={spec}: an output is a local path (pkg:// names a package's read-only files)")
     if not directory and str(spec).endswith(("/", os.sep)):
         raise UserError(f"{key}={spec} ends with '/', but this command writes a file: name the file")
-    return resolved(spec)
+    target = resolved(spec)
+    check_name_lengths(spec, target, key)
+    return target
+
+
+def check_name_lengths(spec: str, target: Path, key: str) -> None:
+    """One line for a path the file system cannot take (ENAMETOOLONG would otherwise surface mid-command)."""
+    existing = next((p for p in target.parents if _exists(p)), Path("/"))
+    name_max, path_max = _limit(existing, "PC_NAME_MAX", NAME_MAX), _limit(existing, "PC_PATH_MAX", PATH_MAX)
+    for part in target.parts[1:]:
+        size = len(os.fsencode(part))
+        if size > name_max:
+            raise UserError(
+                f"{key}={spec}: the name {part[:24]}... is {size} bytes long; this file system takes at most {name_max}"
+            )
+    if len(os.fsencode(str(target))) >= path_max:
+        raise UserError(f"{key}={spec}: the path is longer than this file system takes ({path_max} bytes)")
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long for the file system: not there
+        return False
+
+
+def _limit(path: Path, name: str, default: int) -> int:
+    try:
+        return os.pathconf(path, name)
+    except (OSError, ValueError):
+        return default
 
 
 @contextlib.contextmanager
@@ -88,16 +143,30 @@ def staged_output(
     being told; `overwrite_flag`: how the command's overwrite option is spelled in the one line."""
     target = output_target(spec, key, directory)
     refuse_inputs(spec, target, inputs, key)
+    run_around = refuse_protected(spec, target, key)
+    if directory:
+        refuse_ground(spec, target, key)
     writable_parent(spec, target.parent, key)
     with OutputLock(target, f"{key}={spec}"):
         clean_leftovers(target)
-        told = overwrite or (ours is not None and target.is_file() and ours(target))
-        _check_existing(spec, target, directory, told, results, key, overwrite_flag)
+        earlier = ours is not None and target.is_file() and ours(target)
+        if run_around is not None and target.exists() and not earlier:
+            raise UserError(
+                f"{key}={spec} is inside the run directory {run_around} and exists: a run's files are never "
+                "replaced, whatever an overwrite flag says; write elsewhere"
+            )
+        _check_existing(spec, target, directory, overwrite or earlier, results, key, overwrite_flag)
         staging = _companion(target, STAGING, spec, key)
         try:
             yield staging if directory else staging / target.name
             with _no_interrupts():
                 move_into_place(staging, target, directory)
+        except OSError as err:
+            with _no_interrupts():
+                shutil.rmtree(staging, ignore_errors=True)
+            if storage_error(err) is None:
+                raise
+            raise RunFailed(f"{key}={spec}: {storage_line(err)}; {left_line(spec)}", "crashed") from None
         except RunFailed:
             # a failed DDP run's one line names a rank log inside the staging directory: keep the logs for it
             # (the next command on this out= removes them: their owner is gone)
@@ -113,9 +182,36 @@ def staged_output(
 
 def interrupted_line(spec: str) -> str:
     """What Ctrl-C (or SIGTERM) left: the previous results, or nothing (the temporary directory is gone already)."""
-    if str(spec).strip() and resolved(spec).exists():
-        return f"interrupted; {spec} left as it was"
-    return f"interrupted; nothing written to {spec}"
+    return f"interrupted; {left_line(spec)}"
+
+
+def left_line(spec: str) -> str:
+    """What a command that stopped left at its output: the previous results, or nothing."""
+    try:
+        exists = bool(str(spec).strip()) and resolved(spec).exists()
+    except OSError:  # a name the file system cannot take: nothing was written there
+        exists = False
+    return f"{spec} left as it was" if exists else f"nothing written to {spec}"
+
+
+def storage_error(err: BaseException) -> OSError | None:
+    """The storage failure (full disk, quota, I/O error, read-only file system) behind an exception, if one is: the
+    exception itself or one it was raised from."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def storage_line(err: BaseException) -> str:
+    """`No space left on device (writing <file>)`: the storage failure behind err, said in one line."""
+    cause = storage_error(err) or err
+    strerror = getattr(cause, "strerror", None) or str(cause)
+    where = getattr(cause, "filename", None)
+    return f"{strerror} (writing {where})" if where else strerror
 
 
 def refuse_inputs(spec: str, target: Path, inputs: Inputs, key: str) -> None:
@@ -132,6 +228,46 @@ def refuse_inputs(spec: str, target: Path, inputs: Inputs, key: str) -> None:
     for what, source in sources:
         if source in target.parents and any((source / marker).is_file() for marker in INPUT_DIR_MARKERS):
             raise UserError(f"{key}={spec} is inside {source}, an input of this command ({what}): write elsewhere")
+
+
+def refuse_protected(spec: str, target: Path, key: str) -> Path | None:
+    """One line if the output lies inside a model directory or a dataset (inputs of other commands, whether this
+    one reads them or not); returns the training run directory around it, if any: an output may be added there, but
+    nothing of the run replaced."""
+    run_around = None
+    for parent in target.parents:
+        kind = directory_kind(parent)
+        if kind in ("a model directory", "a dataset"):
+            raise UserError(f"{key}={spec} is inside {parent}, {kind}: write elsewhere")
+        if kind == "a run directory" and run_around is None:
+            run_around = parent
+    return run_around
+
+
+def directory_kind(path: Path) -> str | None:
+    """What a directory is to this policy: a model directory, a dataset, a training run's directory, or nothing."""
+    if (path / "config.json").is_file() and any((path / name).exists() for name in MODEL_FILES):
+        return "a model directory"
+    if (path / "corpus.jsonl").is_file():
+        return "a dataset"
+    if (path / RUN_MARKER).is_file() or (path / ".hydra" / "config.yaml").is_file():
+        return "a run directory"
+    return None
+
+
+def refuse_ground(spec: str, target: Path, key: str) -> None:
+    """One line if a directory output is where the user stands: the current directory or one that holds it, the home
+    directory or the root. A directory output is replaced whole at the end, which would leave the user's shell in a
+    deleted directory (and overwrite=true would set their files aside)."""
+    cwd = resolved(".")
+    home = resolved("~")
+    if target == cwd or target in cwd.parents:
+        where = "the current directory" if target == cwd else "a directory that holds the current one"
+        raise UserError(f"{key}={spec} is {where}: an output directory is a directory of its own; name a new one")
+    if target in (home, Path(target.anchor)):
+        raise UserError(
+            f"{key}={spec} is {'the home directory' if target == home else 'the root'}: name a new directory"
+        )
 
 
 def writable_parent(spec: str, parent: Path, key: str) -> None:
@@ -245,12 +381,12 @@ def move_into_place(staging: Path, target: Path, directory: bool) -> None:
 
 @contextlib.contextmanager
 def _no_interrupts() -> Iterator[None]:
-    """Ctrl-C and SIGTERM are ignored while results move into place or a temporary directory is deleted (a
+    """Ctrl-C and the stop signals are ignored while results move into place or a temporary directory is deleted (a
     half-done move is the one state that could lose results). Only the main thread can change signal handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, *STOP_SIGNALS)}
     try:
         yield
     finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from lychee_exp.core.atomic import write_json_atomic
+from lychee_exp.core.atomic import read_json, write_json_atomic
 from lychee_exp.core.config import RunConfig
 from lychee_exp.core.ir.first_stage import stage_name
 from lychee_exp.core.ir.metrics import standing_below_first_stage
@@ -52,3 +52,17 @@ def write_results(run_cfg: RunConfig, metrics: dict, output_dir: Path, is_main: 
         log.info("results in %s", output_dir)
 
     return float(metrics.get(run_cfg.optimized_metric, float("nan")))  # nan: trainer.evaluate=false
+
+
+def nothing_left(run_cfg: RunConfig, output_dir: Path, step: int, is_main: bool) -> float:
+    """A finished run continued with nothing left to train: one line, its results as they were, and their
+    optimized metric for a sweeper."""
+    earlier = read_json(output_dir / "metrics.json")
+    if is_main:
+        log.info(
+            "nothing left to train: %s had finished at step %d, which this configuration trains to; metrics.json "
+            "and model/ are as they were (raise trainer.max_steps or trainer.max_epochs to train further)",
+            output_dir,
+            step,
+        )
+    return float(earlier.get(run_cfg.optimized_metric, float("nan")))

@@ -13,6 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lychee_exp.core.atomic import write_text_atomic
 from lychee_exp.core.config import RunConfig, to_run_config
 from lychee_exp.core.data.budget import check_token_budget
 from lychee_exp.core.devices import plan_devices
@@ -23,9 +24,10 @@ from lychee_exp.core.model_card import model_choice, resolve_model
 from lychee_exp.core.optim import OPTIMIZERS, with_global_batch
 from lychee_exp.core.packing_rule import packing_on
 from lychee_exp.job.context import in_sweep, trials_run_here
-from lychee_exp.job.results import write_results
-from lychee_exp.job.run_dir import check_resumed_model
+from lychee_exp.job.results import nothing_left, write_results
+from lychee_exp.job.run_dir import check_resumed_model, commit_run_dir
 from lychee_exp.launch.cluster import is_main_process, job_devices, local_ranks, under_torchrun
+from lychee_exp.recipe.progress import NOTHING_LEFT
 
 log = logging.getLogger("lychee_exp")
 
@@ -65,11 +67,8 @@ def train_job(cfg: DictConfig) -> float:
         )
     is_main = is_main_process()  # under torchrun global rank 0, on SLURM the first node: the one that writes
     output_dir = Path(run_cfg.output_dir)
-    metrics_path = output_dir / "metrics.json"
     if is_main:
         check_resumed_model(run_cfg.trainer.resume, output_dir, dataclasses.asdict(run_cfg.model))
-        output_dir.mkdir(parents=True, exist_ok=True)
-        metrics_path.unlink(missing_ok=True)  # a stale result must not pass for this run's
     # under torchrun `gpus` is its ranks on this node, so CPU threads per rank follow the in-process rule
     plan = plan_devices(
         run_cfg.parallel.strategy,
@@ -82,12 +81,17 @@ def train_job(cfg: DictConfig) -> float:
     # every node's devices (the plan is this node's until the ranks have joined)
     run_cfg = with_global_batch(run_cfg, job_devices(plan.num_devices))
     if is_main:
-        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))
+        # every check has passed: from here on the run may change (until now a continued run was as it had been;
+        # its metrics.json and model/ stay until the ranks write new ones)
+        commit_run_dir(output_dir)
+        write_text_atomic(output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(run_cfg)))
     # the launcher (and through it the recipe, transformers, peft) only once the checks passed: a user mistake
     # is reported without loading the training stack
     from lychee_exp.launch.launcher import launch
 
     metrics = launch(run_cfg, plan, output_dir, job_log_file(), inputs, keep_ranks=trials_run_here())
+    if NOTHING_LEFT in metrics:
+        return nothing_left(run_cfg, output_dir, metrics[NOTHING_LEFT], is_main)
     return write_results(run_cfg, metrics, output_dir, is_main)
 
 

@@ -33,7 +33,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from lychee_exp.core.config import RunConfig, plain_dict
 from lychee_exp.core.devices import RANK_STRATEGIES, DevicePlan, torch_device
 from lychee_exp.core.distributed import DistEnv
-from lychee_exp.core.errors import RunFailed, Terminated, TrainingDiverged
+from lychee_exp.core.errors import STOP_SIGNALS, RunFailed, Terminated, TrainingDiverged
 from lychee_exp.core.inputs import RunInputs
 from lychee_exp.launch.cluster import NodeSpec, slurm_nodes, under_torchrun
 from lychee_exp.launch.failures import FAILURE_NOTES, collateral, failure_kind, first_cause, lost_nodes, with_notes
@@ -125,9 +125,11 @@ def run_ranks(
     log_dir = output_dir / "logs"
     nnodes = nodes.nnodes if nodes else 1
     os.environ[QUIET_CTRL_C_ENV] = "1"  # the ranks end silently on Ctrl-C: this process says the one line
-    # torch's agent leaves its SIGINT/SIGTERM handlers (raising SignalException) installed after the launch: a
-    # SIGTERM after it (SLURM's requeue, while submitit hands the preemption over) must reach the handler we had
+    # torch's agent leaves its signal handlers (raising SignalException) installed after the launch: a SIGTERM after
+    # it (SLURM's requeue, while submitit hands the preemption over) must reach the handler we had
     handlers = _stop_handlers()
+    # the agent handles the signals this process would stop on, and no other: nohup's ignored SIGHUP stays ignored
+    handled = [s for s in handlers if handlers[s] is not signal.SIG_IGN] or [signal.SIGINT, signal.SIGTERM]
     try:
         start_method, parent = rank_start(plan.device_type)
         config = LaunchConfig(
@@ -143,6 +145,7 @@ def run_ranks(
             start_method=start_method,
             logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL}),
             log_line_prefix_template="[rank${rank}] ",
+            signals_to_handle=",".join(signal.Signals(s).name for s in handled),
         )
         shutil.rmtree(output_dir / FAILURE_NOTES, ignore_errors=True)  # notes of an earlier attempt in this dir
         # The agent logs each failure with a full dump; the one line below (with the rank's log) replaces it.
@@ -167,7 +170,7 @@ def run_ranks(
 def _stop_handlers() -> dict:
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *STOP_SIGNALS)}
 
 
 def _restore(handlers: dict) -> None:
@@ -177,13 +180,11 @@ def _restore(handlers: dict) -> None:
 
 
 def _stop_on_signal(err: SignalException) -> None:
-    """Ctrl-C / SIGTERM reached the launcher (torch's agent turns them into SignalException, and its handlers
+    """Ctrl-C or a stop signal reached the launcher (torch's agent turns them into SignalException, and its handlers
     stay installed in this process), and the ranks are stopped: stop the job, and any sweep, too."""
     if err.sigval == signal.SIGINT:
         raise KeyboardInterrupt from None
-    if err.sigval == signal.SIGTERM:
-        raise Terminated() from None
-    raise SystemExit(128 + int(err.sigval)) from None
+    raise Terminated(err.sigval) from None
 
 
 def _agent_view(failures: dict) -> dict[int, tuple[float, str]]:

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+# the metrics key of a finished run continued with nothing left to train: it holds the step the run had ended at,
+# and the run's metrics.json and model/ are left as they were
+NOTHING_LEFT = "nothing_left_at_step"
+
 
 @dataclass
 class Progress:

@@ -8,7 +8,7 @@ from lychee_exp.core.config import RunConfig
 from lychee_exp.core.devices import DevicePlan
 from lychee_exp.core.distributed import DistEnv
 from lychee_exp.core.inputs import RunInputs
-from lychee_exp.recipe.progress import NO_HOOKS, StepHooks
+from lychee_exp.recipe.progress import NO_HOOKS, NOTHING_LEFT, StepHooks
 from lychee_exp.recipe.trainer import Trainer
 from lychee_exp.tracking.trial import current_trial, pruning_callback
 
@@ -29,7 +29,7 @@ def train_on_rank(
     try:
         trainer.setup()
         metrics = trainer.fit()
-        if "preempted_at_step" not in metrics:
+        if "preempted_at_step" not in metrics and NOTHING_LEFT not in metrics:
             trainer.save()
     finally:
         trainer.cleanup()

@@ -35,7 +35,7 @@ from lychee_exp.core.seeding import seed_everything
 from lychee_exp.recipe.baseline_phase import one_device_baseline, run_speedup
 from lychee_exp.recipe.checkpoint import TrainingState, restore_training_state, resume_path, save_training_state
 from lychee_exp.recipe.pending import PendingSteps
-from lychee_exp.recipe.progress import NO_HOOKS, Progress, StepFigures, StepHooks
+from lychee_exp.recipe.progress import NO_HOOKS, NOTHING_LEFT, Progress, StepFigures, StepHooks
 from lychee_exp.recipe.saving import save_model
 from lychee_exp.recipe.step import WindowStep
 from lychee_exp.recipe.train_data import TrainData, build_train_data
@@ -154,6 +154,9 @@ class Trainer:
         cfg, env = self.cfg, self.env
         self.baseline = one_device_baseline(self)  # first: it puts back all the state it touches
         progress = self._restore() if self.resume_from else Progress()
+        if progress.step >= self.data.total_steps and self._finished_before():
+            # a finished run continued with nothing left to train: its metrics.json and model/ stay as they are
+            return {"steps": progress.step, NOTHING_LEFT: progress.step}
         if progress.step == 0 and cfg.trainer.evaluate:
             progress.summary.update(ev.reference_metrics(self.data.dev_pairs) if env.is_main else {})
             if cfg.trainer.eval_before_training:
@@ -196,6 +199,11 @@ class Trainer:
         self.bar.close()
         train_time = time.perf_counter() - train_start - (self.eval_time_s - eval_time_before)
         return self._finish(progress, timer, train_time)
+
+    def _finished_before(self) -> bool:
+        """Collective: whether this run had finished before (its metrics.json, as rank 0 sees it)."""
+        finished = self.env.is_main and (self.output_dir / "metrics.json").is_file()
+        return bool(self.env.gather_objects(finished)[0])
 
     def _training_clock(self) -> tuple[float, float]:
         """Wall and CPU time now, less what dev evaluations took: the clocks the step timer reads."""

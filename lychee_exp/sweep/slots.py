@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+from lychee_exp.core.errors import STOP_SIGNALS
 from lychee_exp.launch.processes import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,8 @@ def slot_preexec(slot: Slot, parent: int):
 
 def run_slots(slots: Sequence[Slot], command: Sequence[str]) -> list[int]:
     """Starts one worker per slot (`command` plus the slot's environment), waits for all, and returns their exit
-    codes. SIGINT/SIGTERM to the sweep are passed on to every slot, which end their trials as a worker does."""
+    codes. Ctrl-C and the stop signals (SIGTERM, SIGHUP, SIGQUIT) to the sweep are passed on to every slot, which
+    end their trials as a worker does."""
     procs = [
         subprocess.Popen(list(command), env=slot_env(slot), preexec_fn=slot_preexec(slot, os.getpid()))  # noqa: PLW1509
         for slot in slots
@@ -116,7 +118,8 @@ def run_slots(slots: Sequence[Slot], command: Sequence[str]) -> list[int]:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stops = [sig for sig in (signal.SIGINT, *STOP_SIGNALS) if signal.getsignal(sig) is not signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, forward) for sig in stops}
     try:
         return [proc.wait() for proc in procs]
     finally:

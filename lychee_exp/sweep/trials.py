@@ -156,12 +156,15 @@ class TrialRunner:
         """A directory name not taken yet (a study re-created in an old sweep dir must not overwrite old runs);
         created at once, so that two trials in flight never pick the same one."""
         with self._compose:
+            self.settings.sweep_dir.mkdir(parents=True, exist_ok=True)
             candidate, k = name, 1
-            while (self.settings.sweep_dir / candidate).exists():
-                k += 1
-                candidate = f"{name}-{k}"
-            Path(self.settings.sweep_dir / candidate).mkdir(parents=True)
-            return candidate
+            while True:
+                try:  # mkdir, not a look first: another worker of the study may take the same name meanwhile
+                    (self.settings.sweep_dir / candidate).mkdir()
+                    return candidate
+                except FileExistsError:
+                    k += 1
+                    candidate = f"{name}-{k}"
 
     # ----------------------------------------------------------------------------- main thread: tell
     def finish(self, pending: Pending) -> Outcome:
