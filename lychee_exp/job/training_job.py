@@ -27,7 +27,6 @@ from lychee_exp.job.context import in_sweep, trials_run_here
 from lychee_exp.job.results import nothing_left, write_results
 from lychee_exp.job.run_dir import check_resumed_model, commit_run_dir
 from lychee_exp.launch.cluster import is_main_process, job_devices, local_ranks, under_torchrun
-from lychee_exp.recipe.progress import NOTHING_LEFT
 
 log = logging.getLogger("lychee_exp")
 
@@ -88,6 +87,7 @@ def train_job(cfg: DictConfig) -> float:
     # the launcher (and through it the recipe, transformers, peft) only once the checks passed: a user mistake
     # is reported without loading the training stack
     from lychee_exp.launch.launcher import launch
+    from lychee_exp.recipe.progress import NOTHING_LEFT
 
     metrics = launch(run_cfg, plan, output_dir, job_log_file(), inputs, keep_ranks=trials_run_here())
     if NOTHING_LEFT in metrics:
