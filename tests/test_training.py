@@ -232,8 +232,11 @@ def test_gradient_accumulation_matches_big_batch(tmp_path):
     assert acc["mrr@10"] == pytest.approx(big["mrr@10"], abs=1e-5)
 
 
-def test_stale_metrics_json_is_removed_when_the_run_fails(tmp_path):
-    """A failed run must not leave an earlier run's metrics.json behind for a sweeper to read."""
+def test_a_failed_run_leaves_the_earlier_metrics_json_as_it_was(tmp_path):
+    """A run that fails (here its checks) writes no metrics.json and deletes none: the one in its directory is the
+    earlier attempt's, which a continued run keeps until it writes its own (issue 51: a resume that failed a check
+    used to leave the run without it). A sweeper never meets it: every trial gets a directory no earlier trial
+    used (tests/test_escape_hatches.py)."""
     from lychee_exp.core.errors import UserError
     from lychee_exp.job.training_job import train_job as run
 
@@ -249,7 +252,7 @@ def test_stale_metrics_json_is_removed_when_the_run_fails(tmp_path):
     )
     with pytest.raises(UserError, match="missing.jsonl"):
         run(cfg)
-    assert not (tmp_path / "metrics.json").exists()
+    assert (tmp_path / "metrics.json").read_text() == '{"ndcg@10": 99}'
 
 
 def test_inputs_are_read_once_per_process(tmp_path):
