@@ -357,11 +357,16 @@ def test_no_flag_reaches_inside_a_model_a_dataset_or_a_run(tmp_path, ir_cache, c
     root = fruit_dataset(tmp_path / "fruit")
     run = _run_dir(tmp_path / "run")
     (run / "model" / "config.json").write_text('{"model_type": "qwen2"}\n')
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "optimization_results.yaml").write_text("name: optuna\n")
+    (sweep / "optuna.db").write_bytes(b"SQLite format 3\x00")
     before = _user_files(tmp_path)
     cases = [
         (run / "model" / "config.json", "is inside .*/run/model, a model directory: write elsewhere"),
         (run / "model" / "new.jsonl", "is inside .*/run/model, a model directory: write elsewhere"),
-        (run / "metrics.json", "is inside the run directory .*/run and exists: a run's files are never replaced"),
+        (run / "metrics.json", r"is inside a run directory \(.*/run\) and exists: the files of a run or a sweep are"),
+        (sweep / "optuna.db", r"is inside a sweep directory \(.*/sweep\) and exists: the files of a run or a sweep"),
     ]
     for out, expected in cases:
         code, lines = _run("mine", _command("mine", root, out, "overwrite=true"), capsys, caplog)

@@ -59,6 +59,7 @@ MODEL_FILES = (
 # written into every training run's directory when the run claims it (lychee_exp.job.run_dir): what overwrite=true
 # may replace is a directory carrying it
 RUN_MARKER = ".lychee_run.json"
+SWEEP_FILES = ("multirun.yaml", "optimization_results.yaml")  # what a sweep (Hydra's or lychee's) writes first
 STAGING, SET_ASIDE = "tmp", "old"  # the hidden companions of an output: `.<short name>.<kind>-<pid>-<random>`
 NAME_MAX, PATH_MAX = 255, 4096  # bytes: Linux's limits, where the file system does not say its own
 # an OSError with one of these while writing is the storage's failure, not the user's mistake: one line, exit 1
@@ -143,17 +144,18 @@ def staged_output(
     being told; `overwrite_flag`: how the command's overwrite option is spelled in the one line."""
     target = output_target(spec, key, directory)
     refuse_inputs(spec, target, inputs, key)
-    run_around = refuse_protected(spec, target, key)
+    results_around = refuse_protected(spec, target, key)
     if directory:
         refuse_ground(spec, target, key)
     writable_parent(spec, target.parent, key)
     with OutputLock(target, f"{key}={spec}"):
         clean_leftovers(target)
         earlier = ours is not None and target.is_file() and ours(target)
-        if run_around is not None and target.exists() and not earlier:
+        if results_around is not None and target.exists() and not earlier:
+            kind = directory_kind(results_around) or RUN_DIR
             raise UserError(
-                f"{key}={spec} is inside the run directory {run_around} and exists: a run's files are never "
-                "replaced, whatever an overwrite flag says; write elsewhere"
+                f"{key}={spec} is inside {kind} ({results_around}) and exists: the files of a run or a sweep are "
+                "never replaced, whatever an overwrite flag says; write elsewhere"
             )
         _check_existing(spec, target, directory, overwrite or earlier, results, key, overwrite_flag)
         staging = _companion(target, STAGING, spec, key)
@@ -232,26 +234,32 @@ def refuse_inputs(spec: str, target: Path, inputs: Inputs, key: str) -> None:
 
 def refuse_protected(spec: str, target: Path, key: str) -> Path | None:
     """One line if the output lies inside a model directory or a dataset (inputs of other commands, whether this
-    one reads them or not); returns the training run directory around it, if any: an output may be added there, but
-    nothing of the run replaced."""
-    run_around = None
+    one reads them or not); returns the innermost run or sweep directory around it, if any: an output may be added
+    there, but nothing of the run or sweep replaced."""
+    results_around = None
     for parent in target.parents:
         kind = directory_kind(parent)
-        if kind in ("a model directory", "a dataset"):
+        if kind in (MODEL_DIR, DATASET):
             raise UserError(f"{key}={spec} is inside {parent}, {kind}: write elsewhere")
-        if kind == "a run directory" and run_around is None:
-            run_around = parent
-    return run_around
+        if kind in (RUN_DIR, SWEEP_DIR) and results_around is None:
+            results_around = parent
+    return results_around
+
+
+MODEL_DIR, DATASET, RUN_DIR, SWEEP_DIR = "a model directory", "a dataset", "a run directory", "a sweep directory"
 
 
 def directory_kind(path: Path) -> str | None:
-    """What a directory is to this policy: a model directory, a dataset, a training run's directory, or nothing."""
+    """What a directory is to this policy: a model directory, a dataset, a training run's or a sweep's directory, or
+    nothing."""
     if (path / "config.json").is_file() and any((path / name).exists() for name in MODEL_FILES):
-        return "a model directory"
+        return MODEL_DIR
     if (path / "corpus.jsonl").is_file():
-        return "a dataset"
+        return DATASET
     if (path / RUN_MARKER).is_file() or (path / ".hydra" / "config.yaml").is_file():
-        return "a run directory"
+        return RUN_DIR
+    if any((path / name).is_file() for name in SWEEP_FILES):
+        return SWEEP_DIR
     return None
 
 

@@ -52,9 +52,11 @@ from lychee_exp.core.atomic import read_json, write_json_atomic
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.output_lock import OutputLock, short_name
 from lychee_exp.core.outputs import (
+    RUN_DIR,
     RUN_MARKER,
     clean_leftovers,
     companion,
+    directory_kind,
     listed,
     output_target,
     read_only,
@@ -137,7 +139,8 @@ class RunDirGuard(Callback):
         try:
             target = output_target(spec, key, directory=True)
             refuse_inputs(spec, target, _inputs(config), key)
-            if (around := refuse_protected(spec, target, key)) is not None:
+            around = refuse_protected(spec, target, key)
+            if around is not None and directory_kind(around) == RUN_DIR:
                 raise UserError(f"{key}={spec} is inside the run directory {around}: a sweep's directory is its own")
             refuse_ground(spec, target, key)
             if target.exists() and not target.is_dir():
@@ -187,7 +190,8 @@ def claim_run_dir(spec: str, *, resume: str, overwrite: bool, inputs, restarted:
     global _claim
     target = output_target(spec, KEY, directory=True)
     refuse_inputs(spec, target, inputs, KEY)
-    if (around := refuse_protected(spec, target, KEY)) is not None:
+    around = refuse_protected(spec, target, KEY)
+    if around is not None and directory_kind(around) == RUN_DIR:  # (a sweep's directory may hold a run of its own)
         raise UserError(f"{KEY}={spec} is inside the run directory {around}: a run's directory is its own")
     if target.exists() and not target.is_dir():
         raise UserError(f"{KEY}={spec}: {target} is a file; a run writes a directory")
