@@ -6,7 +6,7 @@ done without losing anything.
   model.dropout and model.lora.dropout in [0, 1), trainer.max_steps (-1 or >= 1), for run, plan, rerank and mine;
 - a bare `=5` override;
 - a model directory whose config.json no longer fits its weights (a changed hidden_size), a tokenizer.json of
-  `{}`, a directory without weights: training refuses them in its preflight (rerank and mine: tests/
+  `{}` (or a tokenizer transformers cannot build), a directory without weights: training refuses them in its preflight (rerank and mine: tests/
   test_hostile_inputs.py, whose damage table holds the same cases);
 - an untrained preset (model=tiny_lychee) is scored by rerank / mine teacher=reranker only when asked for
   (model.random_init=true), and trains from random weights only as its own preset, never under a model.path;
@@ -18,6 +18,7 @@ For each guard, what wrong code would still pass its test is said beside it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ from lychee_exp.core.config import to_run_config
 from lychee_exp.core.data.queries import load_queries
 from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.inputs import load_inputs
-from lychee_exp.core.model import save_reranker
+from lychee_exp.core.model import load_tokenizer, save_reranker
 from lychee_exp.core.output_lock import short_name
 from lychee_exp.job.training_job import with_model_resolved
 from lychee_exp.mine import main as mine_main
@@ -201,6 +202,16 @@ def test_training_refuses_a_damaged_model_directory_before_any_rank(saved, tmp_p
     assert proc.returncode == 2 and len(errors) == 1, output_lines(proc)
     assert f"error: model.path={model}: " + expected.format(path=model) in errors[0] and detail in errors[0], errors
     assert not (tmp_path / "run" / "logs").exists() and not (tmp_path / "run" / "model").exists()
+
+
+def test_a_tokenizer_transformers_cannot_build_is_one_line(saved, tmp_path):
+    """Files the tokenizers library is not asked about (tokenizer_config.json) still end in one line naming the
+    directory. Before: AttributeError from inside AutoTokenizer."""
+    model = shutil.copytree(saved["dir"], tmp_path / "model")
+    (model / "tokenizer_config.json").write_text("[1]")
+    cfg = dataclasses.replace(saved["cfg"], path=str(model))
+    with pytest.raises(UserError, match=f"^model.path={model}: transformers cannot build a tokenizer from {model} "):
+        load_tokenizer(cfg)
 
 
 def _inputs(tmp_path: Path, *overrides: str):
