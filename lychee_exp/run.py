@@ -71,6 +71,7 @@ def main() -> None:
     finished = False
     try:
         ctrl_c_raises()
+        check_override_keys(sys.argv[1:])
         hydra_main()
         finished = True
     except (ConfigCompositionException, OverrideParseException) as err:
@@ -110,6 +111,7 @@ def command_config(config_name: str, argv: list[str] | None, schema: type):
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
         overrides = list(sys.argv[1:] if argv is None else argv)
+        check_override_keys(overrides)
         with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
             cfg = compose(config_name, overrides=overrides)
         container = OmegaConf.to_container(cfg, resolve=True)
@@ -189,6 +191,14 @@ def stop_line(stop: KeyboardInterrupt, line: str) -> str:
 def stop_code(stop: KeyboardInterrupt) -> int:
     """The shell's exit code of the signal: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT."""
     return 128 + stop.signum if isinstance(stop, Terminated) else INTERRUPTED_EXIT
+
+
+def check_override_keys(args: list[str]) -> None:
+    """An override without a key (`=5`, `+=x`) is refused here: Hydra takes its empty key for a config group and
+    fails with a ValueError (a traceback), or suggests appending it to the defaults list."""
+    keyless = next((arg for arg in args if arg.lstrip("+~").startswith("=")), None)
+    if keyless is not None:
+        raise OverrideParseException(keyless, f"{keyless}: an override is key=value, and this one has no key")
 
 
 def composition_error(err: Exception) -> str:

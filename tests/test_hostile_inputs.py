@@ -54,6 +54,15 @@ def _no_tokenizer(model: Path) -> None:
         path.unlink()
 
 
+def _wider_config(model: Path) -> None:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] + 32}))
+
+
+def _empty_tokenizer_json(model: Path) -> None:
+    (model / "tokenizer.json").write_text("{}")
+
+
 def _later_card(model: Path) -> None:
     card = json.loads((model / CARD_FILE).read_text())
     (model / CARD_FILE).write_text(json.dumps({**card, "format_version": 7}))
@@ -67,6 +76,16 @@ DAMAGE = {
         "{key}={path}: {path}/model.safetensors.index.json names 1 missing shard(s) (model-00002-of-00002.safetensors)",
     ),
     "no-tokenizer": (_no_tokenizer, "{key}={path}: {path} has no tokenizer files (none of tokenizer.json, "),
+    # issue 51: transformers' size-mismatch RuntimeError from inside loading; AutoTokenizer's KeyError 'added_tokens'
+    "config-hidden-size": (
+        _wider_config,
+        "{key}={path}: {path}/model.safetensors does not fit {path}/config.json (model.embed_tokens.weight is "
+        "[4097, 64] in the weights, [4097, 96] by config.json's hidden_size=96)",
+    ),
+    "tokenizer-json-empty": (
+        _empty_tokenizer_json,
+        "{key}={path}: {path}/tokenizer.json is not a tokenizer (Model missing. at line 1 column 2)",
+    ),
     "card-format-version": (
         _later_card,
         "model.path: {path}/lychee_reranker.json has format_version=7; this lychee_exp reads format_version 1 ",
@@ -112,7 +131,7 @@ def test_training_from_truncated_weights_is_one_line_before_any_rank(saved_model
     assert not (tmp_path / "run" / "model").exists()
 
 
-@pytest.mark.parametrize("damage", ["config-not-json", "no-tokenizer", "card-format-version"])
+@pytest.mark.parametrize("damage", ["config-not-json", "no-tokenizer", "tokenizer-json-empty", "card-format-version"])
 def test_plan_names_a_damaged_model_directory(saved_model, tmp_path, capsys, damage):
     """plan reads config.json, the tokenizer (the prompt's width) and the card; it never reads the weights, so a
     truncated weights file is no reason to refuse a plan. Wrong code that would still pass: a plan that checks

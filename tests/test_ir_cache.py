@@ -22,7 +22,7 @@ from lychee_exp.mine import mine_command
 from lychee_exp.rerank import rerank_command
 from lychee_exp.run import command_config
 
-TINY = ["model=tiny_lychee", "top_k=6", "batch_size=8", "progress_bar=false", "split=test"]
+TINY = ["model=tiny_lychee", "model.random_init=true", "top_k=6", "batch_size=8", "progress_bar=false", "split=test"]
 OUTPUTS = ("run.trec", "metrics.json", "per_query.tsv")
 
 

@@ -131,7 +131,8 @@ def test_a_trained_reranker_as_teacher_writes_its_own_scores(tmp_path, ir_cache)
     out = tmp_path / "train.jsonl"
     register_ir_schemas()
     args = [f"dataset={root}", f"out={out}", "range_min=1", "range_max=10", "num_negatives=3", "teacher=reranker"]
-    cfg = command_config("mine", [*args, "model=tiny_lychee", "progress_bar=false"], MineConfig)
+    untrained = ["model=tiny_lychee", "model.random_init=true"]  # scored on purpose: its random weights
+    cfg = command_config("mine", [*args, *untrained, "progress_bar=false"], MineConfig)
     mine_command(cfg)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     encoder = build_encoder(cfg.model, load_tokenizer(cfg.model))

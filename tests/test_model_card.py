@@ -139,9 +139,10 @@ def test_a_directory_from_elsewhere_is_read_by_its_architectures(tmp_path):
 
 
 def test_model_path_loads_its_weights_under_a_random_init_preset(tiny_dir, tmp_path, ir_cache):
-    assert rerank_cfg("model=tiny_lychee").model.random_init  # the preset alone: random weights
-    # its own directory holds no weights: random_init stays
-    assert rerank_cfg("model=tiny_lychee", "model.path=pkg://lychee_exp.assets/tiny_qwen2").model.random_init
+    # scoring never takes the preset's random_init (conf/rerank.yaml): random weights only when asked for
+    assert not rerank_cfg("model=tiny_lychee").model.random_init
+    assert rerank_cfg("model=tiny_lychee", "model.random_init=true").model.random_init
+    assert not rerank_cfg("model=tiny_lychee", "model.path=pkg://lychee_exp.assets/tiny_qwen2").model.random_init
     cfg = rerank_cfg("model=tiny_lychee", f"model.path={tiny_dir}", "model.score=yes_logit").model
     assert cfg.random_init is False
     reranker = load_reranker(cfg, build_encoder(cfg, load_tokenizer(cfg)), seed=0)

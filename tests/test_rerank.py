@@ -21,7 +21,7 @@ from lychee_exp.rerank import main as rerank_main
 from lychee_exp.rerank import rerank_command
 from lychee_exp.run import command_config
 
-TINY = ["model=tiny_lychee", "top_k=6", "batch_size=5", "progress_bar=false", "split=test"]
+TINY = ["model=tiny_lychee", "model.random_init=true", "top_k=6", "batch_size=5", "progress_bar=false", "split=test"]
 
 
 def _rerank(root, out, *extra):

@@ -26,7 +26,7 @@ from lychee_exp.mine import main as mine_main
 from lychee_exp.rerank import rerank_command
 from lychee_exp.run import command_config
 
-TINY = ["model=tiny_lychee", "top_k=6", "batch_size=8", "progress_bar=false"]
+TINY = ["model=tiny_lychee", "model.random_init=true", "top_k=6", "batch_size=8", "progress_bar=false"]
 ZERO_ONLY = "q-apple"  # a train query, judged in test with no relevant document
 
 

@@ -31,7 +31,10 @@ MINE = ["split=train", "teacher=none", "range_min=1", "range_max=10", "num_negat
 
 
 def _command(which: str, root: Path, out: Path, *extra: str) -> list[str]:
-    return [f"dataset={root}", f"out={out}", *(RERANK if which == "rerank" else MINE), *extra]
+    # the tiny preset is untrained: rerank scores it only when asked to, unless a model.path gives weights
+    weights = which != "rerank" or any(e.startswith("model.path=") for e in extra)
+    untrained = [] if weights else ["model.random_init=true"]
+    return [f"dataset={root}", f"out={out}", *(RERANK if which == "rerank" else MINE), *untrained, *extra]
 
 
 def _run(which: str, argv: list[str], capsys, caplog) -> tuple[int, list[str]]:

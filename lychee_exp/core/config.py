@@ -36,7 +36,7 @@ from lychee_exp.core.choices import (  # noqa: F401  (Choice: re-exported, the b
     Stemmer,
     Strategy,
 )
-from lychee_exp.core.config_rules import above, at_least, check_run_config
+from lychee_exp.core.config_rules import SEED_RANGE, above, at_least, check_run_config, numbers, probability, within
 from lychee_exp.core.ir.dense import DenseConfig
 
 LYCHEE_PREFIX = "Given the instruction and query, judge whether the document is relevant to the query (yes/no)."
@@ -71,7 +71,7 @@ class LoraConfig:
     alpha: int = 32
     # LoRA's own dropout on each adapter's input. The Lychee paper does not state it; 0.05 is kept (see
     # docs/gpu_check.md: a light regulariser, the value common for LoRA on 1-2B decoders); 0 drops the masks
-    dropout: float = 0.05
+    dropout: float = probability(0.05)
     # adapter weights: auto = float32 weights (exact AdamW updates) whose matmuls run in the autocast dtype
     # (peft's cast of the input up to float32 skipped); float32 = peft's path; model = the model's dtype (bf16:
     # no casts at all, but an update smaller than the weight's bf16 spacing is lost)
@@ -93,7 +93,8 @@ class ModelConfig:
     gradient_checkpointing: Any = False
     compile_layers: bool = False  # torch.compile each decoder layer (off until measured on the GPU)
     liger_kernel: bool = False  # Liger's Triton kernels (RMSNorm, SwiGLU, RoPE) for Qwen2/Qwen3; CUDA only
-    dropout: Optional[float] = None  # overrides every dropout probability in the model's config; null = keep
+    # overrides every dropout probability in the model's config, in [0, 1); null = keep
+    dropout: Optional[float] = probability(None)
     lora: LoraConfig = field(default_factory=LoraConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
     # causal_lm relevance logit: yes_minus_no (Lychee, Qwen3-Reranker: softmax over yes/no) | yes_logit (the raw
@@ -163,8 +164,8 @@ class OptimizerConfig:
     base_batch_size: int = at_least(1, 4)  # effective batch (queries) at which lr applies
     lr_scaling: LrScaling = LrScaling.linear  # scale lr to the effective batch size
     weight_decay: float = at_least(0, 0.01)
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    betas: List[float] = numbers(2, 0, 1, [0.9, 0.999])  # AdamW's (beta1, beta2), each in [0, 1)
+    eps: float = at_least(0, 1e-8)
     scheduler: Schedule = Schedule.linear  # after warmup
     warmup_ratio: float = field(default=0.1, metadata={"min": 0, "below": 1})
     max_grad_norm: float = at_least(0, 1.0)  # 0 disables clipping
@@ -174,7 +175,7 @@ class OptimizerConfig:
 @dataclass
 class TrainerConfig:
     max_epochs: int = at_least(0, 1)
-    max_steps: int = -1  # optimizer steps; > 0 overrides max_epochs
+    max_steps: int = -1  # optimizer steps: -1 = train max_epochs, >= 1 overrides max_epochs (config_rules)
     eval_every: int = at_least(0, 0)  # optimizer steps between dev evaluations; 0 = after each epoch only
     evaluate: bool = True  # false: train only (throughput calibration and benchmarks)
     # observed speedup over one device (lychee_exp.tracking.speedup): a multi-device run without a cached one-device
@@ -247,7 +248,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    seed: int = 42
+    seed: int = within(*SEED_RANGE, 42)  # what numpy's seeding accepts
     gpus: Any = "auto"  # an int, or auto (all visible GPUs; without CUDA, CPU ranks for the cores)
     optimized_metric: Metric = Metric["ndcg@10"]  # type: ignore[valid-type]
     output_dir: str = MISSING

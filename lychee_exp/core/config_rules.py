@@ -27,6 +27,25 @@ def above(low: float, default: Any) -> Any:
     return field(default=default, metadata={"above": low})
 
 
+def within(low: float, high: float, default: Any) -> Any:
+    """A field whose value must be in [low, high]."""
+    return field(default=default, metadata={"min": low, "max": high})
+
+
+def probability(default: Any) -> Any:
+    """A field that is a probability of dropping something: in [0, 1) (1 would drop everything)."""
+    return field(default=default, metadata={"min": 0, "below": 1})
+
+
+def numbers(count: int, low: float, below: float, default: list) -> Any:
+    """A list field of exactly `count` numbers, each in [low, below)."""
+    return field(default_factory=lambda: list(default), metadata={"length": count, "min": low, "below": below})
+
+
+# what numpy's and Python's seeding accept (numpy: 0 .. 2**32 - 1)
+SEED_RANGE = (0, 2**32 - 1)
+
+
 def check_run_config(run_cfg: Any) -> None:
     """A core.config.RunConfig's bounds and cross-field rules; raises UserError naming the key."""
     check_bounds(run_cfg, "")
@@ -61,10 +80,10 @@ def _check_mix(data: Any) -> None:  # a core.config.DataConfig
 
 
 def _check_trainer(trainer: Any) -> None:  # a core.config.TrainerConfig
-    if trainer.max_steps < -1:  # -1 and 0 both mean "no step limit": max_epochs decides
+    if trainer.max_steps == 0 or trainer.max_steps < -1:  # 0 steps is not a run: never "an epoch" in disguise
         raise UserError(f"trainer.max_steps must be -1 (train max_epochs) or >= 1, got {trainer.max_steps}")
-    if trainer.max_steps <= 0 and trainer.max_epochs < 1:
-        raise UserError("trainer.max_epochs must be >= 1 when trainer.max_steps <= 0")
+    if trainer.max_steps == -1 and trainer.max_epochs < 1:
+        raise UserError("trainer.max_epochs must be >= 1 when trainer.max_steps=-1")
     resume = str(trainer.resume)
     if resume in ("never", "auto"):
         return
@@ -121,21 +140,31 @@ def _check_token_budget(cfg: Any) -> None:  # a core.config.RunConfig
 
 
 def check_bounds(node: Any, prefix: str) -> None:
-    """The bounds that at_least/above/... fields declare, over a dataclass and its nested ones."""
+    """The bounds that at_least/above/numbers/... fields declare, over a dataclass and its nested ones."""
     for f in dataclasses.fields(node):
         value, key = getattr(node, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             check_bounds(value, f"{key}.")
         elif value is None:  # an optional key left unset
             continue
-        elif "min" in f.metadata and not value >= f.metadata["min"]:
-            raise UserError(f"{key} must be >= {f.metadata['min']}, got {value}")
-        elif "above" in f.metadata and not value > f.metadata["above"]:
-            raise UserError(f"{key} must be > {f.metadata['above']}, got {value}")
-        elif "below" in f.metadata and not value < f.metadata["below"]:
-            raise UserError(f"{key} must be < {f.metadata['below']}, got {value}")
-        elif "max" in f.metadata and not value <= f.metadata["max"]:
-            raise UserError(f"{key} must be <= {f.metadata['max']}, got {value}")
+        elif isinstance(value, (list, tuple)):
+            if "length" in f.metadata and len(value) != f.metadata["length"]:
+                raise UserError(f"{key} must hold {f.metadata['length']} values, got {list(value)}")
+            for index, item in enumerate(value):
+                _check_bound(f.metadata, item, f"{key}[{index}]")
+        else:
+            _check_bound(f.metadata, value, key)
+
+
+def _check_bound(bounds: Any, value: Any, key: str) -> None:
+    if "min" in bounds and not value >= bounds["min"]:
+        raise UserError(f"{key} must be >= {bounds['min']}, got {value}")
+    if "above" in bounds and not value > bounds["above"]:
+        raise UserError(f"{key} must be > {bounds['above']}, got {value}")
+    if "below" in bounds and not value < bounds["below"]:
+        raise UserError(f"{key} must be < {bounds['below']}, got {value}")
+    if "max" in bounds and not value <= bounds["max"]:
+        raise UserError(f"{key} must be <= {bounds['max']}, got {value}")
 
 
 def _check_template(template: str) -> None:

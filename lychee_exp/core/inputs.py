@@ -19,8 +19,7 @@ from lychee_exp.core.data.groups import DevPairs, build_dev_pairs
 from lychee_exp.core.data.queries import RankingQuery, check_negatives, check_teacher_scores, load_queries
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.training import BeirDev, beir_dev, beir_train_file, dataset_files, dev_rerank_pairs
-from lychee_exp.core.model import answer_token_ids, build_encoder, load_tokenizer, model_dir
-from lychee_exp.core.model_files import check_weights
+from lychee_exp.core.model import answer_token_ids, build_encoder, check_model_weights, load_tokenizer
 from lychee_exp.core.prompt import PromptEncoder
 from lychee_exp.core.resources import resolve_path
 
@@ -71,8 +70,8 @@ def load_inputs(cfg: RunConfig, warn_unknown: bool = True) -> RunInputs:
             f"{data.dev_file} query {unscored.qid!r} has no pos_scores/neg_scores (add them, or data.teacher_weight=0)"
         )
     tokenizer = load_tokenizer(cfg.model)
-    if not cfg.model.random_init:  # the ranks load the weights: a damaged file is one line here, before they start
-        check_weights(model_dir(cfg.model), f"model.path={cfg.model.path}")
+    if not cfg.model.random_init:  # the ranks load the weights: missing or damaged ones are one line here, first
+        check_model_weights(cfg.model)
     encoder = build_encoder(cfg.model, tokenizer)
     answer_token_ids(cfg.model, encoder)  # yes/no must each be one token: one line naming the key, else
     _last = (key, RunInputs(train, dev, tokenizer, encoder, dev_rerank=dev_rerank))

@@ -10,6 +10,7 @@ one logit that plays the same role. Losses and rankings use this logit; `probabi
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +27,10 @@ from lychee_exp.core.bi_encoder import (
 )
 from lychee_exp.core.choices import ModelKind, Pooling
 from lychee_exp.core.config import ModelConfig
-from lychee_exp.core.errors import UserError
+from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.model_card import ADAPTER_DIR, has_weights, new_head_allowed, write_card
-from lychee_exp.core.model_files import check_config_json, check_tokenizer_files, check_weights
+from lychee_exp.core.model_files import check_config_json, check_tokenizer_files, check_weights, match_umask
+from lychee_exp.core.outputs import STAGING, clean_leftovers, companion, move_into_place
 from lychee_exp.core.packed_encoder import score_packed_encoder
 from lychee_exp.core.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX, packed_attention
 from lychee_exp.core.pair_prompt import PairEncoder, pair_max_len, token_types
@@ -160,7 +162,14 @@ def load_tokenizer(cfg: ModelConfig):
 
     path = model_dir(cfg)
     check_tokenizer_files(path, f"model.path={cfg.path}")
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # a damaged tokenizer_config.json, ...
+        text = str(err).strip().splitlines()
+        raise UserError(
+            f"model.path={cfg.path}: transformers cannot build a tokenizer from {path} "
+            f"({type(err).__name__}: {text[0] if text else ''})"
+        ) from None
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
         raise UserError(f"model.path={cfg.path}: the tokenizer has neither a pad nor an eos token to pad with")
     return tokenizer
@@ -177,6 +186,19 @@ def model_dir(cfg: ModelConfig) -> Path:
         raise UserError(f"model.path={cfg.path}: {path} has no config.json (expected a transformers model directory)")
     check_config_json(path, f"model.path={cfg.path}")
     return path
+
+
+def check_model_weights(cfg: ModelConfig) -> None:
+    """model.path holds whole weights that fit its config.json (unless random_init asks for none): one line
+    naming the directory, never training or scoring from weights that were never there."""
+    path = model_dir(cfg)
+    if not has_weights(path):
+        raise UserError(
+            f"model.path={cfg.path}: no weights in {path} (no *.safetensors or *.bin): give a directory holding a "
+            "model's weights (a run's <run>/model), or set model.random_init=true to initialise this architecture "
+            "from scratch"
+        )
+    check_weights(path, f"model.path={cfg.path}")
 
 
 def build_encoder(cfg: ModelConfig, tokenizer) -> PromptEncoder:
@@ -221,12 +243,7 @@ def load_reranker(
     if cfg.random_init:
         backbone = auto_cls.from_config(config, **kwargs)
     else:
-        if not has_weights(Path(path)):
-            raise UserError(
-                f"model.path={cfg.path}: no weights in {path} (set model.random_init=true to "
-                "initialise this architecture from scratch)"
-            )
-        check_weights(Path(path), f"model.path={cfg.path}")
+        check_model_weights(cfg)
         backbone, report = auto_cls.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
         _check_loaded(cfg, report, training)
     if packing and set(getattr(backbone.config, "layer_types", None) or []) - {"full_attention"}:
@@ -291,10 +308,33 @@ def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path
     """Saves a plain transformers model (LoRA merged in) plus tokenizer and the model card (core.model_card),
     loadable with model.path=out_dir; a LoRA run also keeps its peft adapter in out_dir/adapter, whose
     base_model_name_or_path is the directory training started from. `ranking`: how the run ranked its dev set
-    beyond the model's own scores (a teacher mix, core.ir.fusion), recorded for rerank."""
+    beyond the model's own scores (a teacher mix, core.ir.fusion), recorded for rerank.
+
+    Written whole or not at all: into a hidden directory beside out_dir, moved into place once complete
+    (core.outputs.move_into_place: an earlier out_dir, a resumed run's, stays until then). Every file gets the
+    permissions of the user's umask. A write that fails (a full disk) removes the hidden directory and is one line
+    (RunFailed)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(out_dir)  # a save killed before it could (SIGKILL): its hidden directory, or the set-aside model
+    staging = companion(out_dir, STAGING)
+    kept = f"{out_dir} left as it was" if out_dir.exists() else "nothing written there"
+    try:
+        staging.mkdir(mode=0o777)  # minus the umask, as out_dir would have been made
+        _write_reranker(reranker, tokenizer, cfg, staging, ranking)
+        match_umask(staging)
+        move_into_place(staging, out_dir, directory=True)
+    except BaseException as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        # the Rust writers (safetensors, tokenizers) put the OS error in their text: "... (os error 28)"
+        if isinstance(err, OSError) or (isinstance(err, Exception) and "(os error " in str(err)):
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+            raise RunFailed(f"saving the model to {out_dir} failed: {reason}; {kept}", "crashed") from err
+        raise
+
+
+def _write_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path, ranking: dict | None) -> None:
     from peft import PeftModel
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     backbone = reranker.backbone
     base = None if cfg.random_init else str(model_dir(cfg).resolve())
     adapter = isinstance(backbone, PeftModel)

@@ -11,7 +11,10 @@ from `model.path=` need no preset:
 - a directory without a card (a model from elsewhere) is read by its config.json `architectures`:
   `*ForSequenceClassification` is a cross-encoder fed text pairs, `*ForCausalLM` a yes/no causal LM, unless a
   preset was given; a sequence classifier under a causal-LM preset is one line;
-- a preset's `random_init` applies only when the user gave no `model.path` holding weights.
+- a preset's `random_init` applies only when the user gave no `model.path`: an explicit one means its weights
+  (`model.random_init=true` asks for random ones), and a directory without any is one line before training;
+- `rerank` and `mine` never take a preset's `random_init` (conf/rerank.yaml, conf/mine.yaml): scoring with an
+  untrained model is one line unless `model.random_init=true` asks for it.
 
 `check_trained_head` (before any process starts) and `new_head_allowed` (load_reranker's loading report) keep a
 freshly initialised head from ever scoring: only training from a base model that is not a reranker of the kind
@@ -245,15 +248,16 @@ def resolve_model(composed: dict, given: ModelChoice) -> dict:
             except (KeyError, TypeError):
                 continue  # a key the schema refuses: composing has said so already
     resolved["path"] = composed["path"]
-    if not given.gave("random_init") and has_weights(path):
-        resolved["random_init"] = False  # model.path always loads its weights
+    if not given.gave("random_init"):
+        resolved["random_init"] = False  # model.path means its weights: random ones only when asked for
     return resolved
 
 
 def check_trained_head(cfg: ModelConfig) -> None:
     """Before scoring (rerank, mine's teacher): the directory must hold a trained head of cfg.kind, as its card
     or its architectures say, in whole weights files; else the head would be freshly initialised, or the ranks
-    would fail on the file. random_init scores a random model: never under the name of a directory of weights."""
+    would fail on the file. random_init scores a random model: never under the name of a directory of weights,
+    and without weights only when asked for (model.random_init=true: a preset's does not apply to scoring)."""
     path = _directory(cfg.path)
     if path is None:
         return
@@ -264,6 +268,12 @@ def check_trained_head(cfg: ModelConfig) -> None:
                 "random model under that directory's name; leave out model.random_init to score its weights"
             )
         return
+    if not has_weights(path):
+        raise UserError(
+            f"model.path={cfg.path} holds no weights ({cfg.name} is untrained): it would score with random weights; "
+            "give a trained model with model.path=<run>/model (a training run's saved model), or set "
+            "model.random_init=true to score an untrained model on purpose"
+        )
     card = read_card(path)
     kind, architectures = architecture_kind(path)
     described = card["kind"] if card else kind

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lychee_exp.core.atomic import write_text_atomic
+from lychee_exp.core.model_files import match_umask
 from lychee_exp.core.sharding import is_sharded
 from lychee_exp.recipe.progress import Progress
 from lychee_exp.recipe.sharded_checkpoint import has_shards, load_shards, save_shards
@@ -96,6 +97,7 @@ def save_checkpoint(output_dir: Path, step: int, model: torch.nn.Module | None, 
         save_file(trainable_state(model), str(tmp / "model.safetensors"))
         written.append("model.safetensors")
     torch.save(state, tmp / "state.pt")
+    match_umask(tmp)  # safetensors writes 0600: the run's other files follow the user's umask
     for name in written:
         with open(tmp / name, "rb") as handle:
             os.fsync(handle.fileno())

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import sys
 from dataclasses import dataclass, field
 
 from lychee_exp.core.errors import UserError
@@ -22,6 +24,7 @@ log = logging.getLogger(__name__)
 
 KNOWN_KEYS = {"query", "pos", "neg", "prompt", "instruction", "pos_scores", "neg_scores", "pos_labels", "qid"}
 KNOWN_KEYS |= {"pos_ids", "neg_ids"}  # document ids, written by lychee_exp.mine (read by nothing here)
+_LARGEST = sys.float_info.max
 
 
 @dataclass
@@ -122,6 +125,11 @@ def _numbers(record: dict, name: str, docs: list[str], where: str, kind: type) -
     )
     if not isinstance(values, list) or not all(ok(v) for v in values):
         raise UserError(f"{where}: '{name}' must be a list of {'integers' if kind is int else 'numbers'}")
+    # json reads NaN and Infinity (and ints too large for a float): a NaN teacher score silently turns distillation
+    # and the teacher's figures off
+    unusable = next((v for v in values if (not math.isfinite(v) if isinstance(v, float) else abs(v) > _LARGEST)), None)
+    if unusable is not None:
+        raise UserError(f"{where}: '{name}' must hold finite numbers, got {json.dumps(unusable)}")
     if len(values) != len(docs):
         docs_key = name.split("_")[0]
         raise UserError(f"{where}: '{name}' has {len(values)} values but '{docs_key}' has {len(docs)} documents")

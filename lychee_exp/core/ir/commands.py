@@ -14,7 +14,7 @@ from omegaconf import MISSING
 
 from lychee_exp.core.choices import Precision, RankBy, Sampling, Stemmer
 from lychee_exp.core.config import ModelConfig, ParallelConfig
-from lychee_exp.core.config_rules import at_least, check_bounds
+from lychee_exp.core.config_rules import SEED_RANGE, at_least, check_bounds, within
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.ir.dense import DEFAULT_ENCODER, DenseConfig
 from lychee_exp.core.ir.first_stage import RUN_PREFIX, check_stage
@@ -60,7 +60,7 @@ class MineConfig:
     margin: Optional[float] = None  # alias of absolute_margin (older commands)
     relative_margin: Optional[float] = None
     max_score: Optional[float] = None
-    seed: int = 42
+    seed: int = within(*SEED_RANGE, 42)
     progress_bar: bool = True
 
 
@@ -83,7 +83,7 @@ class RerankConfig:
     # (or fp16) on GPUs, bf16 on CPUs that compute it natively, else fp32; fp32 for scores to the last digit
     precision: Precision = Precision.auto
     instruction: Optional[str] = None  # overrides model.prompt.default_instruction
-    seed: int = 42
+    seed: int = within(*SEED_RANGE, 42)
     progress_bar: bool = True
     tag: str = "lychee_exp"  # the run file's tag column
     # run.trec ranks by the model's scores mixed with the teacher's (dense.model's bi-encoder), each standardised
