@@ -6,8 +6,8 @@ done without losing anything.
   model.dropout and model.lora.dropout in [0, 1), trainer.max_steps (-1 or >= 1), for run, plan, rerank and mine;
 - a bare `=5` override;
 - a model directory whose config.json no longer fits its weights (a changed hidden_size), a tokenizer.json of
-  `{}` (or a tokenizer transformers cannot build), a directory without weights: training refuses them in its preflight (rerank and mine: tests/
-  test_hostile_inputs.py, whose damage table holds the same cases);
+  `{}` (or a tokenizer transformers cannot build), a directory without weights: training refuses them in its
+  preflight (rerank and mine: tests/test_hostile_inputs.py, whose damage table holds the same cases);
 - an untrained preset (model=tiny_lychee) is scored by rerank / mine teacher=reranker only when asked for
   (model.random_init=true), and trains from random weights only as its own preset, never under a model.path;
 - NaN or infinite teacher scores in a data file, named by file and line;
