@@ -30,7 +30,7 @@ from lychee_exp.core.config import ModelConfig
 from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.model_card import ADAPTER_DIR, has_weights, new_head_allowed, write_card
 from lychee_exp.core.model_files import check_config_json, check_tokenizer_files, check_weights, match_umask
-from lychee_exp.core.outputs import STAGING, clean_leftovers, companion, move_into_place
+from lychee_exp.core.outputs import STAGING, clean_leftovers, companion, move_into_place, no_interrupts
 from lychee_exp.core.packed_encoder import score_packed_encoder
 from lychee_exp.core.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX, packed_attention
 from lychee_exp.core.pair_prompt import PairEncoder, pair_max_len, token_types
@@ -322,7 +322,8 @@ def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path
         staging.mkdir(mode=0o777)  # minus the umask, as out_dir would have been made
         _write_reranker(reranker, tokenizer, cfg, staging, ranking)
         match_umask(staging)
-        move_into_place(staging, out_dir, directory=True)
+        with no_interrupts():  # a half-done swap is the one state that could lose the earlier model/
+            move_into_place(staging, out_dir, directory=True)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
         # the Rust writers (safetensors, tokenizers) put the OS error in their text: "... (os error 28)"

@@ -161,10 +161,10 @@ def staged_output(
         staging = _companion(target, STAGING, spec, key)
         try:
             yield staging if directory else staging / target.name
-            with _no_interrupts():
+            with no_interrupts():
                 move_into_place(staging, target, directory)
         except OSError as err:
-            with _no_interrupts():
+            with no_interrupts():
                 shutil.rmtree(staging, ignore_errors=True)
             if storage_error(err) is None:
                 raise
@@ -172,12 +172,12 @@ def staged_output(
         except RunFailed:
             # a failed DDP run's one line names a rank log inside the staging directory: keep the logs for it
             # (the next command on this out= removes them: their owner is gone)
-            with _no_interrupts():
+            with no_interrupts():
                 if not any(staging.iterdir()):
                     staging.rmdir()
             raise
         except BaseException:
-            with _no_interrupts():
+            with no_interrupts():
                 shutil.rmtree(staging, ignore_errors=True)
             raise
 
@@ -388,7 +388,7 @@ def move_into_place(staging: Path, target: Path, directory: bool) -> None:
 
 
 @contextlib.contextmanager
-def _no_interrupts() -> Iterator[None]:
+def no_interrupts() -> Iterator[None]:
     """Ctrl-C and the stop signals are ignored while results move into place or a temporary directory is deleted (a
     half-done move is the one state that could lose results). Only the main thread can change signal handlers."""
     if threading.current_thread() is not threading.main_thread():
