@@ -58,10 +58,10 @@ def earlier_bench(out: Path) -> Path:
 
 
 def interrupt(
-    cmd: list[str], ready: Callable[[str], bool], sig: int = signal.SIGINT, cwd: Path | None = None
+    cmd: list[str], ready: Callable[[str, int], bool], sig: int = signal.SIGINT, cwd: Path | None = None
 ) -> tuple[int, str]:
     """Runs cmd in a process group of its own and sends sig to the whole group, as a terminal's Ctrl-C does, once
-    ready(what it printed so far) holds; its exit status and everything it printed. Asserts that no process of
+    ready(what it printed so far, its pid) holds; its exit status and everything it printed. Asserts that no process of
     the group outlives it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryFile("w+") as log:
@@ -70,7 +70,7 @@ def interrupt(
         try:
             while True:
                 log.seek(0)
-                if ready(log.read()):
+                if ready(log.read(), proc.pid):
                     break
                 assert proc.poll() is None, f"ended before it was interrupted:\n{log.read()[-3000:]}"
                 assert time.monotonic() < deadline, "never got ready"
@@ -313,12 +313,29 @@ def test_a_stopped_benchmark_leaves_its_earlier_out_as_it_was(tmp_path, sig, cod
     exit status, the earlier --out byte for byte, no staging directory, no rank left."""
     out = earlier_bench(tmp_path / "bench")
     before = tree(tmp_path)
-    started = lambda _: bool(list(tmp_path.glob(".bench.*.tmp-*/devices_1")))  # noqa: E731
+    started = lambda printed, pid: bool(list(tmp_path.glob(".bench.*.tmp-*/devices_1")))  # noqa: E731
     cmd = [sys.executable, "-m", "lychee_exp.bench", *CHEAP_BENCH, "--out", str(out), "--overwrite"]
     status, output = interrupt(cmd, started, sig, cwd=tmp_path)
     assert status == code and said(output) == [f"{words}; {out} left as it was"], output
     assert "Traceback" not in output
     assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["lychee_exp.bench", *CHEAP_BENCH], ["lychee_exp.report", "runs"], ["lychee_exp.bench.gpu_check", "--tiny"]],
+    ids=["bench", "report", "gpu_check"],
+)
+def test_ctrl_c_while_a_command_still_imports_is_one_line(tmp_path, command):
+    """Ctrl-C once numpy is loaded: lychee_exp/__init__ has run, the command's main has not (torch and matplotlib
+    take seconds more). One line, exit 130, nothing written (before: a KeyboardInterrupt traceback)."""
+
+    def importing(_: str, pid: int) -> bool:
+        return "_multiarray_umath" in Path(f"/proc/{pid}/maps").read_text()
+
+    code, output = interrupt([sys.executable, "-m", *command, "--out", str(tmp_path / "out")], importing, cwd=tmp_path)
+    assert code == 130 and len(said(output)) == 1 and said(output)[0].startswith("interrupted"), output
+    assert "Traceback" not in output and list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------------------ core.cli

@@ -233,7 +233,7 @@ def test_ctrl_c_leaves_the_earlier_report_and_no_temporary_files(tmp_path, monke
     scratch.mkdir()
     monkeypatch.setenv("TMPDIR", str(scratch))
     cmd = [sys.executable, "-m", "lychee_exp.bench.gpu_check", "--tiny", "--out", str(out)]
-    code, output = interrupt(cmd, lambda printed: "gpu_check: weights: PASS" in printed, cwd=REPO_ROOT)
+    code, output = interrupt(cmd, lambda printed, pid: "gpu_check: weights: PASS" in printed, cwd=REPO_ROOT)
     lines = output.splitlines()
     assert code == 130 and lines[-1] == f"gpu_check: interrupted; {out} left as it was", output[-3000:]
     assert "Traceback" not in output and not [line for line in lines if "error" in line.lower()], output[-3000:]

@@ -345,7 +345,7 @@ def test_a_stopped_report_is_one_line_and_keeps_the_earlier_page(one_run, tmp_pa
     os.mkfifo(fifo)
     writer: list[int] = []
 
-    def reading(_: str) -> bool:
+    def reading(printed: str, pid: int) -> bool:
         try:
             writer.append(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO until a reader has it open
         except OSError:
