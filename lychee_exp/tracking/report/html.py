@@ -20,11 +20,21 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from lychee_exp.core.cli import command_main
-from lychee_exp.core.errors import UserError
 from lychee_exp.core.outputs import POLICY_LINE, interrupted_line
 from lychee_exp.tracking.keys import num_devices
 from lychee_exp.tracking.report import plots
-from lychee_exp.tracking.report.data import Found, Run, Table, argmax, best_row, best_trial, config_value, find, fmt
+from lychee_exp.tracking.report.data import (
+    Found,
+    Run,
+    Table,
+    argmax,
+    best_row,
+    best_trial,
+    config_value,
+    find,
+    fmt,
+    report_root,
+)
 from lychee_exp.tracking.report.output import GENERATOR_TAG, page_output
 
 CSS = """
@@ -233,9 +243,7 @@ def build(root: Path | str, out: Path | str | None = None, title: str | None = N
     """Writes the page to out (default <root>/report.html), kept as the user spelled it: `dir/` or '' is refused
     in one line, not read as `dir` or as the default. A browser reloading the page, or a second report, never sees
     half a file; nothing the user has is replaced."""
-    root = Path(root)
-    if not root.is_dir():  # before out= is checked: its default lies inside root, which must not be created
-        raise UserError(f"{root}: no such directory")
+    root = report_root(root)  # before --out is checked: its default lies inside root, which must not be created
     spec = page_spec(root, out)
     with page_output(spec, root, overwrite) as staged:
         staged.write_text(render(find(root), root.resolve(), title), encoding="utf-8")
