@@ -361,3 +361,21 @@ def test_a_stopped_report_is_one_line_and_keeps_the_earlier_page(one_run, tmp_pa
     assert status == code and output == f"{words}; {tmp_path / 'page.html'} left as it was\n", output
     assert (tmp_path / "page.html").read_bytes() == page
     assert sorted(p.name for p in tmp_path.iterdir()) == ["page.html", "runs"]  # no staging, no lock
+
+
+@pytest.mark.parametrize("name", ["config.json", "page.html"])
+def test_overwrite_never_reaches_inside_a_model_directory(tmp_path, capsys, name):
+    """`--out <run>/model/config.json --overwrite` (a file the report does not read) or a new file there: refused in
+    one line, the model byte for byte. --overwrite replaces a file, never part of a model (docs/outputs.md)."""
+    from test_bench_outputs import tree
+
+    run = tmp_path / "runs" / "r1"
+    write_run(run, {"ndcg@10": 0.5}, config={"seed": 1})
+    (run / "model").mkdir()
+    (run / "model" / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 64}\n')
+    (run / "model" / "model.safetensors").write_bytes(b"weights")
+    before = tree(tmp_path)
+    target = run / "model" / name
+    code, printed, errors = report_main(capsys, str(tmp_path / "runs"), "--out", str(target), "--overwrite")
+    assert code == 2 and printed == [] and len(errors) == 1 and errors[0].startswith(f"error: --out={target}"), errors
+    assert tree(tmp_path) == before
