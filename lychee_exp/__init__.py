@@ -9,14 +9,21 @@ import signal as _signal
 import sys as _sys
 
 _COMMANDS = ("run", "mine", "rerank")  # the entry points a user starts: python -m lychee_exp.<name>, lychee-<name>
+# started as python -m lychee_exp.<name> only; each main hands Ctrl-C back through core.cli.command_main
+_MODULE_COMMANDS = (
+    "report",
+    "dashboard",
+    "bench",
+    *(f"bench.{name}" for name in ("gpu_check", "peers", "own_batching", "sweep_overhead", "sweep_throughput")),
+)
 
 
 def _started_as_command() -> bool:
     argv = getattr(_sys, "orig_argv", [])
     module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
-    return module in {f"lychee_exp.{c}" for c in _COMMANDS} or _os.path.basename(_sys.argv[0]) in {
-        f"lychee-{c}" for c in _COMMANDS
-    }
+    return module in {f"lychee_exp.{c}" for c in (*_COMMANDS, *_MODULE_COMMANDS)} or _os.path.basename(
+        _sys.argv[0]
+    ) in {f"lychee-{c}" for c in _COMMANDS}
 
 
 def _interrupted_while_starting(signum, frame) -> None:
@@ -26,8 +33,9 @@ def _interrupted_while_starting(signum, frame) -> None:
 
 
 # Ctrl-C, one line and exit 130, never a traceback:
-# - a command (run, mine, rerank) spends seconds importing torch and transformers before its main() can catch
-#   KeyboardInterrupt: until main() hands Ctrl-C back (signal.default_int_handler), it ends the process here.
+# - a command (run, mine, rerank, report, a benchmark) spends seconds importing torch and transformers before its
+#   main() can catch KeyboardInterrupt: until main() hands Ctrl-C back (signal.default_int_handler), it ends the
+#   process here.
 # - a DDP rank that launch.launcher.run_ranks is starting (it sets the variable): Ctrl-C reaches every process of
 #   the terminal's group, and the launcher forwards it too. The rank ends at once, silently, also while it imports;
 #   the launcher stops the others and says the one line.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Callable
@@ -23,8 +22,9 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lychee_exp.core.cli import INTERRUPTED, command_main, ctrl_c_raises, stop_code, stop_line
 from lychee_exp.core.config import register_schema
-from lychee_exp.core.errors import STOP_SIGNALS, RunFailed, Terminated, UserError
+from lychee_exp.core.errors import RunFailed, UserError
 from lychee_exp.core.model_card import model_choice, resolve_model
 from lychee_exp.core.outputs import storage_error, storage_line
 from lychee_exp.job.context import in_sweep, run_stamp
@@ -33,7 +33,6 @@ log = logging.getLogger("lychee_exp")
 
 # absolute: `lychee-run` imports this module by name, and Hydra would read a relative path as a python package
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-INTERRUPTED, INTERRUPTED_EXIT = "interrupted (Ctrl-C)", 130  # 128 + SIGINT, as a shell reports it
 
 register_schema()
 OmegaConf.register_new_resolver("lychee_stamp", run_stamp, use_cache=True, replace=True)
@@ -143,54 +142,17 @@ def command_help(config_name: str) -> str:
 
 def run_output_command(config_name: str, argv: list[str] | None, schema: type, command: Callable) -> None:
     """A command that writes into its `out=` (mine, rerank): its typed config, then command(cfg); a user mistake
-    or a failed run ends as one line, and Ctrl-C as one line saying what `out=` was left as."""
+    or a failed run ends as one line, and Ctrl-C as one line saying what `out=` was left as (core.cli)."""
     from lychee_exp.core.outputs import interrupted_line
 
     cfg = command_config(config_name, argv, schema)
-    try:
-        ctrl_c_raises()
+
+    def write() -> None:  # what the command returns (its summary) is no exit status
         command(cfg)
-    except (UserError, RunFailed) as err:
-        fail_as_one_line(err)
-    except KeyboardInterrupt as stop:
-        log.error("%s", stop_line(stop, interrupted_line(cfg.out)))
-        sys.exit(stop_code(stop))
-    except OSError as err:  # the storage failed outside out= (a cache, a rank's log): one line
-        if storage_error(err) is None:
-            raise
-        fail_as_one_line(RunFailed(storage_line(err), "crashed"))
 
-
-def fail_as_one_line(err: Exception) -> None:
-    """A command's user mistake (exit 2) or failed run (exit 1), as one line."""
-    log.error("error: %s", err)
-    sys.exit(2 if isinstance(err, UserError) else 1)
-
-
-def ctrl_c_raises() -> None:
-    """From here on Ctrl-C raises KeyboardInterrupt and SIGTERM, SIGHUP or SIGQUIT Terminated (a KeyboardInterrupt),
-    which the command turns into its one line after cleaning up (until now lychee_exp/__init__ ended the process at
-    once: nothing was written yet). A signal ignored since the start stays ignored (nohup: SIGHUP)."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for signum in STOP_SIGNALS:
-        if signal.getsignal(signum) is not signal.SIG_IGN:
-            signal.signal(signum, _raise_terminated)
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated(signum)
-
-
-def stop_line(stop: KeyboardInterrupt, line: str) -> str:
-    """The one line of Ctrl-C, or of a stop signal (the same words, naming the signal: `terminated (SIGHUP)`)."""
-    if not isinstance(stop, Terminated):
-        return line
-    return f"terminated ({stop.name})" + line.removeprefix(INTERRUPTED).removeprefix("interrupted")
-
-
-def stop_code(stop: KeyboardInterrupt) -> int:
-    """The shell's exit code of the signal: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT."""
-    return 128 + stop.signum if isinstance(stop, Terminated) else INTERRUPTED_EXIT
+    code = command_main(write, lambda: interrupted_line(cfg.out), say=lambda line: log.error("%s", line))
+    if code:
+        sys.exit(code)
 
 
 def check_override_keys(args: list[str]) -> None:

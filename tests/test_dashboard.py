@@ -1,5 +1,7 @@
 """The W&B workspace definition (python -m lychee_exp.dashboard): built offline and inspected as the JSON that
---save would upload; no network is touched."""
+--save would upload; no network is touched. Its --dry-run file by the output policy of every command (an earlier
+definition refreshed, anything else kept; a path naming no file and a full disk are one line). And W&B's own
+files: WANDB_MODE=disabled writes none."""
 
 from __future__ import annotations
 
@@ -182,3 +184,109 @@ def test_panels_read_keys_that_a_real_run_records(spec, recorded_run):
     assert not missing, f"panels read keys the run never recorded: {missing}"
     curves = {key for key in history if key.startswith(("train/", "dev/"))}
     assert curves and not curves - used, f"recorded but on no panel: {sorted(curves - used)}"
+
+
+# ----------------------------------------------------------------------- --dry-run by the output policy of commands
+def dashboard(capsys, *args: str) -> tuple[int, list[str], list[str]]:
+    """`python -m lychee_exp.dashboard --entity e --project p <args>` in this process: status, stdout, stderr."""
+    code = wandb_workspace.main(["--entity", "e", "--project", "p", *args])
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), [line for line in err.splitlines() if line.strip()]
+
+
+CORPUS = '{"_id": "d1", "text": "the user\'s document"}\n'
+
+
+def test_dry_run_replaces_its_own_definition_and_nothing_else_without_overwrite(tmp_path, capsys, no_network):
+    """An earlier definition (recognised by its content) is refreshed without a flag; a user's file, JSON or not,
+    is refused in one line and left byte for byte, and replaced only with --overwrite. Wrong code that would
+    still pass: recognising any JSON object (the foreign JSON below is one)."""
+    out = tmp_path / "workspace.json"
+    assert dashboard(capsys, "--dry-run", str(out)) == (0, [str(out)], [])
+    assert dashboard(capsys, "--dry-run", str(out), "--name", "renamed") == (0, [str(out)], [])
+    assert json.loads(out.read_text())["displayName"] == "renamed"
+    for name, text in (("corpus.jsonl", CORPUS), ("settings.json", '{"entity": "e", "project": "p"}\n')):
+        mine = tmp_path / name
+        mine.write_text(text)
+        code, printed, errors = dashboard(capsys, "--dry-run", str(mine))
+        assert code == 2 and printed == [] and len(errors) == 1, errors
+        assert errors[0] == f"error: --dry-run={mine} already holds results ({name}): set --overwrite to replace them"
+        assert mine.read_text() == text
+    assert dashboard(capsys, "--dry-run", str(tmp_path / "settings.json"), "--overwrite")[0] == 0
+    assert "spec" in json.loads((tmp_path / "settings.json").read_text())
+
+
+def test_dry_run_never_replaces_a_dataset_file_even_with_overwrite(tmp_path, capsys, no_network):
+    from test_bench_outputs import tree
+
+    dataset = tmp_path / "fruit"
+    (dataset / "qrels").mkdir(parents=True)
+    (dataset / "corpus.jsonl").write_text(CORPUS)
+    (dataset / "queries.jsonl").write_text('{"_id": "q1", "text": "apple"}\n')
+    (dataset / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
+    before = tree(tmp_path)
+    for target in (dataset / "corpus.jsonl", dataset / "qrels" / "test.tsv"):
+        code, printed, errors = dashboard(capsys, "--dry-run", str(target), "--overwrite")
+        assert code == 2 and printed == [] and len(errors) == 1 and errors[0].startswith(f"error: --dry-run={target}")
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [("", "--dry-run= is empty"), ("{t}/out/", "ends with '/'"), ("{t}/" + "w" * 300 + ".json", "")],
+    ids=["empty", "trailing-slash", "name-too-long"],
+)
+def test_a_dry_run_path_naming_no_file_is_one_line(tmp_path, capsys, no_network, spec, expected):
+    spec = spec.format(t=tmp_path)
+    code, printed, errors = dashboard(capsys, "--dry-run", spec)
+    assert code == 2 and printed == [] and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: --dry-run={spec}") and expected in errors[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_earlier_definition(small_disk, capsys, no_network):
+    """The definition (~20 KB) does not fit on a 4 KiB file system: one line, the earlier one kept, no part."""
+    disk = small_disk(4)
+    earlier = json.dumps({"entity": "e", "project": "p", "displayName": "old", "spec": {"section": {}}})
+    (disk / "workspace.json").write_text(earlier)
+    code, printed, errors = dashboard(capsys, "--dry-run", str(disk / "workspace.json"))
+    assert code in (1, 2) and printed == [] and len(errors) == 1 and errors[0].startswith("error: "), errors
+    assert sorted(p.name for p in disk.iterdir()) == ["workspace.json"]
+    assert (disk / "workspace.json").read_text() == earlier
+
+
+# ----------------------------------------------------------------------------------------- WANDB_MODE
+@pytest.mark.parametrize(
+    ("env", "mode", "key", "expected"),
+    [
+        ("disabled", "auto", True, "disabled"),
+        ("disabled", "online", True, "disabled"),  # W&B's switch for everything wins over the config
+        ("offline", "auto", True, "offline"),
+        ("dryrun", "auto", True, "offline"),
+        ("offline", "online", False, "online"),  # an explicit logger.mode wins over the environment's online/offline
+        ("", "auto", True, "online"),
+        ("", "auto", False, "offline"),
+    ],
+)
+def test_the_wandb_mode_follows_wandb_mode_then_the_config(monkeypatch, env, mode, key, expected):
+    from lychee_exp.core.config import LoggerConfig
+    from lychee_exp.tracking import backends
+
+    monkeypatch.setenv("WANDB_MODE", env)
+    monkeypatch.setattr(backends, "has_wandb_api_key", lambda: key)
+    assert backends.wandb_mode(LoggerConfig(mode=mode)) == expected
+
+
+def test_wandb_mode_disabled_writes_no_wandb_directory(tmp_path, monkeypatch):
+    """A real run with logger=wandb and WANDB_MODE=disabled: trained and measured, metrics.csv kept, and nothing of
+    W&B written anywhere (before: an offline run in <run>/wandb)."""
+    from conftest import TINY_OVERRIDES, run_cli
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    overrides = [*TINY_OVERRIDES, "trainer.max_steps=2", "trainer.save_model=false", "logger=wandb"]
+    proc = run_cli(overrides, tmp_path / "run")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert (tmp_path / "run" / "metrics.json").is_file() and (tmp_path / "run" / "metrics.csv").is_file()
+    assert [str(p) for p in tmp_path.rglob("*wandb*")] == []

@@ -1,5 +1,6 @@
 """The GPU check (lychee_exp/bench/gpu_check.py): its FLOP accounting and timed window on hand-made inputs, its
-time budget, and (slow) the whole check end to end on the CPU with the tiny model (--tiny), read back from its JSON."""
+time budget, Ctrl-C (one line, exit 130, the earlier report kept) and what it leaves in $TMPDIR (nothing), and
+(slow) the whole check end to end on the CPU with the tiny model (--tiny), read back from its JSON."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from conftest import REPO_ROOT, TINY_QWEN2
 from torch.utils.flop_counter import FlopCounterMode
 
+from lychee_exp.bench import gpu_check
 from lychee_exp.bench.gpu.flops import QWEN25_1P5B, Shape, step_flops
 from lychee_exp.bench.gpu.lychee_lora_run import has_key
 from lychee_exp.bench.gpu.profile import summarise
@@ -208,14 +210,49 @@ def runner_from(built: Runner, work, warmup: int, timed: int) -> Runner:
     return runner
 
 
+def test_the_gpu_tests_leave_no_temporary_files(tmp_path, monkeypatch):
+    """The GPU tests' own temporaries (their conftest's baseline cache, pytest's directories) go into the check's
+    temporary directory, which the check removes however it ends: nothing is left in $TMPDIR. (Skipped without
+    CUDA, as in the dry run: their session still starts.)"""
+    scratch, work = tmp_path / "tmp", tmp_path / "work"
+    scratch.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    result = gpu_check.check_gpu_tests(300, work)
+    assert result["passed"] is True, result
+    assert list(scratch.iterdir()) == []
+
+
+def test_ctrl_c_leaves_the_earlier_report_and_no_temporary_files(tmp_path, monkeypatch):
+    """Ctrl-C as a terminal sends it (to the whole process group) once the first check passed: exit 130, one line
+    and no traceback, the earlier report byte for byte, the check's temporary directory gone."""
+    from test_bench_outputs import interrupt
+
+    out, scratch = tmp_path / "gpu_check.json", tmp_path / "tmp"
+    out.write_text('{"commit": "abc", "mode": "checks", "device": "H200", "checks": {}}\n')  # an earlier report
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    cmd = [sys.executable, "-m", "lychee_exp.bench.gpu_check", "--tiny", "--out", str(out)]
+    code, output = interrupt(cmd, lambda printed, pid: "gpu_check: weights: PASS" in printed, cwd=REPO_ROOT)
+    lines = output.splitlines()
+    assert code == 130 and lines[-1] == f"gpu_check: interrupted; {out} left as it was", output[-3000:]
+    assert "Traceback" not in output and not [line for line in lines if "error" in line.lower()], output[-3000:]
+    assert out.read_text() == '{"commit": "abc", "mode": "checks", "device": "H200", "checks": {}}\n'
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("lychee")] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "tmp"]  # no staging, no lock
+
+
 @pytest.mark.slow
 def test_tiny_dry_run_runs_every_phase_and_writes_every_key(tmp_path):
-    out = tmp_path / "gpu_check.json"
+    out, scratch = tmp_path / "gpu_check.json", tmp_path / "tmp"
+    scratch.mkdir()
     # through the shell entry a GPU machine runs (from the repository root), with this interpreter
     cmd = ["bash", "lychee_exp/bench/gpu_check.sh", "--tiny", "--out", str(out)]
-    env = {**os.environ, "PYTHON": sys.executable}
+    env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(scratch)}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    # nothing of the check left in $TMPDIR (torch's compile cache, torchinductor_<user>, is kept by design)
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("lychee")] == []
     report = json.loads(out.read_text())
     assert report["passed"] is True and report["commit"] and report["mode"] == "tiny checks"
     checks = report["checks"]

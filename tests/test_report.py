@@ -1,10 +1,13 @@
 """The local report (python -m lychee_exp.report): built from hand-written run directories, read back with
-html.parser (and, marked slow, loaded in headless Chromium)."""
+html.parser (and, marked slow, loaded in headless Chromium); its --out by the output policy (a path naming no
+file, a full disk: one line, nothing written) and Ctrl-C / SIGTERM (one line, 130 / 143, the earlier page kept)."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -14,7 +17,8 @@ import pytest
 import yaml
 
 from lychee_exp.tracking.report.data import best_trial, find
-from lychee_exp.tracking.report.html import build, headless_chromium
+from lychee_exp.tracking.report.html import build, headless_chromium, main
+from lychee_exp.tracking.report.output import GENERATOR_TAG
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -274,3 +278,104 @@ def test_report_renders_in_headless_chromium(root, tmp_path):
     assert len(dom.find(cls="sweep")) == 1 and len(dom.find(cls="bench")) == 1
     assert len(as_dicts(dom.find(id="runs")[0])) == 4
     assert dom.tags.get("svg", 0) >= 6
+
+
+# ------------------------------------------------------------------------- --out by the output policy, stopping
+def report_main(capsys, *args: str) -> tuple[int, list[str], list[str]]:
+    """`python -m lychee_exp.report <args>` in this process: exit status, stdout lines, stderr lines."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), [line for line in err.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def one_run(tmp_path) -> Path:
+    write_run(tmp_path / "runs" / "r1", {"ndcg@10": 0.5})
+    return tmp_path / "runs"
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("{t}/pages/", "ends with '/', but this command writes a file"),  # not a file named `pages`
+        ("", "--out= is empty"),  # not the default <dir>/report.html
+        ("pkg://lychee_exp.assets/report.html", "an output is a local path"),  # not ./pkg:/lychee_exp.assets/...
+        ("{t}/" + "p" * 300 + ".html", ""),  # a name longer than a file system takes (255 bytes)
+    ],
+    ids=["trailing-slash", "empty", "pkg", "name-too-long"],
+)
+def test_an_out_that_names_no_file_is_one_line_and_writes_nothing(one_run, tmp_path, capsys, spec, expected):
+    from test_bench_outputs import tree
+
+    spec = spec.format(t=tmp_path)
+    before = tree(tmp_path)
+    code, printed, errors = report_main(capsys, str(one_run), "--out", spec)
+    assert code == 2 and printed == [] and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: --out={spec}") and expected in errors[0], errors
+    assert tree(tmp_path) == before
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_earlier_page(one_run, small_disk, capsys):
+    """The page (~25 KB) does not fit on an 8 KiB file system that holds an earlier page of ours: one line, the
+    earlier page byte for byte, no half-written page or temporary beside it."""
+    from test_bench_outputs import tree
+
+    disk = small_disk(8)
+    earlier = f"<!DOCTYPE html><html><head>{GENERATOR_TAG}</head><body>earlier</body></html>"
+    (disk / "report.html").write_text(earlier)
+    code, printed, errors = report_main(capsys, str(one_run), "--out", str(disk / "report.html"))
+    assert code in (1, 2) and printed == [] and len(errors) == 1 and errors[0].startswith("error: "), errors
+    assert tree(disk) == {"report.html": earlier.encode()}
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "words"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_a_stopped_report_is_one_line_and_keeps_the_earlier_page(one_run, tmp_path, sig, code, words):
+    """Stopped while it reads the runs: a metrics.json that is a FIFO holds the report in its read until the signal
+    comes (the report has opened it: a writer can open the FIFO only then). One line, the shell's exit status, no
+    traceback, the earlier page byte for byte."""
+    from test_bench_outputs import interrupt
+
+    page = build(one_run, tmp_path / "page.html").read_bytes()
+    fifo = one_run / "r2" / "metrics.json"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    writer: list[int] = []
+
+    def reading(printed: str, pid: int) -> bool:
+        try:
+            writer.append(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO until a reader has it open
+        except OSError:
+            return False
+        return True
+
+    try:
+        cmd = [sys.executable, "-m", "lychee_exp.report", str(one_run), "--out", str(tmp_path / "page.html")]
+        status, output = interrupt(cmd, reading, sig, cwd=tmp_path)
+    finally:
+        for fd in writer:
+            os.close(fd)
+    assert status == code and output == f"{words}; {tmp_path / 'page.html'} left as it was\n", output
+    assert (tmp_path / "page.html").read_bytes() == page
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["page.html", "runs"]  # no staging, no lock
+
+
+@pytest.mark.parametrize("name", ["config.json", "page.html"])
+def test_overwrite_never_reaches_inside_a_model_directory(tmp_path, capsys, name):
+    """`--out <run>/model/config.json --overwrite` (a file the report does not read) or a new file there: refused in
+    one line, the model byte for byte. --overwrite replaces a file, never part of a model (docs/outputs.md)."""
+    from test_bench_outputs import tree
+
+    run = tmp_path / "runs" / "r1"
+    write_run(run, {"ndcg@10": 0.5}, config={"seed": 1})
+    (run / "model").mkdir()
+    (run / "model" / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 64}\n')
+    (run / "model" / "model.safetensors").write_bytes(b"weights")
+    before = tree(tmp_path)
+    target = run / "model" / name
+    code, printed, errors = report_main(capsys, str(tmp_path / "runs"), "--out", str(target), "--overwrite")
+    assert code == 2 and printed == [] and len(errors) == 1 and errors[0].startswith(f"error: --out={target}"), errors
+    assert tree(tmp_path) == before

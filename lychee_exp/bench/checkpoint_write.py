@@ -77,17 +77,19 @@ def measure(name: str, shapes: dict, dtype: torch.dtype, root: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", help="where to write (default: a temporary directory)")
+    parser.add_argument("--dir", help="the file system to write on: a directory (default: the temporary one)")
     parser.add_argument("--full", action="store_true", help="also the full-weight checkpoint (~9 GB)")
     args = parser.parse_args()
-    root = Path(args.dir or tempfile.mkdtemp(prefix="lychee-ckpt-bench-"))
+    if args.dir is not None and not Path(args.dir).is_dir():
+        parser.error(f"--dir {args.dir}: not a directory")
+    # a fresh directory inside --dir, removed at the end: nothing already in --dir (a run's checkpoints) is touched
+    root = Path(tempfile.mkdtemp(prefix="lychee-ckpt-bench-", dir=args.dir))
     try:
         measure("LoRA", lora_shapes(), torch.float32, root)
         if args.full:
             measure("full", full_shapes(), torch.bfloat16, root)
     finally:
-        if not args.dir:
-            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

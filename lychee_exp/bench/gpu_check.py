@@ -26,6 +26,7 @@ with --overwrite), and exits 1 if a check failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -37,8 +38,8 @@ from pathlib import Path
 
 from lychee_exp.bench.gpu import timed_runs as timed
 from lychee_exp.bench.gpu.flops import bf16_peak_tflops
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.outputs import POLICY_LINE, staged_output
+from lychee_exp.core.cli import command_main
+from lychee_exp.core.outputs import POLICY_LINE, interrupted_line, staged_output
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,9 +83,13 @@ def run_lychee(args: list[str], run_dir: Path, timeout_s: float) -> tuple[bool, 
     return proc.returncode == 0 and bool(metrics), metrics, tail
 
 
-def check_gpu_tests(timeout_s: float) -> dict:
+def check_gpu_tests(timeout_s: float, work: Path) -> dict:
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    # the tests' temporary files (their baseline cache, pytest's own) in the check's temporary directory: they go
+    # with it, however the check ends
+    scratch = work / "tmp"
+    scratch.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", TMPDIR=str(scratch))
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -135,7 +140,7 @@ def plan(args, runner: timed.Runner, work: Path, cuda_count: int) -> list[tuple[
 
     def gpu_tests() -> dict:
         started = time.perf_counter()
-        result = check_gpu_tests(budget.left - 5)
+        result = check_gpu_tests(budget.left - 5, work)
         runner.pace["gpu_tests"] = time.perf_counter() - started
         return result
 
@@ -211,22 +216,28 @@ def main() -> int:
         print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); nothing to check "
               "(--tiny runs the same checks on the CPU)", file=sys.stderr)  # fmt: skip
         return 2
-    # --out is checked and locked before the first check, and written whole when the last one ended
-    try:
-        with staged_output(
-            args.out,
-            directory=False,
-            overwrite=args.overwrite,
-            inputs=(),
-            key="--out",
-            ours=_earlier_report,
-            overwrite_flag="--overwrite",
-        ) as staged:
-            report = run_checks(args, cuda_count)
-            staged.write_text(json.dumps(report, indent=2) + "\n")
-    except UserError as err:
-        print(f"gpu_check: error: {err}", file=sys.stderr)
-        return 2
+    # a user mistake, Ctrl-C or SIGTERM: one line (with this command's prefix), --out left as it was
+    return command_main(lambda: check(args, cuda_count), lambda: interrupted_line(args.out), _say)
+
+
+def _say(line: str) -> None:
+    print(f"gpu_check: {line}", file=sys.stderr)
+
+
+def check(args: argparse.Namespace, cuda_count: int) -> int:
+    """Every check, then the report: --out is checked and locked before the first check, and written whole when
+    the last one ended."""
+    with staged_output(
+        args.out,
+        directory=False,
+        overwrite=args.overwrite,
+        inputs=(),
+        key="--out",
+        ours=_earlier_report,
+        overwrite_flag="--overwrite",
+    ) as staged:
+        report = run_checks(args, cuda_count)
+        staged.write_text(json.dumps(report, indent=2) + "\n")
     print(f"gpu_check: {'all checks passed' if report['passed'] else 'FAILED'} in {report['seconds']} s "
           f"(budget {args.budget_s:.0f} s); report in {args.out}")  # fmt: skip
     return 0 if report["passed"] else 1
@@ -264,10 +275,13 @@ def run_checks(args: argparse.Namespace, cuda_count: int) -> dict:
     }
     started = time.perf_counter()
     budget = timed.Budget(args.budget_s)
-    with tempfile.TemporaryDirectory(prefix="lychee_gpu_check_") as tmp:
-        work = Path(tmp)
+    with contextlib.ExitStack() as stack:  # the served worker stopped, then the temporary files gone, however it ends
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lychee_gpu_check_")))
         # the CPU dry run of the ablation: its rows in one worker process (its cost there is the processes' start)
-        runner = timed.Runner(work, args.tiny, warmup, timed_steps, budget, one_process=args.tiny and args.ablation)
+        one_process = args.tiny and args.ablation
+        runner = stack.enter_context(
+            contextlib.closing(timed.Runner(work, args.tiny, warmup, timed_steps, budget, one_process=one_process))
+        )
         for check_name, kind, check in plan(args, runner, work, cuda_count):
             t0 = time.perf_counter()
             if runner.fingerprint is None and check_name != "weights" and kind in ("ours", "hf", "hf_compiled"):
@@ -291,7 +305,6 @@ def run_checks(args: argparse.Namespace, cuda_count: int) -> dict:
                   f"{json.dumps(brief)[:1500]}", flush=True)  # fmt: skip
             if result["passed"] is False and result.get("tail"):
                 print(result["tail"], flush=True)
-        runner.close()
         profile = (report["checks"].get("ablation") or {}).get("profile")
         if profile and "share" in profile:
             print(f"gpu_check: profile of the defaults row ({profile['clock']}): shares {profile['share']}")

@@ -7,18 +7,25 @@ of its own named `system:precision`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import itertools
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from lychee_exp.core.cli import command_main
+from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.core.outputs import Inputs, interrupted_line, resolved, staged_output
 
 log = logging.getLogger("lychee_exp.bench.harness")
 CHILD_FLAG = "--child"
@@ -139,11 +146,85 @@ def write_csv(path: Path, rows: list[dict], fields: Sequence[str]) -> None:
         writer.writerows({key: row[key] for key in fields} for row in rows)
 
 
-def output_dir(given: Path | None, kind: str, suffix: str = "") -> Path:
-    """`given`, or outputs/<kind>/<time stamp><suffix>; created."""
-    out = given or Path("outputs") / kind / f"{datetime.now():%Y-%m-%d_%H-%M-%S}{suffix}"
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+def add_output_options(parser: argparse.ArgumentParser, default: str) -> None:
+    """--out and --overwrite, as every benchmark spells them (bench_output says what they do)."""
+    parser.add_argument(
+        "--out", default=None, help=f"output directory, written whole when the benchmark ends (default: {default})"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an --out that holds this benchmark's results (only those)"
+    )
+
+
+def fresh_out(kind: str, suffix: str = "", root: Path | str = "outputs") -> str:
+    """The default --out: <root>/<kind>/<time stamp><suffix>, or -2, -3, ... after it when a benchmark started in
+    the same second wrote that one already (a default never names earlier results)."""
+    base = Path(root) / kind / f"{datetime.now():%Y-%m-%d_%H-%M-%S}{suffix}"
+    candidates = itertools.chain([base], (base.with_name(f"{base.name}-{n}") for n in itertools.count(2)))
+    return str(next(path for path in candidates if not path.exists()))
+
+
+@contextlib.contextmanager
+def bench_output(spec: str, writes: Sequence[str], overwrite: bool, inputs: Inputs = ()) -> Iterator[Path]:
+    """The directory a benchmark writes everything into, by the policy of every command (core.outputs,
+    docs/outputs.md): a fresh hidden directory beside --out, moved into place whole when the benchmark ends (Ctrl-C,
+    a failure or a full disk leave an earlier --out as it was). An --out that holds anything is refused in one line
+    unless --overwrite, and even then it is replaced only if it holds nothing but what this benchmark writes
+    (`writes`: regular expressions of those names, e.g. `devices_\\d+`); one that is, holds or lies inside an input,
+    a run, a model or a dataset is refused; so is a path that names no writable local directory."""
+    ours = [name for name in _held(spec) if any(re.fullmatch(pattern, name) for pattern in writes)]
+    try:
+        with staged_output(
+            spec,
+            directory=True,
+            overwrite=overwrite,
+            inputs=inputs,
+            results=ours,
+            key="--out",
+            overwrite_flag="--overwrite",
+        ) as staging:
+            yield staging
+    except NothingMeasured:  # raised inside: the staging directory is gone (a RunFailed would keep it for its logs)
+        raise RunFailed("every system failed (see the messages above)", "crashed") from None
+
+
+class NothingMeasured(Exception):
+    """Every system of a side-by-side benchmark failed (each said why): nothing to write, exit 1."""
+
+
+def bench_main(command: Callable[[], int | None], out: str) -> int:
+    """A benchmark's main around command(), as every command's (core.cli.command_main): a user mistake or a failure
+    is one line (exit 2 or 1), Ctrl-C one line saying what --out was left as (130), SIGTERM the same (143)."""
+    return command_main(command, lambda: interrupted_line(out))
+
+
+def checked_config(overrides: Sequence[str], output_dir: Path | str) -> Any:
+    """The run config that `overrides` compose (with its run directory at output_dir, created by nothing here),
+    checked as `python -m lychee_exp.run` checks it: a config that does not compose (`model=nosuch`, a misspelt
+    key) is one UserError line naming the key (and a config group's options)."""
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from lychee_exp.core.config import to_run_config
+    from lychee_exp.run import composition_error
+    from lychee_exp.testing.jobs import compose_job
+
+    try:
+        return to_run_config(compose_job(overrides, output_dir))
+    except (ConfigCompositionException, OverrideParseException) as err:
+        raise UserError(composition_error(err)) from None
+    except OmegaConfBaseException as err:
+        raise UserError(f"{err.full_key or 'config'}: {str(err).splitlines()[0]}") from None
+
+
+def _held(spec: str) -> list[str]:
+    """The names in an existing --out directory; none for anything else (staged_output says what is wrong)."""
+    if not spec.strip():
+        return []
+    try:
+        return sorted(entry.name for entry in resolved(spec).iterdir())
+    except OSError:  # no such directory, a file, a name too long, ...
+        return []
 
 
 def log_to_console() -> None:

@@ -28,8 +28,11 @@ from pathlib import Path
 
 from lychee_exp.bench import harness
 from lychee_exp.bench.harness import Column
+from lychee_exp.core.outputs import POLICY_LINE
 
 log = logging.getLogger("lychee_exp.bench.own_batching")
+# the names the benchmark writes into --out: an --out holding anything else is never replaced
+WRITES = (r"own_batching\.(csv|md)", r"round\d+")
 
 PEERS = ("hf_trainer", "torch_loop", "st_cross_encoder", "flag_embedding")
 SYSTEMS = (*PEERS, "lychee_single")
@@ -218,27 +221,35 @@ def main(argv: list[str] | None = None) -> int:
     if harness.child_call(argv, child):
         return 0
     harness.log_to_console()
-    parser = argparse.ArgumentParser(description="own-batching benchmark", usage=__doc__.strip().splitlines()[2])
+    parser = argparse.ArgumentParser(
+        description="own-batching benchmark", usage=__doc__.strip().splitlines()[2], epilog=POLICY_LINE
+    )
     harness.add_precision_option(parser)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per system (after warm-up)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds; each runs every system once")
-    parser.add_argument("--out", type=Path, default=None)
+    harness.add_output_options(parser, "outputs/bench_own_batching/<time>")
     parser.add_argument("overrides", nargs="*", help="more lychee_exp overrides, for lychee_single only")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1:
         parser.error("--steps and --rounds must be >= 1")
-    out = harness.output_dir(args.out, "bench_own_batching")
+    if args.out is None:
+        args.out = harness.fresh_out("bench_own_batching")
+    return harness.bench_main(lambda: benchmark(args), args.out)
+
+
+def benchmark(args: argparse.Namespace) -> int:
     started, load_before = datetime.now(timezone.utc), _load()
-    rows = measure(out, args.precision, args.steps, args.rounds, args.overrides)
-    if not rows:
-        log.error("error: every system failed (see the messages above)")
-        return 1
-    header = (
-        f"{started:%Y-%m-%d %H:%M} UTC, {args.steps} timed steps x {args.rounds} rounds, {QUERIES * GROUP} pairs "
-        f"per step; /proc/loadavg before: {load_before}, after: {_load()}"
-        + (f"; lychee_single overrides: {' '.join(args.overrides)}" if args.overrides else "")
-    )
-    write_outputs(rows, out, header)
+    with harness.bench_output(args.out, WRITES, args.overwrite) as staging:
+        rows = measure(staging, args.precision, args.steps, args.rounds, args.overrides)
+        if not rows:
+            raise harness.NothingMeasured()
+        header = (
+            f"{started:%Y-%m-%d %H:%M} UTC, {args.steps} timed steps x {args.rounds} rounds, {QUERIES * GROUP} pairs "
+            f"per step; /proc/loadavg before: {load_before}, after: {_load()}"
+            + (f"; lychee_single overrides: {' '.join(args.overrides)}" if args.overrides else "")
+        )
+        write_outputs(rows, staging, header)
+    out = Path(args.out)
     print(header)
     print(harness.markdown_table(rows, TABLE))
     print(f"wrote {out / 'own_batching.csv'} and {out / 'own_batching.md'}")

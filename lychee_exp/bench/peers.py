@@ -30,8 +30,11 @@ from pathlib import Path
 from lychee_exp.bench import harness
 from lychee_exp.bench.harness import Column
 from lychee_exp.bench.peer_batches import longtail_file
+from lychee_exp.core.outputs import POLICY_LINE
 
 log = logging.getLogger("lychee_exp.bench.peers")
+# the names the benchmark writes into --out: an --out holding anything else is never replaced
+WRITES = (r"peers\.(csv|md|png)", r"round\d+", r"longtail\.jsonl")
 
 COLUMNS = [
     "system",
@@ -273,20 +276,28 @@ def main(argv: list[str] | None = None) -> int:
     if harness.child_call(argv, child):
         return 0
     harness.log_to_console()
-    parser = argparse.ArgumentParser(description="peer benchmark", usage=__doc__.strip().splitlines()[2])
+    parser = argparse.ArgumentParser(
+        description="peer benchmark", usage=__doc__.strip().splitlines()[2], epilog=POLICY_LINE
+    )
     parser.add_argument("--mix", choices=sorted(MIXES), default="sample")
     harness.add_precision_option(parser)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per system (after warm-up)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds; each runs every system once")
     parser.add_argument("--queries", type=int, default=8, help="queries per step (x 4 documents)")
-    parser.add_argument("--out", type=Path, default=None)
+    harness.add_output_options(parser, "outputs/bench_peers/<time>_<mix>")
     args, overrides = parser.parse_known_args(argv)
-    out = harness.output_dir(args.out, "bench_peers", f"_{args.mix}")
-    rows = measure(args.mix, args.precision, overrides, out, args.steps, args.rounds, args.queries)
-    if not rows:
-        log.error("error: every system failed (see the messages above)")
-        return 1
-    write_outputs(rows, out, f"{args.mix} mix, {args.queries} queries x 4 documents per step")
+    if args.out is None:
+        args.out = harness.fresh_out("bench_peers", f"_{args.mix}")
+    return harness.bench_main(lambda: benchmark(args, overrides), args.out)
+
+
+def benchmark(args: argparse.Namespace, overrides: list[str]) -> int:
+    with harness.bench_output(args.out, WRITES, args.overwrite) as staging:
+        rows = measure(args.mix, args.precision, overrides, staging, args.steps, args.rounds, args.queries)
+        if not rows:
+            raise harness.NothingMeasured()
+        write_outputs(rows, staging, f"{args.mix} mix, {args.queries} queries x 4 documents per step")
+    out = Path(args.out)
     print(markdown_table(rows))
     print(f"wrote {out / 'peers.csv'}, {out / 'peers.png'} and {out / 'peers.md'}")
     return 0

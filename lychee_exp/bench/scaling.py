@@ -1,11 +1,13 @@
 """Scaling benchmark: how much faster is training on 2, 4, 8 devices than on one?
 
-    python -m lychee_exp.bench gpus=1,2,4 [any run overrides, e.g. model=tiny_lychee] [--out DIR]
+    python -m lychee_exp.bench gpus=1,2,4 [any run overrides, e.g. model=tiny_lychee] [--out DIR [--overwrite]]
 
 Each device count (1 is always measured: speedup divides by it) trains the same model on the same data for a
 few warm-up + timed steps (no evaluation), with DDP and the same per-device batch (weak scaling: the global
 batch grows with the devices). On CPU ranks each rank gets ONE thread, so that one rank stands for one device.
 Prints a table, writes bench.csv and bench.png into the output directory, and logs them to W&B (job_type=bench).
+--out is written whole when the benchmark ends (docs/outputs.md): an earlier --out is replaced only with
+--overwrite, and only when it holds nothing but this benchmark's results.
 Timings are measured side by side in one invocation; nothing is asserted. Each device count's figure also goes
 to the scaling cache that `hydra.sweeper.devices_per_trial=auto` reads (`scaling.json` next to
 the speedup baselines, lychee_exp.tracking.speedup.scaling_file), so a sweep with the same settings calibrates nothing.
@@ -17,13 +19,14 @@ import argparse
 import csv
 import logging
 import sys
-from datetime import datetime
 from pathlib import Path
 
 import torch
 
+from lychee_exp.bench import harness
 from lychee_exp.core.config import to_run_config
-from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.outputs import POLICY_LINE
 from lychee_exp.sweep.placement import store_rate
 from lychee_exp.testing.jobs import compose_job, run_job
 from lychee_exp.tracking.backends import make_logger
@@ -33,11 +36,27 @@ log = logging.getLogger("lychee_exp.bench.scaling")
 COLUMNS = ["devices", "samples_per_s", "speedup", "efficiency", "data_wait_share", "rank_time_spread", "peak_memory_mb"]
 
 
-def parse_args(argv: list[str]) -> tuple[list[int], list[str], Path, int]:
-    parser = argparse.ArgumentParser(description="DDP scaling benchmark", usage=__doc__.strip().splitlines()[2])
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default outputs/bench/<time>)")
+# the names the benchmark writes into --out: an --out holding anything else is never replaced
+WRITES = (r"bench\.csv", r"bench\.png", r"devices_\d+", "wandb")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The options, the default --out filled in, and the run overrides (gpus= among them, read by device_counts)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lychee_exp.bench",
+        description="DDP scaling benchmark",
+        usage=__doc__.strip().splitlines()[2],
+        epilog=POLICY_LINE,
+    )
+    harness.add_output_options(parser, "outputs/bench/<time>")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per device count (after 2 warm-up)")
     args, overrides = parser.parse_known_args(argv)
+    args.out = harness.fresh_out("bench") if args.out is None else args.out
+    return args, overrides
+
+
+def device_counts(overrides: list[str]) -> tuple[list[int], list[str]]:
+    """The device counts that gpus= lists (1 always among them), and the other overrides."""
     counts = [1, 2]
     rest = []
     for item in overrides:
@@ -50,26 +69,29 @@ def parse_args(argv: list[str]) -> tuple[list[int], list[str], Path, int]:
             rest.append(item)
     if not counts or min(counts) < 1:
         raise UserError("gpus: device counts must be >= 1")
-    counts = sorted({1, *counts})  # speedup divides by a measured 1-device run, never an assumed linear one
-    out = args.out or Path("outputs/bench") / f"{datetime.now():%Y-%m-%d_%H-%M-%S}"
-    return counts, rest, out, args.steps
+    return sorted({1, *counts}), rest  # speedup divides by a measured 1-device run, never an assumed linear one
+
+
+def timed_overrides(count: int, steps: int) -> list[str]:
+    """One device count's timed run: DDP, one thread per rank, no evaluation, nothing saved or logged."""
+    return [
+        "parallel=ddp",
+        f"gpus={count}",
+        "parallel.cpu_threads_per_rank=1",
+        "trainer.evaluate=false",
+        f"trainer.max_steps={steps + 2}",
+        "trainer.save_model=false",
+        "trainer.checkpoint_every=0",
+        "trainer.progress_bar=false",
+        "logger=none",
+        "trainer.measure_speedup=false",  # the rows themselves are the comparison
+    ]
 
 
 def measure(counts: list[int], overrides: list[str], out: Path, steps: int) -> list[dict]:
     rows = []
     for count in counts:
-        timed = [
-            "parallel=ddp",
-            f"gpus={count}",
-            "parallel.cpu_threads_per_rank=1",
-            "trainer.evaluate=false",
-            f"trainer.max_steps={steps + 2}",
-            "trainer.save_model=false",
-            "trainer.checkpoint_every=0",
-            "trainer.progress_bar=false",
-            "logger=none",
-            "trainer.measure_speedup=false",  # the rows themselves are the comparison
-        ]
+        timed = timed_overrides(count, steps)
         _, m = run_job([*overrides, *timed], out / f"devices_{count}")
         # the figure a sweep's devices_per_trial=auto would calibrate for these settings: it reuses it
         cfg = to_run_config(compose_job([*overrides, *timed], out / f"devices_{count}"))
@@ -131,7 +153,9 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def log_to_wandb(rows: list[dict], overrides: list[str], out: Path, png: Path) -> None:
+def log_to_wandb(rows: list[dict], overrides: list[str], out: Path, name: str) -> None:
+    """The table and plot as a W&B run (job_type=bench) named for --out, its files in out (the staging
+    directory: W&B's offline record moves into place with the rest)."""
     cfg = to_run_config(compose_job(overrides, out))
     if cfg.logger.name != "wandb":
         return
@@ -139,7 +163,7 @@ def log_to_wandb(rows: list[dict], overrides: list[str], out: Path, png: Path) -
         cfg.logger,
         out,
         True,
-        name=f"bench-{out.name}",
+        name=f"bench-{name}",
         group="bench",
         job_type="bench",
         config={
@@ -149,24 +173,32 @@ def log_to_wandb(rows: list[dict], overrides: list[str], out: Path, png: Path) -
             "overrides": overrides,
         },
     )
-    logger.log_table("bench", COLUMNS, [[r[k] for k in COLUMNS] for r in rows], png)
+    logger.log_table("bench", COLUMNS, [[r[k] for k in COLUMNS] for r in rows], out / "bench.png")
     logger.log_summary({f"speedup_{r['devices']}": r["speedup"] for r in rows})
     logger.finish()
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    try:
-        counts, overrides, out, steps = parse_args(sys.argv[1:] if argv is None else argv)
-        out.mkdir(parents=True, exist_ok=True)
-        rows = measure(counts, overrides, out, steps)
-    except (UserError, RunFailed) as err:
-        log.error("error: %s", err)
-        return 2 if isinstance(err, UserError) else 1
-    csv_path, png_path = write_outputs(rows, out)
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    return harness.bench_main(lambda: benchmark(args, overrides), args.out)
+
+
+def benchmark(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Every check (gpus=, the config each device count composes, --out) before the first measurement; then the rows
+    and the W&B record, all in the staging directory that becomes --out."""
+    counts, overrides = device_counts(overrides)
+    for count in counts:
+        harness.checked_config([*overrides, *timed_overrides(count, args.steps)], args.out)
+    with harness.bench_output(args.out, WRITES, args.overwrite) as staging:
+        rows = measure(counts, overrides, staging, args.steps)
+        write_outputs(rows, staging)
+        log_to_wandb(rows, overrides, staging, Path(args.out).name)
+    out = Path(args.out)
     print(format_table(rows))
-    print(f"wrote {csv_path} and {png_path}")
-    log_to_wandb(rows, overrides, out, png_path)
+    print(f"wrote {out / 'bench.csv'} and {out / 'bench.png'}")
+    for record in sorted(out.glob("wandb/offline-run-*")):  # where W&B's own line said it was: the staging dir
+        print(f"W&B run offline in {record}; upload it with: wandb sync {record}")
     return 0
 
 

@@ -3,7 +3,7 @@ tree against warm ranks of an earlier commit (`--against REF`), to find and chec
 
     python -m lychee_exp.bench.sweep_overhead [--trials 6] [--gpus 2] [--repeats 2] [--preset tiny|issue]
                                         [--devices-per-trial N] [--against REF] [--baselines FILE]
-                                        [--out DIR] [overrides]
+                                        [--out DIR [--overwrite]] [overrides]
 
 Runs the same sweep (`hparams_search=lr_batch`, the tiny Qwen2, `parallel=ddp gpus=N`) once per kind, `--repeats`
 times (at least 2), after one untimed sweep that fills their shared speedup-baseline cache (or with the cache
@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 from lychee_exp.bench import harness
+from lychee_exp.core.errors import UserError
+from lychee_exp.core.outputs import POLICY_LINE
 
 TINY = [
     "model=tiny_lychee",
@@ -50,6 +52,8 @@ TINY = [
     "~hydra.sweeper.pruner.n_warmup_steps",
 ]
 COMPARED = ("ndcg@10", "mrr@10", "train_loss", "steps")
+# the names the benchmark writes into --out: an --out holding anything else is never replaced
+WRITES = (r"baselines\.json", r"scaling\.json", "fill-baselines", r"\d+-.+", r"code-.+")
 
 
 # issue 25's sweep: its overhead was 0.27 s a warm trial at the tiny preset, 1.2-1.6 s at this one
@@ -102,8 +106,8 @@ def export(ref: str, out: Path) -> Path:
     return target
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=POLICY_LINE)
     parser.add_argument("--trials", type=int, default=6)
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="sweeps per kind, order alternating (>= 2)")
@@ -111,14 +115,28 @@ def main() -> None:
     parser.add_argument("--against", metavar="REF", help="warm ranks of this commit against this tree's")
     parser.add_argument("--baselines", type=Path, help="a filled baseline cache (baselines.json of an earlier --out)")
     parser.add_argument("--devices-per-trial", help="N devices per slot (trials at once); unset: the sweep's own")
-    parser.add_argument("--out", type=Path, default=None)
+    harness.add_output_options(parser, f"{tempfile.gettempdir()}/lychee-sweep-overhead/<time>")
     args, overrides = parser.parse_known_args()
     if args.repeats < 2:
         parser.error("--repeats must be at least 2: the order alternates between repeats")
-    out = args.out or Path(tempfile.mkdtemp(prefix="lychee-sweep-overhead-"))
+    if args.out is None:
+        args.out = harness.fresh_out("lychee-sweep-overhead", root=tempfile.gettempdir())
+    inputs = [("--baselines", str(args.baselines))] if args.baselines else []
+    return harness.bench_main(lambda: compare(args, overrides, inputs), args.out)
+
+
+def compare(args: argparse.Namespace, overrides: list[str], inputs: list[tuple[str, str]]) -> None:
+    if args.baselines and not args.baselines.is_file():
+        raise UserError(f"--baselines={args.baselines}: no such file")
+    with harness.bench_output(args.out, WRITES, args.overwrite, inputs) as staging:
+        summary = measure(args, overrides, staging)
+    print(f"{summary}; sweeps in {args.out}")
+
+
+def measure(args: argparse.Namespace, overrides: list[str], out: Path) -> str:
+    """Every sweep into out, the per-trial table printed; the summary line."""
     # one speedup-baseline cache for every sweep, filled by an untimed sweep first: the timed trials find their
     # baselines cached (a calibration would count as overhead on whichever kind met a batch size first)
-    out.mkdir(parents=True, exist_ok=True)
     baselines = out / "baselines.json"
     if args.baselines:
         shutil.copyfile(args.baselines, baselines)
@@ -163,14 +181,14 @@ def main() -> None:
         name: statistics.median(float(r["overhead_s"]) for table in per_repeat for r in table)
         for name, per_repeat in tables.items()
     }
-    print(
+    return (
         f"median overhead per trial over {args.repeats} repeats ({args.preset} preset, devices_per_trial="
         f"{args.devices_per_trial or 'all'}): {first} "
         f"{medians[first]:.2f} s, {second} {medians[second]:.2f} s ({medians[first] / medians[second]:.1f}x less); "
         f"median sweep wall time {statistics.median(walls[first]):.0f} s vs {statistics.median(walls[second]):.0f} s; "
-        f"metrics equal in {sum(same)}/{len(same)} trials; sweeps in {out}"
+        f"metrics equal in {sum(same)}/{len(same)} trials"
     )
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

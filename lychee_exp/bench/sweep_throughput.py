@@ -1,7 +1,7 @@
 """Sweep throughput by device placement: the same sweep with `hydra.sweeper.devices_per_trial=all`, `1` and
 `auto`, trials per hour side by side in one invocation.
 
-    python -m lychee_exp.bench.sweep_throughput [--trials 8] [--out DIR] [overrides]
+    python -m lychee_exp.bench.sweep_throughput [--trials 8] [--out DIR [--overwrite]] [overrides]
 
 Each setting runs the same study (`hparams_search=lr_batch`, the tiny Qwen2, `parallel=ddp` on every device the
 machine has, the sampler's seed fixed, no pruning) from an empty sweep directory; `auto` starts with an empty
@@ -25,8 +25,14 @@ from pathlib import Path
 
 import yaml
 
+from lychee_exp.bench import harness
+
 # the same tiny sweep as the overhead benchmark
 from lychee_exp.bench.sweep_overhead import TINY
+from lychee_exp.core.outputs import POLICY_LINE
+
+# the names the benchmark writes into --out: an --out holding anything else is never replaced
+WRITES = (r"devices_per_trial_(all|1|auto)", "speedup_cache")
 
 
 def sweep(out: Path, setting: str, trials: int, extra: list[str], cache: Path) -> dict:
@@ -62,15 +68,21 @@ def sweep(out: Path, setting: str, trials: int, extra: list[str], cache: Path) -
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=POLICY_LINE)
     parser.add_argument("--trials", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=None)
+    harness.add_output_options(parser, f"{tempfile.gettempdir()}/lychee-sweep-throughput/<time>")
     args, extra = parser.parse_known_args()
-    out = args.out or Path(tempfile.mkdtemp(prefix="sweep_throughput_"))
-    out.mkdir(parents=True, exist_ok=True)
-    cache = out / "speedup_cache" / "baselines.json"  # auto's scaling.json lands next to it: empty at first
-    results = [sweep(out, s, args.trials, extra, cache) for s in ("all", "1", "auto")]
+    if args.out is None:
+        args.out = harness.fresh_out("lychee-sweep-throughput", root=tempfile.gettempdir())
+    return harness.bench_main(lambda: compare(args, extra), args.out)
+
+
+def compare(args: argparse.Namespace, extra: list[str]) -> None:
+    with harness.bench_output(args.out, WRITES, args.overwrite) as staging:
+        cache = staging / "speedup_cache" / "baselines.json"  # auto's scaling.json lands next to it: empty at first
+        results = [sweep(staging, s, args.trials, extra, cache) for s in ("all", "1", "auto")]
+    out = args.out
     print(f"\n{args.trials} trials of the tiny Qwen2 (lr_batch), {os.cpu_count()} cores; outputs in {out}")
     print(f"{'devices_per_trial':<18}{'wall s':>9}{'trials/h':>10}{'median trial s':>16}  placement")
     for r in results:
@@ -89,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

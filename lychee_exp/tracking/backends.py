@@ -70,6 +70,20 @@ def has_wandb_api_key() -> bool:
         return False
 
 
+def wandb_mode(cfg: LoggerConfig) -> str:
+    """The W&B mode a run gets: WANDB_MODE=disabled turns W&B off whatever logger.mode says (nothing is written:
+    no wandb/ directory); otherwise logger.mode, where `auto` reads WANDB_MODE (online, offline; dryrun is its old
+    spelling of offline), then online with an API key, else offline."""
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if env == "disabled":
+        return "disabled"
+    if str(cfg.mode) != "auto":
+        return str(cfg.mode)
+    if env in ("online", "offline", "dryrun"):
+        return "offline" if env == "dryrun" else env
+    return "online" if has_wandb_api_key() else "offline"
+
+
 _requirements_saved = False  # set by this process's first W&B run
 
 
@@ -80,7 +94,7 @@ class WandbLogger(NullLogger):
     def __init__(self, cfg: LoggerConfig, output_dir: Path, name: str, group: str, job_type: str, config: dict):
         import wandb
 
-        mode = str(cfg.mode) if cfg.mode != "auto" else ("online" if has_wandb_api_key() else "offline")
+        mode = wandb_mode(cfg)
         kwargs = {
             "project": cfg.project,
             "entity": cfg.entity,
@@ -213,7 +227,7 @@ def make_logger(
     if not is_main or cfg.name == "none":
         return NullLogger()
     loggers: list[NullLogger] = [CSVLogger(output_dir)]
-    if cfg.name == "wandb" and cfg.mode != "disabled":
+    if cfg.name == "wandb" and wandb_mode(cfg) != "disabled":
         loggers.append(WandbLogger(cfg, output_dir, name, group, job_type, config or {}))
     if cfg.name == "tensorboard" or cfg.tensorboard:
         loggers.append(TensorBoardLogger(output_dir, config or {}))

@@ -1,4 +1,4 @@
-"""python -m lychee_exp.dashboard --entity E --project P [--name NAME] (--save | --dry-run out.json)
+"""python -m lychee_exp.dashboard --entity E --project P [--name NAME] (--save | --dry-run out.json [--overwrite])
 
 A W&B workspace for a lychee_exp project, with the panels runs are compared by — the same comparisons as the
 local report (lychee_exp.tracking.report.html):
@@ -11,8 +11,9 @@ local report (lychee_exp.tracking.report.html):
   with its min-max band, and per run.
 - Throughput & memory: samples/s, tokens/s, data-wait share over steps; peak memory per run.
 
---dry-run builds the definition offline and writes its JSON (what --save would upload); --save needs a W&B API
-key (WANDB_API_KEY or `wandb login`).
+--dry-run builds the definition offline and writes its JSON (what --save would upload), whole, over an earlier
+definition only (another file with --overwrite; never over an input, a run, a model or a dataset: docs/outputs.md);
+--save needs a W&B API key (WANDB_API_KEY or `wandb login`).
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ from typing import Sequence
 import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.workspaces as ws
 
+from lychee_exp.core.cli import INTERRUPTED, command_main
 from lychee_exp.core.errors import UserError
+from lychee_exp.core.outputs import POLICY_LINE, interrupted_line, staged_output
 from lychee_exp.tracking.backends import has_wandb_api_key
 from lychee_exp.tracking.keys import HISTORY
 
 DEFAULT_NAME = "lychee_exp: scaling, hyperparameters, training"
+DEFINITION_KEYS = {"entity", "project", "displayName", "spec"}  # what every --dry-run file holds (definition())
 
 
 def _scatter(x, y, title: str, **kwargs) -> wr.ScatterPlot:
@@ -145,25 +149,54 @@ def definition(space: ws.Workspace) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lychee_exp.dashboard", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(
+        prog="python -m lychee_exp.dashboard", description=__doc__.split("\n\n")[1], epilog=POLICY_LINE
+    )
     parser.add_argument("--entity", required=True, help="W&B entity (user or team)")
     parser.add_argument("--project", required=True, help="W&B project the runs were logged to (logger.project)")
     parser.add_argument("--name", default=DEFAULT_NAME, help="the workspace's name")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--save", action="store_true", help="create the workspace in W&B (needs an API key)")
-    mode.add_argument("--dry-run", type=Path, metavar="OUT.json", help="write the definition as JSON; no network")
+    mode.add_argument("--dry-run", metavar="OUT.json", help="write the definition as JSON; no network")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a --dry-run file that is not an earlier definition"
+    )
     args = parser.parse_args(argv)
-    try:
+
+    def dashboard() -> None:
         space = workspace(args.entity, args.project, args.name)
-        if args.dry_run:
-            args.dry_run.write_text(json.dumps(definition(space), indent=1))
-            print(args.dry_run)
-            return 0
-        _save(space)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        if args.dry_run is None:
+            _save(space)
+            return
+        with staged_output(
+            args.dry_run,
+            directory=False,
+            overwrite=args.overwrite,
+            inputs=(),
+            key="--dry-run",
+            ours=earlier_definition,
+            overwrite_flag="--overwrite",
+        ) as staged:
+            staged.write_text(json.dumps(definition(space), indent=1))
+        print(args.dry_run)
+
+    # a user mistake: one line, exit 2; Ctrl-C: one line, exit 130, the --dry-run file as it was
+    return command_main(dashboard, lambda: INTERRUPTED if args.dry_run is None else interrupted_line(args.dry_run))
+
+
+def earlier_definition(path: Path) -> bool:
+    """Whether path holds a workspace definition as --dry-run writes it (replaced by a re-run without
+    --overwrite): a JSON object with a W&B view's keys, whose spec has sections."""
+    try:
+        found = json.loads(path.read_text()) if path.stat().st_size < 2**24 else None
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(found, dict)
+        and found.keys() >= DEFINITION_KEYS
+        and isinstance(found["spec"], dict)
+        and "section" in found["spec"]
+    )
 
 
 def _save(space: ws.Workspace) -> None:

@@ -82,12 +82,17 @@ def relative(path: Path, root: Path) -> str:
     return root.name if rel == "." else rel
 
 
-def find(root: Path) -> Found:
-    """Everything under root; UserError when root is missing or holds no run."""
+def report_root(root: Path | str) -> Path:
+    """The directory the report reads, or one line saying there is none."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root}: no such directory")
-    root = root.resolve()
+    return root
+
+
+def find(root: Path) -> Found:
+    """Everything under root; UserError when root is missing or holds no run."""
+    root = report_root(root).resolve()
     runs = [
         run
         for path in sorted(root.rglob("metrics.json"), key=lambda p: natural_key(str(p)))

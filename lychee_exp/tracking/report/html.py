@@ -19,12 +19,23 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.outputs import POLICY_LINE
+from lychee_exp.core.cli import command_main
+from lychee_exp.core.outputs import POLICY_LINE, interrupted_line
 from lychee_exp.tracking.keys import num_devices
 from lychee_exp.tracking.report import plots
-from lychee_exp.tracking.report.data import Found, Run, Table, argmax, best_row, best_trial, config_value, find, fmt
-from lychee_exp.tracking.report.output import GENERATOR_TAG, write_page
+from lychee_exp.tracking.report.data import (
+    Found,
+    Run,
+    Table,
+    argmax,
+    best_row,
+    best_trial,
+    config_value,
+    find,
+    fmt,
+    report_root,
+)
+from lychee_exp.tracking.report.output import GENERATOR_TAG, page_output
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1d2433;margin:0;
@@ -229,12 +240,14 @@ def render(found: Found, root: Path, title: str | None = None) -> str:
 
 
 def build(root: Path | str, out: Path | str | None = None, title: str | None = None, overwrite: bool = False) -> Path:
-    root = Path(root)
-    found = find(root)
-    out = Path(out) if out else root / "report.html"
-    # a browser reloading the page, or a second report, never sees half a file; nothing the user has is replaced
-    write_page(out, render(found, root.resolve(), title), root, overwrite)
-    return out
+    """Writes the page to out (default <root>/report.html), kept as the user spelled it: `dir/` or '' is refused
+    in one line, not read as `dir` or as the default. A browser reloading the page, or a second report, never sees
+    half a file; nothing the user has is replaced."""
+    root = report_root(root)  # before --out is checked: its default lies inside root, which must not be created
+    spec = page_spec(root, out)
+    with page_output(spec, root, overwrite) as staged:
+        staged.write_text(render(find(root), root.resolve(), title), encoding="utf-8")
+    return Path(spec)
 
 
 def headless_chromium(page: Path, *flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -269,13 +282,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--title", help="the page title")
     parser.add_argument("--overwrite", action="store_true", help="replace an --out file that is not a report page")
     args = parser.parse_args(argv)
-    try:
-        out = build(args.dir, args.out, args.title, args.overwrite)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
+
+    def report() -> None:
+        print(build(args.dir, args.out, args.title, args.overwrite))
+
+    # a user mistake: one line, exit 2; Ctrl-C: one line, exit 130, --out as it was
+    return command_main(report, lambda: interrupted_line(page_spec(args.dir, args.out)))
+
+
+def page_spec(root: Path | str, out: Path | str | None) -> str:
+    """--out as the user spelled it, or the default <root>/report.html."""
+    return str(Path(root) / "report.html") if out is None else str(out)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ over an existing file only when that file is an earlier page of ours (re-running
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Iterator
 
 from lychee_exp.core.outputs import staged_output
 
@@ -28,10 +30,12 @@ def earlier_page(path: Path) -> bool:
         return False
 
 
-def write_page(out: Path, page: str, root: Path, overwrite: bool) -> None:
-    """Writes the page to out; every refusal is one UserError naming --out."""
+@contextlib.contextmanager
+def page_output(spec: str, root: Path, overwrite: bool) -> Iterator[Path]:
+    """Where the page is written (a path in a staging directory), checked before the report reads anything; moved
+    to `spec` (--out as the user spelled it) when the block ends. Every refusal is one UserError naming --out."""
     with staged_output(
-        str(out),
+        spec,
         directory=False,
         overwrite=overwrite,
         inputs=report_inputs(root),
@@ -39,4 +43,4 @@ def write_page(out: Path, page: str, root: Path, overwrite: bool) -> None:
         ours=earlier_page,
         overwrite_flag="--overwrite",
     ) as staged:
-        staged.write_text(page, encoding="utf-8")
+        yield staged
