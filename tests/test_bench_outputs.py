@@ -169,10 +169,10 @@ def test_overwrite_never_replaces_a_directory_holding_anything_else(tmp_path, ca
     [
         lambda run: run,  # a finished run: its metrics.json, model/, logs are no benchmark's results
         lambda run: run / "model",  # a model directory
-        lambda run: run / "x",  # inside a run (the output policy: never inside a run, a model or a dataset)
-        lambda run: run / "model" / "x",  # inside a model
+        lambda run: run / "model" / "x",  # inside a model (the output policy: never inside a model or a dataset)
+        lambda run: run / "metrics.json",  # one of a run's files (nothing of a run is replaced)
     ],
-    ids=["a-run", "a-model", "inside-a-run", "inside-a-model"],
+    ids=["a-run", "a-model", "inside-a-model", "a-runs-file"],
 )
 @pytest.mark.parametrize("overwrite", [False, True], ids=["", "overwrite"])
 def test_a_run_or_model_directory_is_never_written(finished_run, capsys, fake_measure, where, overwrite):
@@ -181,6 +181,16 @@ def test_a_run_or_model_directory_is_never_written(finished_run, capsys, fake_me
     code, lines = bench(capsys, "--out", str(out), *(["--overwrite"] if overwrite else []))
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: --out={out}"), lines
     assert tree(finished_run.parent) == before and fake_measure == []
+
+
+def test_a_new_directory_inside_a_run_leaves_the_runs_files_as_they_were(finished_run, capsys, fake_measure):
+    """A new output beside a run's own files loses nothing (the report's default page lands there too); the run's
+    files stay byte for byte."""
+    before = tree(finished_run)
+    code, lines = bench(capsys, "--out", str(finished_run / "bench"))
+    assert code == 0, lines
+    after = tree(finished_run)
+    assert {k: v for k, v in after.items() if not k.startswith("bench")} == before and "bench/bench.csv" in after
 
 
 def _read_only_parent(tmp_path: Path) -> Path:

@@ -205,15 +205,22 @@ def test_dry_run_replaces_its_own_definition_and_nothing_else_without_overwrite(
     assert dashboard(capsys, "--dry-run", str(out)) == (0, [str(out)], [])
     assert dashboard(capsys, "--dry-run", str(out), "--name", "renamed") == (0, [str(out)], [])
     assert json.loads(out.read_text())["displayName"] == "renamed"
+    refusals = {  # a corpus makes its folder a dataset, which no output enters
+        "corpus.jsonl": "error: --dry-run={mine} is inside {folder}, a dataset: write elsewhere",
+        "settings.json": "error: --dry-run={mine} already holds results (settings.json): set --overwrite to replace "
+        "them",
+    }
     for name, text in (("corpus.jsonl", CORPUS), ("settings.json", '{"entity": "e", "project": "p"}\n')):
-        mine = tmp_path / name
+        folder = tmp_path / name.partition(".")[0]
+        folder.mkdir()
+        mine = folder / name
         mine.write_text(text)
         code, printed, errors = dashboard(capsys, "--dry-run", str(mine))
         assert code == 2 and printed == [] and len(errors) == 1, errors
-        assert errors[0] == f"error: --dry-run={mine} already holds results ({name}): set --overwrite to replace them"
+        assert errors[0] == refusals[name].format(mine=mine, folder=folder)
         assert mine.read_text() == text
-    assert dashboard(capsys, "--dry-run", str(tmp_path / "settings.json"), "--overwrite")[0] == 0
-    assert "spec" in json.loads((tmp_path / "settings.json").read_text())
+    assert dashboard(capsys, "--dry-run", str(tmp_path / "settings" / "settings.json"), "--overwrite")[0] == 0
+    assert "spec" in json.loads((tmp_path / "settings" / "settings.json").read_text())
 
 
 def test_dry_run_never_replaces_a_dataset_file_even_with_overwrite(tmp_path, capsys, no_network):

@@ -72,8 +72,11 @@ class OutputLock:
             if _same_file(fd, self.path):
                 break
             os.close(fd)  # its holder removed it between our open and our lock: lock the new one
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        try:  # who holds it, for a second command's one line; a full disk only costs that line its holder
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        except OSError:
+            pass
         self._fd = fd
         return self
 
