@@ -34,6 +34,7 @@ log = logging.getLogger("lychee_exp")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 INTERRUPTED, INTERRUPTED_EXIT = "interrupted (Ctrl-C)", 130  # 128 + SIGINT, as a shell reports it
 TERMINATED_EXIT = 143  # 128 + SIGTERM
+_said: list[BaseException] = []  # errors a job of this process has already said in one line
 
 register_schema()
 OmegaConf.register_new_resolver("lychee_stamp", run_stamp, use_cache=True, replace=True)
@@ -47,6 +48,7 @@ def hydra_main(cfg: DictConfig) -> float:
         return train_job(cfg)
     except (UserError, RunFailed) as err:
         log.error("error: %s", err)
+        _said.append(err)
         if in_sweep():
             raise  # the sweeper records the trial as failed, with this reason, and goes on
         # A user mistake (2) or a failed run (1) gets one line, not a traceback.
@@ -71,8 +73,14 @@ def main() -> None:
     except RunDirRefused as err:  # raised before Hydra set up logging, by the run directory's check
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except (UserError, RunFailed) as err:  # a launcher's check, or a job's error that Hydra's basic sweeper raises
+        if not any(err is said for said in _said):  # a submitit job said it in its own log, not here
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2 if isinstance(err, UserError) else 1)
     except KeyboardInterrupt as stop:  # the ranks are stopped already (launch.launcher); the run keeps its files
-        print(stop_line(stop, INTERRUPTED), file=sys.stderr)
+        from lychee_exp.launch.slurm_jobs import cancel_in_flight
+
+        print(stop_line(stop, INTERRUPTED) + cancel_in_flight(), file=sys.stderr)
         sys.exit(stop_code(stop))
     finally:
         finish_run_dir(finished)
