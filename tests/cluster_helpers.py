@@ -45,7 +45,9 @@ def start_until_step_2(args: list[str], cwd: Path, rank0_logs: str, timeout_s: f
     )
     deadline = time.monotonic() + timeout_s
     while not any("step 2/" in p.read_text() for p in cwd.glob(rank0_logs)):
-        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()  # not left behind by a failing test (a submitter would wait for its job for ever)
+            raise AssertionError(f"training did not start:\n{proc.communicate()[0][-3000:]}")
         time.sleep(0.2)
     return proc
 
