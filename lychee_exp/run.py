@@ -33,6 +33,7 @@ log = logging.getLogger("lychee_exp")
 
 # absolute: `lychee-run` imports this module by name, and Hydra would read a relative path as a python package
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+_said: list[BaseException] = []  # errors a job of this process has already said in one line
 
 register_schema()
 OmegaConf.register_new_resolver("lychee_stamp", run_stamp, use_cache=True, replace=True)
@@ -46,6 +47,7 @@ def hydra_main(cfg: DictConfig) -> float:
         return train_job(cfg)
     except (UserError, RunFailed) as err:
         log.error("error: %s", err)
+        _said.append(err)
         if in_sweep():
             raise  # the sweeper records the trial as failed, with this reason, and goes on
         # A user mistake (2) or a failed run (1) gets one line, not a traceback.
@@ -55,6 +57,7 @@ def hydra_main(cfg: DictConfig) -> float:
             raise
         failed = RunFailed(storage_line(err), "crashed")
         log.error("error: %s", failed)
+        _said.append(failed)
         if in_sweep():
             raise failed from None
         sys.exit(1)
@@ -81,8 +84,14 @@ def main() -> None:
         sys.exit(2)
     except RunAlreadyFinished as done:  # a restarted job whose run had finished: nothing to do
         print(done, file=sys.stderr)
+    except (UserError, RunFailed) as err:  # a launcher's check, or a job's error that Hydra's basic sweeper raises
+        if not any(err is said for said in _said):  # a submitit job said it in its own log, not here
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2 if isinstance(err, UserError) else 1)
     except KeyboardInterrupt as stop:  # the ranks are stopped already (launch.launcher); the run keeps its files
-        print(stop_line(stop, INTERRUPTED), file=sys.stderr)
+        from lychee_exp.launch.slurm_jobs import cancel_in_flight
+
+        print(stop_line(stop, INTERRUPTED) + cancel_in_flight(), file=sys.stderr)
         sys.exit(stop_code(stop))
     except OSError as err:  # the storage failed under the job (a full disk): one line, as a failed run
         if storage_error(err) is None:

@@ -1,27 +1,29 @@
 """The SLURM paths on a real Slurm: a throwaway controller and two slurmd node names on this host
 (lychee_exp/testing/local_slurm.py), driven through the user's commands. Sweep trials as sbatch jobs (n_jobs at
 once) with a failing rank, a job of two nodes under srun equal to in-process DDP, a preempted trial requeued by
-Slurm that continues from its checkpoint, and launch/slurm/sweep_array.sbatch as an array job on one study.
+Slurm that continues from its checkpoint, and launch/slurm/sweep_array.sbatch as an array job on one study. And
+what goes wrong: settings Slurm refuses (one line before any job), a user error inside a job (the job's line),
+Ctrl-C/SIGTERM of the command (its jobs cancelled), a job cancelled from outside (the wait ends in one line).
 What only a real cluster shows stays out of the other test_cluster* files (there: submitit's local executor, a
 stand-in srun, faked SLURM variables)."""
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
+import signal
 import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
 
 import pytest
-from cluster_helpers import TINY_MULTI, cluster_env, start_until_step_2
-from conftest import REPO_ROOT, run_metrics
+from cluster_helpers import TINY_MULTI, cluster_env, require_slurm, start_until_step_2
+from conftest import REPO_ROOT, output_lines, run_metrics
 
+from lychee_exp.launch.processes import free_port
 from lychee_exp.testing.equivalence import assert_same_training
 from lychee_exp.testing.jobs import run_job
-from lychee_exp.testing.local_slurm import INSTALL, local_slurm, missing_binaries
+from lychee_exp.testing.local_slurm import local_slurm
 
 pytestmark = pytest.mark.slow
 
@@ -32,26 +34,26 @@ SWEPT = ("optimizer.lr=", "data.batch_size=")  # lr_batch searches them: not fix
 
 @pytest.fixture(scope="module")
 def slurm():
-    missing = missing_binaries()
-    if missing and (os.geteuid() != 0 or shutil.which("apt-get") is None):
-        pytest.skip(f"no {', '.join(missing)}, and this user cannot install them ({INSTALL} needs root)")
-    assert not missing, f"no {', '.join(missing)} on this host: {INSTALL} (bash .ci/run does it)"
+    require_slurm()
     with local_slurm(nodes=2) as cluster:
         yield cluster
 
 
-def _cli(slurm, args: list[str], cwd: Path, timeout: float = 400, **env: str) -> subprocess.CompletedProcess:
-    """`python -m lychee_exp.run <args>` as a user on the cluster's login node would run it."""
+def _cli(
+    slurm, args: list[str], cwd: Path, timeout: float = 400, expect: int = 0, **env: str
+) -> subprocess.CompletedProcess:
+    """`python -m lychee_exp.run <args>` as a user on the cluster's login node would run it; its exit code must be
+    `expect`."""
     proc = subprocess.run(
         [sys.executable, "-m", "lychee_exp.run", *args],
         cwd=cwd,
-        env=cluster_env(SLURM_CONF=str(slurm.conf), **env),
+        env=cluster_env(**{"SLURM_CONF": str(slurm.conf), **env}),
         text=True,
         capture_output=True,
         timeout=timeout,
         check=False,
     )
-    assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{slurm.logs()}"
+    assert proc.returncode == expect, f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}\n{slurm.logs()}"
     return proc
 
 
@@ -223,3 +225,123 @@ def test_sweep_array_script_as_an_array_job(slurm, tmp_path):
     study = optuna.load_study(study_name="lr_batch", storage=f"sqlite:///{db}")
     assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
     assert sorted(p.parent.name for p in sweep.glob("*/metrics.json")) == ["0", "1"]
+
+
+# ------------------------------------------------------------------ what goes wrong: one line, nothing left running
+def _conf_without_controller(slurm, tmp_path: Path) -> Path:
+    """This cluster's slurm.conf with the controller on a port nothing listens on (slurmctld down)."""
+    conf = tmp_path / "slurm.conf"
+    port = free_port()
+    conf.write_text(re.sub(r"(?m)^SlurmctldPort=\d+$", f"SlurmctldPort={port}", slurm.conf.read_text()))
+    return conf
+
+
+def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """The lines a user reads as an error: ours, Hydra's line before a failed job's error, anything logged at
+    ERROR, submitit's dump of a failed job, a traceback."""
+    marks = ("error:", "Error executing job", "[ERROR]", "failed during processing", "Traceback")
+    return [line for line in output_lines(proc) if any(mark in line for mark in marks)]
+
+
+SUBMISSION_MISTAKES = {
+    # docs/cluster.md: "a step with more tasks than nodes is refused in one line"; sbatch would accept it where a
+    # node has the CPUs, and every rank would run the whole Hydra job
+    "tasks_per_node=2": (["hydra.launcher.tasks_per_node=2"], {}, 2, "hydra.launcher.tasks_per_node=2: keep 1"),
+    "nodes=0": (["hydra.launcher.nodes=0"], {}, 2, "hydra.launcher.nodes=0"),  # sbatch --test-only passes it
+    "unknown partition": (["hydra.launcher.partition=nosuch"], {}, 2, "Invalid partition name"),
+    "too much memory": (["hydra.launcher.mem_gb=100000"], {}, 2, "mem_gb=100000"),
+    "no such slurm.conf": ([], {"SLURM_CONF": "/nonexistent/slurm.conf"}, 2, "SLURM_CONF=/nonexistent/slurm.conf"),
+    "controller down": ([], {"SLURM_CONF": "down"}, 1, "the Slurm controller does not answer"),
+    # the sweeper sets the launcher up before its first trial: the same line, no trial, no study
+    "sweep, unknown partition": (
+        ["hparams_search=lr_batch", "hydra.launcher.partition=nosuch"],
+        {},
+        2,
+        "Invalid partition name",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SUBMISSION_MISTAKES))
+def test_a_job_slurm_would_refuse_is_one_line_before_any_is_submitted(slurm, tmp_path, case):
+    """Would fail on a traceback (submitit's FailedJobError, what each did before), on a job submitted anyway
+    (squeue lists one more; tasks_per_node=2 used to reach sbatch), or on a sweep directory begun."""
+    overrides, env, code, words = SUBMISSION_MISTAKES[case]
+    if env.get("SLURM_CONF") == "down":
+        env = {"SLURM_CONF": str(_conf_without_controller(slurm, tmp_path))}
+    before = slurm.jobs()
+    sweep = tmp_path / "sweep"
+    args = ["-m", *LAUNCH, *overrides, *TINY_MULTI, f"hydra.sweep.dir={sweep}"]
+    proc = _cli(slurm, args, tmp_path, timeout=200, expect=code, **env)
+    [line] = output_lines(proc)
+    assert line.startswith("error: ") and words in line, line
+    assert slurm.jobs() == before and not sweep.exists()
+
+
+def test_a_user_error_inside_a_job_is_the_jobs_one_line(slurm, tmp_path):
+    """A data file that is not there is found by the job (on the node that reads it): the submitting command
+    says the job's own line and exits 2. Would fail on Hydra's "Error executing job with overrides" line, the
+    job's traceback, or a line other than the job's."""
+    sweep = tmp_path / "sweep"
+    missing = tmp_path / "nosuch.jsonl"
+    args = ["-m", *LAUNCH, *TINY_MULTI, "parallel=single", "gpus=1", "data=jsonl", f"data.train_file={missing}"]
+    args += [f"data.dev_file={missing}", f"hydra.sweep.dir={sweep}"]
+    proc = _cli(slurm, args, tmp_path, expect=2)
+    [line] = _error_lines(proc)
+    assert line.startswith("error: data.train_file=") and str(missing) in line, line
+    [job] = _submitit_jobs(sweep)
+    job_log = (sweep / "0" / "run.log").read_text()
+    assert line in job_log, job_log[-2000:]  # the job's line, word for word
+    assert _ended(slurm, job)["JobState"] == "COMPLETED"
+
+
+def _training_job(slurm, tmp_path: Path, sweep_trials: bool = False) -> tuple[subprocess.Popen, Path]:
+    """A long run (or a sweep of two trials at once) on the cluster, returned once a trial trains: the submitting
+    process and its sweep directory."""
+    sweep = tmp_path / "sweep"
+    tiny = [a for a in TINY_MULTI if not (sweep_trials and a.startswith(SWEPT))]
+    search = ["hparams_search=lr_batch", "hydra.sweeper.n_jobs=2"] if sweep_trials else []
+    args = ["-m", *LAUNCH, *search, *tiny, "parallel=single", "gpus=1", "trainer.max_steps=100000"]
+    args += ["trainer.evaluate=false", "trainer.measure_speedup=false", f"hydra.sweep.dir={sweep}"]
+    proc = start_until_step_2(args, tmp_path, "sweep/*/run.log", timeout_s=240, SLURM_CONF=str(slurm.conf))
+    return proc, sweep
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c-run", "sigterm-sweep"])
+def test_stopping_the_command_cancels_its_jobs(slurm, tmp_path, stop):
+    """Ctrl-C of a run; SIGTERM of a sweep with two trials in flight (their jobs are waited for in the sweeper's
+    slot threads, not where the signal lands): every job is cancelled, and the one line says which. Would fail
+    if a job were left RUNNING (what both did before), or the line did not name it."""
+    sweep_trials = stop == signal.SIGTERM
+    proc, sweep = _training_job(slurm, tmp_path, sweep_trials)
+    try:
+        want = 2 if sweep_trials else 1
+        slurm.wait_for(f"{want} job(s)", lambda: len(_submitit_jobs(sweep)) == want, 120)
+        jobs = sorted(_submitit_jobs(sweep), key=int)
+        proc.send_signal(stop)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + stop and "Traceback" not in out, out[-3000:]
+    [line] = [line for line in out.splitlines() if line.startswith(("interrupted", "terminated"))]
+    assert line.endswith(f"; cancelled Slurm job(s) {', '.join(jobs)}"), line
+    for job in jobs:
+        assert _ended(slurm, job)["JobState"] == "CANCELLED", job
+
+
+def test_a_job_cancelled_outside_ends_the_wait_in_one_line(slurm, tmp_path):
+    """`scancel <job>` from another shell: the job writes no result, and without accounting submitit never learns
+    that it ended. Would fail if the command waited on (the timeout below), exited 0, or said more than a line."""
+    proc, sweep = _training_job(slurm, tmp_path)
+    try:
+        [job] = _submitit_jobs(sweep)
+        slurm.run("scancel", job)
+        out, _ = proc.communicate(timeout=120)  # slurm_jobs: CHECK_EVERY_S + RESULT_GRACE_S, and a margin
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out[-3000:]
+    log = sweep / ".submitit" / job / f"{job}_0_log.err"
+    assert _error_lines(subprocess.CompletedProcess([], 1, out, "")) == [
+        f"error: Slurm job {job} ended CANCELLED without a result (cancelled or killed outside this command); "
+        f"its log: {log}"
+    ], out[-3000:]

@@ -1,7 +1,7 @@
 """Which devices a run uses: `parallel` x `gpus` -> a DevicePlan, decided in the Hydra process before launch.
 
-Without CUDA, `gpus=N` with parallel=ddp means N CPU ranks (gloo), each with an equal share of the cores, so
-that everything multi-device runs and is tested on a laptop or CI machine.
+Without CUDA, `gpus=N` with parallel=ddp means N CPU ranks (gloo), each with an equal share of the cores (at most
+one rank per core), so that everything multi-device runs and is tested on a laptop or CI machine.
 
 torch is imported where a device is asked about, not at import: core.config checks `gpus` with parse_gpus, and a
 command whose config does not compose ends before torch is loaded.
@@ -102,6 +102,12 @@ def plan_devices(
             where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
             raise UserError(f"gpus={count} but only {cuda_count} CUDA GPU(s) are visible{where}")
         return DevicePlan(strategy, "cuda", count, max(1, cores // count))
+    if requested is not None and requested > cores:
+        # as more GPUs than are visible: each rank is a process that wants a core of its own
+        raise UserError(
+            f"gpus={requested} but no CUDA GPU is visible, so that would be {requested} CPU ranks on {cores} core(s); "
+            f"use gpus={cores} or fewer, or gpus=auto"
+        )
     count = max(1, min(cores, MAX_AUTO_CPU_RANKS)) if requested is None else requested
     return DevicePlan(rank_strategy(strategy), "cpu", count, cpu_threads_per_rank or max(1, cores // count))
 

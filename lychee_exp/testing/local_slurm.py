@@ -25,6 +25,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lychee_exp.core.errors import UserError
 from lychee_exp.launch.processes import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -257,6 +258,8 @@ def local_slurm(nodes: int = 2, attempts: int = 2) -> Iterator[SlurmCluster]:
     (at least one); yields the cluster once sinfo shows every node idle; cancels its jobs and stops every process
     it started after, failures included. A start that fails (a free port taken meanwhile) is cleaned up and
     tried again with new ports and directories, `attempts` times in all; the last failure is raised."""
+    if nodes < 1:
+        raise UserError(f"--nodes {nodes}: a cluster needs at least 1 node")
     missing = missing_binaries()
     if missing:
         raise FileNotFoundError(f"no {', '.join(missing)} on this host ({INSTALL})")
@@ -270,6 +273,9 @@ def local_slurm(nodes: int = 2, attempts: int = 2) -> Iterator[SlurmCluster]:
             if attempt == attempts:
                 raise
             print(f"local Slurm: start {attempt} of {attempts} failed, trying again: {err}", file=sys.stderr)
+        except BaseException:  # Ctrl-C or SIGTERM while starting: the daemons started so far go too
+            _close(cluster)
+            raise
     try:
         yield cluster
     finally:
@@ -278,19 +284,40 @@ def local_slurm(nodes: int = 2, attempts: int = 2) -> Iterator[SlurmCluster]:
 
 def main() -> None:
     """`python -m lychee_exp.testing.local_slurm [--nodes N]`: a cluster to try the commands of docs/cluster.md
-    on; prints the SLURM_CONF to export, runs until Ctrl-C (or SIGTERM), then stops everything it started."""
+        on; prints the SLURM_CONF to export, runs until Ctrl-C (or SIGTERM, SIGHUP), then stops everything it started,
+    also when stopped while it starts."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--nodes", type=int, default=2, help="node names on this host (they share its CPUs)")
     nodes = parser.parse_args().nodes
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # through the finally clauses, as Ctrl-C
-    with local_slurm(nodes) as cluster:
-        print(f"export SLURM_CONF={cluster.conf}", flush=True)
-        print(cluster.run("sinfo", "-N"), end="", flush=True)
-        print("Ctrl-C stops the cluster", file=sys.stderr, flush=True)
-        with suppress(KeyboardInterrupt):
-            signal.pause()
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _stop_requested)
+    try:
+        with local_slurm(nodes) as cluster:
+            print(f"export SLURM_CONF={cluster.conf}", flush=True)
+            print(cluster.run("sinfo", "-N"), end="", flush=True)
+            print("Ctrl-C stops the cluster", file=sys.stderr, flush=True)
+            while True:
+                signal.pause()
+    except StopRequested:
+        pass  # everything it started is stopped: the end a user asks for
+    except (UserError, FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as err:
+        print(f"error: {err}", file=sys.stderr)  # a start that failed comes with the daemons' logs
+        sys.exit(2 if isinstance(err, UserError) else 1)
+
+
+class StopRequested(BaseException):
+    """Ctrl-C, SIGTERM or SIGHUP (its terminal closed): the cluster is stopped through the finally clauses."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop_requested(signum, frame) -> None:
+    for each in STOP_SIGNALS:  # a second signal must not cut the teardown short: it would leave daemons behind
+        signal.signal(each, signal.SIG_IGN)
+    raise StopRequested()
 
 
 if __name__ == "__main__":
