@@ -38,7 +38,7 @@ from lychee_exp.core.inputs import RunInputs
 from lychee_exp.launch.cluster import NodeSpec, slurm_nodes, under_torchrun
 from lychee_exp.launch.failures import FAILURE_NOTES, collateral, failure_kind, first_cause, lost_nodes, with_notes
 from lychee_exp.launch.preemption import PreemptionWatch
-from lychee_exp.launch.rank_start import rank_start
+from lychee_exp.launch.rank_start import rank_start, stop_server
 from lychee_exp.launch.ranks import PASSED_ENV, WARM_LOGS, as_rank, warm_init, warm_job, worker
 from lychee_exp.launch.step_hooks import rank_hooks
 from lychee_exp.launch.warm_ranks import RankSetup, RanksFailed, close_warm_ranks, warm_ranks
@@ -182,6 +182,7 @@ def _restore(handlers: dict) -> None:
 def _stop_on_signal(err: SignalException) -> None:
     """Ctrl-C or a stop signal reached the launcher (torch's agent turns them into SignalException, and its handlers
     stay installed in this process), and the ranks are stopped: stop the job, and any sweep, too."""
+    stop_server()
     if err.sigval == signal.SIGINT:
         raise KeyboardInterrupt from None
     raise Terminated(err.sigval) from None

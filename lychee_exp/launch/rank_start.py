@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from multiprocessing import forkserver
 
@@ -78,20 +78,34 @@ def _alive(pid: int) -> bool:
 
 
 @contextmanager
-def _helpers_ignore(signum: int) -> Iterator[None]:
-    """Processes started inside ignore `signum` for life (an ignored signal stays ignored across fork and exec).
-    SLURM signals every process of a job step: the forkserver and multiprocessing's resource tracker, whose
-    default action for USR2 is to end, would die of a preemption notice (and with the forkserver its ranks, which
-    die with their parent); the ranks install their own handler. This process's handler is back at once (the
-    server starts in milliseconds; it does not wait for the preloads)."""
+def _helpers_ignore(*signums: int) -> Iterator[None]:
+    """Processes started inside ignore these signals from their start (an ignored signal stays ignored across fork
+    and exec). SLURM signals every process of a job step: the forkserver and multiprocessing's resource tracker,
+    whose default action for USR2 is to end, would die of a preemption notice (and with the forkserver its ranks,
+    which die with their parent); the ranks install their own handler. Ctrl-C reaches the terminal's whole process
+    group: a forkserver still starting its interpreter would die of it with a "Fatal Python error" dump; ignoring it
+    there is safe, since the launcher stops the ranks and the forkserver's own import of lychee_exp installs the
+    ranks' quiet handler. This process's handlers are back at once (the server starts in milliseconds; it does not
+    wait for the preloads)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signum, signal.SIG_IGN)
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signums}
     try:
         yield
     finally:
-        signal.signal(signum, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def stop_server() -> None:
+    """Ctrl-C or a stop signal ended a launch: this process's forkserver goes at once. It would see its launcher
+    gone only back in its own loop, seconds later if it was still importing (it ignores Ctrl-C while it starts);
+    the next launch starts a new one."""
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def rank_start(device_type: str) -> tuple[str, RankParent]:
@@ -100,7 +114,7 @@ def rank_start(device_type: str) -> tuple[str, RankParent]:
     if device_type != "cpu" or server is None or not hasattr(server, "_forkserver_pid"):
         return "spawn", RankParent(os.getpid())
     multiprocessing.set_forkserver_preload(RANK_MODULES)
-    with _helpers_ignore(PREEMPT_SIGNAL):
+    with _helpers_ignore(PREEMPT_SIGNAL, signal.SIGINT):
         server.ensure_running()  # (re)starts it if it is not running, with this process's environment as it is now
     global _server
     if _server is None or _server[0] != server._forkserver_pid:  # started just now
