@@ -423,12 +423,9 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_results(tmp_path, ir_cach
 
 
 # --------------------------------------------------------------------------------------------------- stop signals
-@pytest.mark.slow
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGHUP, 129), (signal.SIGQUIT, 131)])
-def test_sighup_and_sigquit_end_a_ddp_run_as_sigterm_does(tmp_path, signum, code):
-    """A closed terminal (SIGHUP) or Ctrl-\\ (SIGQUIT) while the ranks train: one line naming the signal, exit
-    128 + its number, no process left (it used to train on, save, then exit 129/131 without a line or
-    metrics.json)."""
+def _ddp_run_held_at_step_2(tmp_path: Path, nohup: bool = False) -> tuple[subprocess.Popen, Path]:
+    """A 4-step DDP run in a process group of its own (a terminal's), its rank 0 waiting after step 2 until
+    tmp_path/go exists; returned once it waits. nohup: started with SIGHUP ignored, as nohup starts it."""
     run = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", LYCHEE_FAULT="0:2:wait", LYCHEE_FAULT_WAIT_FOR=str(tmp_path / "go"))
     ddp = [o for o in FAST if not o.startswith(("parallel=", "gpus="))] + ["parallel=ddp", "gpus=2"]
@@ -440,10 +437,25 @@ def test_sighup_and_sigquit_end_a_ddp_run_as_sigterm_does(tmp_path, signum, code
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None,  # noqa: PLW1509
     )
     deadline = time.monotonic() + 240
-    while "LYCHEE_FAULT wait fired" not in _read(run) and time.monotonic() < deadline:
-        time.sleep(0.2)  # rank 0 waits after step 2: the run is training
+    while "LYCHEE_FAULT wait fired" not in _rank_logs(run) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return proc, run
+
+
+def _rank_logs(run: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in run.glob("logs/**/stderr.log"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGHUP, 129), (signal.SIGQUIT, 131)])
+def test_sighup_and_sigquit_end_a_ddp_run_as_sigterm_does(tmp_path, signum, code):
+    """A closed terminal (SIGHUP) or Ctrl-\\ (SIGQUIT) while the ranks train: one line naming the signal, exit
+    128 + its number, no process left (it used to train on, save, then exit 129/131 without a line or
+    metrics.json)."""
+    proc, run = _ddp_run_held_at_step_2(tmp_path)
     proc.send_signal(signum)
     out, _ = proc.communicate(timeout=120)
     lines = [line for line in out.splitlines() if line.strip() and "][INFO] - " not in line and "[rank" not in line]
@@ -454,33 +466,13 @@ def test_sighup_and_sigquit_end_a_ddp_run_as_sigterm_does(tmp_path, signum, code
     assert live_processes_in_group(proc.pid) == []
 
 
-def _read(run: Path) -> str:
-    return "".join(p.read_text(errors="replace") for p in run.glob("logs/**/stderr.log"))
-
-
 @pytest.mark.slow
 def test_a_run_under_nohup_trains_on_through_sighup(tmp_path):
     """nohup ignores SIGHUP: the run must keep that (torch's agent would otherwise install its own handler)."""
-    run = tmp_path / "run"
-    go = tmp_path / "go"
-    env = dict(os.environ, OMP_NUM_THREADS="1", LYCHEE_FAULT="0:2:wait", LYCHEE_FAULT_WAIT_FOR=str(go))
-    ddp = [o for o in FAST if not o.startswith(("parallel=", "gpus="))] + ["parallel=ddp", "gpus=2"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lychee_exp.run", *ddp, "trainer.max_steps=4", f"hydra.run.dir={run}"],
-        cwd=tmp_path,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # noqa: PLW1509 (what nohup does)
-    )
-    deadline = time.monotonic() + 240
-    while "LYCHEE_FAULT wait fired" not in _read(run) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    proc, run = _ddp_run_held_at_step_2(tmp_path, nohup=True)
     os.killpg(proc.pid, signal.SIGHUP)  # the terminal's whole process group, ranks included
     time.sleep(2)
-    go.write_text("")
+    (tmp_path / "go").write_text("")
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0 and run_metrics(run)["steps"] == 4, out
 

@@ -303,7 +303,7 @@ def clean_leftovers(target: Path) -> None:
     for entry in sorted(found, key=lambda e: not e.name[len(prefix) :].startswith(SET_ASIDE)):  # set-aside first
         kind, _, owner = entry.name[len(prefix) :].partition("-")
         pid = owner.partition("-")[0]
-        if kind not in (STAGING, SET_ASIDE) or not pid.isdigit() or _alive(int(pid)):
+        if kind not in (STAGING, SET_ASIDE) or not pid.isdigit() or alive(int(pid)):
             continue
         if kind == SET_ASIDE and not target.exists():
             os.replace(entry, target)  # killed between its two renames: the old results, not the unfinished new
@@ -311,7 +311,8 @@ def clean_leftovers(target: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process pid exists (on this host: the owners named in companions' names are local)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

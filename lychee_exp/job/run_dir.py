@@ -54,6 +54,7 @@ from lychee_exp.core.output_lock import OutputLock, short_name
 from lychee_exp.core.outputs import (
     RUN_DIR,
     RUN_MARKER,
+    alive,
     clean_leftovers,
     companion,
     directory_kind,
@@ -340,19 +341,9 @@ def _recover_kept(target: Path) -> None:
     """A continued run's kept files whose process is gone (killed during its checks): put back."""
     for kept in sorted(target.parent.glob(f".{short_name(target)}.{KEPT}-*")):
         pid = kept.name.rpartition(f".{KEPT}-")[2].partition("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             _put_kept_back(kept, target)
             log.warning("%s: a continued run was killed during its checks; its files are as they were", target)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def check_resumed_model(resume: str, output_dir: Path, model: dict) -> None:
