@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from test_user_files import _command, _run, _user_files
 
 from lychee_exp import mine as mine_entry
+from lychee_exp import rerank as rerank_entry
 from lychee_exp.core.atomic import update_json_locked
 from lychee_exp.core.errors import UserError
 from lychee_exp.core.outputs import RUN_MARKER, resolved, staged_output
@@ -376,6 +377,24 @@ def test_no_flag_reaches_inside_a_model_a_dataset_or_a_run(tmp_path, ir_cache, c
     # a new file beside a run's own is no loss: allowed
     mine_entry.main(_command("mine", root, run / "mined.jsonl"))
     assert (run / "mined.jsonl").read_text().count("\n") == 6  # the 6 training queries
+
+
+def test_an_earlier_rerank_inside_a_run_is_replaced_under_the_usual_rules(tmp_path, ir_cache, capsys, caplog):
+    """rerank out=<run>/test twice: the second with overwrite=true replaces its own earlier results (a workflow
+    users have), while out=<run>/model or out=<run>/logs with the flag is refused (a directory the run wrote)."""
+    root = fruit_dataset(tmp_path / "fruit")
+    run = _run_dir(tmp_path / "run")
+    (run / "logs").mkdir()
+    (run / "logs" / "0.log").write_text("rank 0\n")
+    rerank_entry.main(_command("rerank", root, run / "test"))
+    first = (run / "test" / "run.trec").read_text()
+    rerank_entry.main(_command("rerank", root, run / "test", "overwrite=true", "top_k=3"))
+    assert (run / "test" / "run.trec").read_text() != first  # the new results, whole
+    before = _user_files(tmp_path)
+    for theirs in ("model", "logs"):
+        code, lines = _run("rerank", _command("rerank", root, run / theirs, "overwrite=true"), capsys, caplog)
+        assert code == 2 and len(lines) == 1 and "the files of a run or a sweep are never replaced" in lines[0], lines
+    assert _user_files(tmp_path) == before
 
 
 @pytest.mark.parametrize("where", ["cwd", "home"])

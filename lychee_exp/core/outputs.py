@@ -59,6 +59,11 @@ MODEL_FILES = (
 # written into every training run's directory when the run claims it (lychee_exp.job.run_dir): what overwrite=true
 # may replace is a directory carrying it
 RUN_MARKER = ".lychee_run.json"
+# every name a run writes into its directory (the job, the ranks, the loggers): overwrite=true replaces a run that
+# holds nothing else, and no other command's output replaces one of them
+RUN_NAMES = frozenset(
+    {RUN_MARKER, ".hydra", "config.yaml", "metrics.json", "model", "checkpoints", "logs", "wandb", "tensorboard"}
+)
 SWEEP_FILES = ("multirun.yaml", "optimization_results.yaml")  # what a sweep (Hydra's or lychee's) writes first
 STAGING, SET_ASIDE = "tmp", "old"  # the hidden companions of an output: `.<short name>.<kind>-<pid>-<random>`
 NAME_MAX, PATH_MAX = 255, 4096  # bytes: Linux's limits, where the file system does not say its own
@@ -151,7 +156,7 @@ def staged_output(
     with OutputLock(target, f"{key}={spec}"):
         clean_leftovers(target)
         earlier = ours is not None and target.is_file() and ours(target)
-        if results_around is not None and target.exists() and not earlier:
+        if results_around is not None and target.exists() and not earlier and _theirs(target, results_around):
             kind = directory_kind(results_around) or RUN_DIR
             raise UserError(
                 f"{key}={spec} is inside {kind} ({results_around}) and exists: the files of a run or a sweep are "
@@ -247,6 +252,14 @@ def refuse_protected(spec: str, target: Path, key: str) -> Path | None:
 
 
 MODEL_DIR, DATASET, RUN_DIR, SWEEP_DIR = "a model directory", "a dataset", "a run directory", "a sweep directory"
+
+
+def _theirs(target: Path, around: Path) -> bool:
+    """Whether an existing output inside a run's or a sweep's directory may be theirs: any file (a file carries no
+    sign of which command wrote it), and a directory a run writes for itself. An earlier output directory of a
+    command (rerank's into <run>/test) is replaced under the usual rules: only with the flag, and only when it
+    holds nothing but that command's results."""
+    return target.is_file() or (target.parent == around and target.name in RUN_NAMES) or bool(directory_kind(target))
 
 
 def directory_kind(path: Path) -> str | None:

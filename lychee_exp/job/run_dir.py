@@ -54,6 +54,7 @@ from lychee_exp.core.output_lock import OutputLock, short_name
 from lychee_exp.core.outputs import (
     RUN_DIR,
     RUN_MARKER,
+    RUN_NAMES,
     alive,
     clean_leftovers,
     companion,
@@ -72,11 +73,6 @@ from lychee_exp.launch.cluster import is_main_process
 log = logging.getLogger("lychee_exp")
 KEY = "hydra.run.dir"
 FINISHED = ("metrics.json", "model")  # what only a run that ended writes
-# every name a run writes into its directory (the job, the ranks, the loggers): overwrite=true replaces a run
-# that holds nothing else
-RUN_NAMES = frozenset(
-    {RUN_MARKER, ".hydra", "config.yaml", "metrics.json", "model", "checkpoints", "logs", "wandb", "tensorboard"}
-)
 WEIGHT_KEYS = ("path", "kind", "lora.enabled", "lora.r", "lora.target_modules")  # which weights a model has
 INPUT_KEYS = ("model.path", "data.train_file", "data.dev_file", "data.dataset")
 RESTART_VARS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # > 0: this job again, in its own directory
