@@ -45,3 +45,25 @@ def test_each_queued_trial_is_taken_by_one_worker_on_sqlite(tmp_path: Path):
     # with optuna's own SQLite transactions, 3 workers took 47 of 40 (7 trials ran twice)
     assert sorted(taken) == sorted(t._trial_id for t in study.get_trials()), popped
     assert {t.state for t in study.get_trials()} == {optuna.trial.TrialState.RUNNING}
+
+
+def test_a_trial_being_drawn_by_another_worker_is_no_other_search_space():
+    """A second slot worker starting while the first one's trial has drawn only some of its parameters (a RUNNING
+    trial, mid-suggest) saw `this sweep adds ...` and ended with exit 2 (issue 51's run found it). Only trials that
+    drew all their parameters say which ones the study has; a finished trial with fewer still is refused."""
+    import pytest
+
+    from lychee_exp.core.errors import UserError
+    from lychee_exp.sweep.storage import check_search_space
+
+    lr = optuna.distributions.FloatDistribution(1e-5, 1e-3, log=True)
+    batch = optuna.distributions.CategoricalDistribution([4, 8])
+    study = optuna.create_study()
+    drawing = study.ask()
+    drawing.suggest_float("lr", 1e-5, 1e-3, log=True)  # the other worker has not drawn the batch size yet
+    check_search_space(study, {"lr": lr, "batch": batch}, custom=False)
+    done = study.ask()
+    done.suggest_float("lr", 1e-5, 1e-3, log=True)
+    study.tell(done, 0.5)
+    with pytest.raises(UserError, match=r"this sweep adds batch, against the 1 parameter\(s\)"):
+        check_search_space(study, {"lr": lr, "batch": batch}, custom=False)
