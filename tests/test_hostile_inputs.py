@@ -213,6 +213,8 @@ def runs(tmp_path) -> Path:
         (tmp_path / "runs" / name / "config.yaml").write_text("seed: 1\n")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "corpus.jsonl").write_text('{"_id": "d1", "text": "the user\'s"}\n')
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "summary.txt").write_text("what the user wrote\n")
     return tmp_path / "runs"
 
 
@@ -229,9 +231,10 @@ def _report(capsys, *args: str) -> tuple[int, list[str], list[str]]:
         (lambda t: t / "runs" / "good" / "config.yaml", "config.yaml, read by the report"),
         (lambda t: t / "data", "is a directory; this command writes a file"),
         (lambda t: t / "runs", "holds {t}/runs/"),
-        (lambda t: t / "data" / "corpus.jsonl", "corpus.jsonl already holds results (corpus.jsonl): set --overwrite"),
+        (lambda t: t / "notes" / "summary.txt", "summary.txt already holds results (summary.txt): set --overwrite"),
+        (lambda t: t / "data" / "corpus.jsonl", "corpus.jsonl is inside {t}/data, a dataset: write elsewhere"),
     ],
-    ids=["metrics-json", "config-yaml", "a-directory", "the-runs-directory", "a-foreign-file"],
+    ids=["metrics-json", "config-yaml", "a-directory", "the-runs-directory", "a-foreign-file", "a-dataset-file"],
 )
 def test_report_out_never_replaces_the_users_files(runs, tmp_path, capsys, out, expected):
     """Wrong code that would still pass: protecting metrics.json and config.yaml only, not metrics.csv,
@@ -261,7 +264,10 @@ def test_report_replaces_its_own_page_and_a_foreign_file_only_with_overwrite(run
     assert ">good<" in page.read_text() and ">broken<" not in page.read_text()
     page.write_text(page.read_text().replace("good", "stale"))
     assert _report(capsys, str(runs))[0] == 0 and "stale" not in page.read_text()  # its own page: replaced
-    foreign = tmp_path / "data" / "corpus.jsonl"
+    corpus = tmp_path / "data" / "corpus.jsonl"
+    assert _report(capsys, str(runs), "--out", str(corpus), "--overwrite")[0] == 2  # a dataset: never, flag or not
+    assert corpus.read_text() == '{"_id": "d1", "text": "the user\'s"}\n'
+    foreign = tmp_path / "notes" / "summary.txt"
     assert _report(capsys, str(runs), "--out", str(foreign), "--overwrite")[0] == 0
     assert GENERATOR_TAG in foreign.read_text() and _no_temporaries(tmp_path)
 
