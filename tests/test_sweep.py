@@ -149,6 +149,8 @@ def test_four_trial_ddp_sweep_and_its_results(tmp_path):
         assert "plotly" in html and len(html) > 1_000_000, plot  # plotly.js inside: opens offline
         png = (sweep / f"{plot}.png").read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 5_000, plot  # an image docs can embed
+    # the results files' locks (trials.csv.lock stayed beside it) and the trials' own go when their holders let go
+    assert [p for p in tmp_path.rglob("*") if p.name.endswith(".lock")] == []
 
 
 @pytest.mark.slow
