@@ -302,7 +302,7 @@ def test_a_basic_sweep_never_writes_over_an_earlier_sweeps_jobs(tmp_path):
     again = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     lines = output_lines(again)
     assert again.returncode == 2 and len(lines) == 1, lines
-    assert f"hydra.sweep.dir={sweep} holds an earlier sweep's jobs (0, 1): this sweep would write over them" in lines[0]
+    assert f"hydra.sweep.dir={sweep} holds an earlier sweep's jobs (0, 1): this sweep would write its jobs" in lines[0]
     assert _files(sweep) == before and not list(tmp_path.glob(".*"))
 
 
@@ -320,9 +320,12 @@ def test_a_sweep_directory_is_checked_and_locked_before_the_first_job(tmp_path, 
             RunDirGuard().on_multirun_start(config)
         finally:
             run_dir._sweep_lock = held
-    (sweep / "0").mkdir(parents=True)
+    _run_dir(sweep / "0")
     RunDirGuard().on_multirun_end(config)
-    with pytest.raises(RunDirRefused, match=r"holds an earlier sweep's jobs \(0\)"):
+    with pytest.raises(RunDirRefused, match=r"holds an earlier sweep's jobs \(0\): this sweep would write its jobs"):
+        RunDirGuard().on_multirun_start(config)
+    (sweep / "notes.txt").write_text("mine\n")
+    with pytest.raises(RunDirRefused, match=r"holds files \(0, notes.txt\): this sweep would write its jobs"):
         RunDirGuard().on_multirun_start(config)
     # the lychee sweeper continues its study there and claims a fresh directory per trial: let in
     RunDirGuard().on_multirun_start(_sweep_config(tmp_path, sweep, "hydra_plugins.lychee_optuna_sweeper.X"))

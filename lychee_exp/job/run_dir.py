@@ -413,10 +413,11 @@ def _lychee_sweeper(config: DictConfig) -> bool:
 def _refuse_earlier_jobs(spec: str, target: Path, key: str) -> None:
     if not target.is_dir():
         return
-    earlier = sorted(e.name for e in target.iterdir() if not e.name.startswith(".") and e.name not in SWEEP_OWN)
-    if earlier:
+    held = sorted(e.name for e in target.iterdir() if not e.name.startswith(".") and e.name not in SWEEP_OWN)
+    if held:
+        whose = "an earlier sweep's jobs" if all(directory_kind(target / name) == RUN_DIR for name in held) else "files"
         raise UserError(
-            f"{key}={spec} holds an earlier sweep's jobs ({listed(earlier)}): this sweep would write over them; "
+            f"{key}={spec} holds {whose} ({listed(held)}): this sweep would write its jobs 0, 1, ... over them; "
             "choose a new hydra.sweep.dir (the default is new for every sweep)"
         )
 
