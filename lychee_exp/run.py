@@ -45,22 +45,20 @@ def hydra_main(cfg: DictConfig) -> float:
 
     try:
         return train_job(cfg)
-    except (UserError, RunFailed) as err:
+    except (UserError, RunFailed, OSError) as caught:
+        err = caught
+        if isinstance(caught, OSError):  # a full disk under the job: a failed run, said in one line
+            if storage_error(caught) is None:
+                raise
+            err = RunFailed(storage_line(caught), "crashed")
         log.error("error: %s", err)
         _said.append(err)
-        if in_sweep():
-            raise  # the sweeper records the trial as failed, with this reason, and goes on
+        if in_sweep():  # the sweeper records the trial as failed, with this reason, and goes on
+            if err is caught:
+                raise
+            raise err from None
         # A user mistake (2) or a failed run (1) gets one line, not a traceback.
         sys.exit(2 if isinstance(err, UserError) else 1)
-    except OSError as err:  # a full disk under the job: a failed run, said in one line
-        if storage_error(err) is None:
-            raise
-        failed = RunFailed(storage_line(err), "crashed")
-        log.error("error: %s", failed)
-        _said.append(failed)
-        if in_sweep():
-            raise failed from None
-        sys.exit(1)
 
 
 def main() -> None:

@@ -9,8 +9,9 @@ is lost. The policy, for every command, is stated once in docs/outputs.md; this 
   once the new ones are complete, and a directory holding anything the command does not write is never replaced,
   nor is a read-only one (no write bit: also for root, who may write anything).
 - An out= that is an input, holds one, or lies inside an input directory (a model directory, a dataset) is refused;
-  so is one inside any model directory or dataset, whether the command reads it or not. Inside a training run's
-  directory an output may be added, but nothing there is replaced, whatever overwrite says. The current directory,
+  so is one inside any model directory or dataset, whether the command reads it or not. Inside a training run's or
+  a sweep's directory an output may be added, but no flag replaces a file there or a directory the run writes for
+  itself (a command's own earlier output directory there follows the usual rules). The current directory,
   one that holds it, the home directory and / are never an output directory (replacing them would pull the
   ground from under the user's shell).
 - out= is locked (core.output_lock) for the whole command: a second command on the same out= is refused at once.
@@ -316,7 +317,7 @@ def clean_leftovers(target: Path) -> None:
     for entry in sorted(found, key=lambda e: not e.name[len(prefix) :].startswith(SET_ASIDE)):  # set-aside first
         kind, _, owner = entry.name[len(prefix) :].partition("-")
         pid = owner.partition("-")[0]
-        if kind not in (STAGING, SET_ASIDE) or not pid.isdigit() or alive(int(pid)):
+        if kind not in (STAGING, SET_ASIDE) or not pid.isdigit() or _alive(int(pid)):
             continue
         if kind == SET_ASIDE and not target.exists():
             os.replace(entry, target)  # killed between its two renames: the old results, not the unfinished new
@@ -324,8 +325,7 @@ def clean_leftovers(target: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def alive(pid: int) -> bool:
-    """Whether process pid exists (on this host: the owners named in companions' names are local)."""
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

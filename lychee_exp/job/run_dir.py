@@ -55,7 +55,6 @@ from lychee_exp.core.outputs import (
     RUN_DIR,
     RUN_MARKER,
     RUN_NAMES,
-    alive,
     clean_leftovers,
     companion,
     directory_kind,
@@ -134,14 +133,8 @@ class RunDirGuard(Callback):
         spec = str(OmegaConf.select(config, "hydra.sweep.dir"))
         key = "hydra.sweep.dir"
         try:
-            target = output_target(spec, key, directory=True)
-            refuse_inputs(spec, target, _inputs(config), key)
-            around = refuse_protected(spec, target, key)
-            if around is not None and directory_kind(around) == RUN_DIR:
-                raise UserError(f"{key}={spec} is inside the run directory {around}: a sweep's directory is its own")
+            target = _own_directory(spec, key, _inputs(config), "a sweep")
             refuse_ground(spec, target, key)
-            if target.exists() and not target.is_dir():
-                raise UserError(f"{key}={spec}: {target} is a file; a sweep writes a directory")
             writable_parent(spec, target.parent, key)
             if target.exists() and read_only(target):
                 raise UserError(f"{key}={spec}: {target} is not writable")
@@ -185,13 +178,7 @@ def claim_run_dir(spec: str, *, resume: str, overwrite: bool, inputs, restarted:
     """Checks the run directory against the policy and locks it; raises UserError with the one line. Returns
     whether the claim continues this job's own run after a restart (the caller resumes it from its checkpoint)."""
     global _claim
-    target = output_target(spec, KEY, directory=True)
-    refuse_inputs(spec, target, inputs, KEY)
-    around = refuse_protected(spec, target, KEY)
-    if around is not None and directory_kind(around) == RUN_DIR:  # (a sweep's directory may hold a run of its own)
-        raise UserError(f"{KEY}={spec} is inside the run directory {around}: a run's directory is its own")
-    if target.exists() and not target.is_dir():
-        raise UserError(f"{KEY}={spec}: {target} is a file; a run writes a directory")
+    target = _own_directory(spec, KEY, inputs, "a run")
     writable_parent(spec, target.parent, KEY)
     lock = OutputLock(target, f"{KEY}={spec}").acquire()
     try:
@@ -207,6 +194,20 @@ def claim_run_dir(spec: str, *, resume: str, overwrite: bool, inputs, restarted:
     _claim = _Claim(target, spec, lock, set_aside, kept)
     atexit.register(finish_run_dir, False)  # a process that ends without main()'s word: as a failed run
     return continued
+
+
+def _own_directory(spec: str, key: str, inputs, what: str) -> Path:
+    """The resolved directory of a run or a sweep (`what`), or one line: it must not be, hold or lie inside an
+    input, lie inside a model directory, a dataset or another run (a sweep's directory may hold runs of its own),
+    nor be a file."""
+    target = output_target(spec, key, directory=True)
+    refuse_inputs(spec, target, inputs, key)
+    around = refuse_protected(spec, target, key)
+    if around is not None and directory_kind(around) == RUN_DIR:
+        raise UserError(f"{key}={spec} is inside the run directory {around}: {what}'s directory is its own")
+    if target.exists() and not target.is_dir():
+        raise UserError(f"{key}={spec}: {target} is a file; {what} writes a directory")
+    return target
 
 
 def commit_run_dir(output_dir: Path) -> None:
@@ -261,7 +262,6 @@ def _decide(spec: str, target: Path, resume: str, overwrite: bool, restarted: bo
         return None, False
     shown = listed(held)
     marker = read_json(target / RUN_MARKER)
-    foreign = [name for name in held if name not in RUN_NAMES]
     if not marker and not (target / ".hydra").is_dir():
         raise UserError(
             f"{KEY}={spec} holds files that are not a lychee_exp run ({shown}): a run writes into a new directory "
@@ -290,7 +290,7 @@ def _decide(spec: str, target: Path, resume: str, overwrite: bool, restarted: bo
             f"{KEY}={spec} has no {RUN_MARKER} (written by every lychee_exp run since it was added): overwrite=true "
             "replaces only a directory that carries it; delete the directory yourself, or choose another"
         )
-    if foreign:
+    if foreign := [name for name in held if name not in RUN_NAMES]:
         raise UserError(f"{KEY}={spec} holds files a run does not write ({listed(foreign)}): not replaced")
     if read_only(target):
         raise UserError(f"{KEY}={spec} is read-only: not replaced (make it writable to let overwrite=true replace it)")
@@ -334,12 +334,11 @@ def _put_kept_back(kept: Path, target: Path) -> None:
 
 
 def _recover_kept(target: Path) -> None:
-    """A continued run's kept files whose process is gone (killed during its checks): put back."""
+    """A continued run's kept files left by a process killed during its checks: put back. Only called under
+    target's lock, which the kept files' owner held for as long as they existed: that owner is gone."""
     for kept in sorted(target.parent.glob(f".{short_name(target)}.{KEPT}-*")):
-        pid = kept.name.rpartition(f".{KEPT}-")[2].partition("-")[0]
-        if pid.isdigit() and not alive(int(pid)):
-            _put_kept_back(kept, target)
-            log.warning("%s: a continued run was killed during its checks; its files are as they were", target)
+        _put_kept_back(kept, target)
+        log.warning("%s: a continued run was killed during its checks; its files are as they were", target)
 
 
 def check_resumed_model(resume: str, output_dir: Path, model: dict) -> None:

@@ -61,12 +61,11 @@ def check_search_space(study: Any, distributions: dict[str, Any], custom: bool) 
     study apart instead would hide the earlier trials and restart n_trials silently: the user chooses a name.
     `custom`: a custom_search_space suggests parameters of its own, so only the shared ones are compared."""
     stored: dict[str, Any] = {}
-    drawn: set[str] = set()  # the parameters of trials that drew all of theirs (a running one may be mid-draw)
+    drawn_whole = False  # a trial that drew all its parameters (a running one may be mid-draw)
     for trial in study.get_trials(deepcopy=False):
         for key, distribution in trial.distributions.items():
             stored.setdefault(key, distribution)
-        if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
-            drawn.update(trial.distributions)
+        drawn_whole = drawn_whole or trial.state in (TrialState.COMPLETE, TrialState.PRUNED)
     if not stored:
         return
     fix = "use another hydra.sweeper.study_name (or storage) for another search space"
@@ -77,7 +76,7 @@ def check_search_space(study: Any, distributions: dict[str, Any], custom: bool) 
                 f"{_shown(stored[key])}; {fix}"
             )
     # another worker's trial being drawn right now holds only some of its parameters: not an "added" one
-    added = sorted(set(distributions) - set(stored)) if drawn else []
+    added = sorted(set(distributions) - set(stored)) if drawn_whole else []
     dropped = sorted(set(stored) - set(distributions))
     if not custom and (added or dropped):
         change = "; ".join(f"{what} {', '.join(keys)}" for what, keys in (("adds", added), ("drops", dropped)) if keys)
