@@ -1,4 +1,4 @@
-"""Prints the per-device memory table of docs/multi_gpu.md ("Memory you can plan") from core.memory_plan, the
+"""Prints the per-device memory table of docs/multi_gpu.md ("Memory you can plan") from parallel.memory_plan, the
 planner behind `python -m lychee_exp.plan` (tests/test_plan.py checks that the docs hold this output).
 
     python docs/make_memory_table.py
@@ -19,9 +19,9 @@ DEVICES, SIZES = 8, (24, 80, 141)
 
 
 def table() -> str:
-    from lychee_exp.core.config import RunConfig
-    from lychee_exp.core.memory_plan import GIB, plan_memory
-    from lychee_exp.run import command_config
+    from lychee_exp.cli import command_config
+    from lychee_exp.config.schema import RunConfig
+    from lychee_exp.parallel.memory_plan import GIB, plan_memory
 
     lines = [
         f"| model | tuning | parallel ({DEVICES} devices) | weights + grads + AdamW | activations, checkpointing "

@@ -1,7 +1,8 @@
 """lychee_exp: train and sweep Lychee-style rerankers with Hydra, on one device or many.
 
-Layers, lower to higher (a module imports its own layer or lower ones only; tests/test_layering.py checks it):
-core < tracking < recipe < launch < job < sweep < the entry points (run, report, dashboard) < testing < bench.
+Packages by concern, lower to higher (a module imports its own package or lower ones only; tests/test_layering.py
+checks it, docs/architecture.md draws it): errors < io < config < data < model < parallel < ir < tracking < train <
+launch < job < sweep < cli < the entry points (run, mine, rerank, plan, report, dashboard).
 """
 
 import os as _os
@@ -9,21 +10,19 @@ import signal as _signal
 import sys as _sys
 
 _COMMANDS = ("run", "mine", "rerank")  # the entry points a user starts: python -m lychee_exp.<name>, lychee-<name>
-# started as python -m lychee_exp.<name> only; each main hands Ctrl-C back through core.cli.command_main
+# started as python -m lychee_exp.<name> only; each main hands Ctrl-C back through errors.command_main
 _MODULE_COMMANDS = (
-    "report",
-    "dashboard",
-    "bench",
-    *(f"bench.{name}" for name in ("gpu_check", "peers", "own_batching", "sweep_overhead", "sweep_throughput")),
+    *(f"lychee_exp.{name}" for name in (*_COMMANDS, "report", "dashboard")),
+    # the repository's benchmarks (benchmarks/, outside the package), which import lychee_exp first
+    "benchmarks",
+    *(f"benchmarks.{name}" for name in ("gpu_check", "peers", "own_batching", "sweep_overhead", "sweep_throughput")),
 )
 
 
 def _started_as_command() -> bool:
     argv = getattr(_sys, "orig_argv", [])
     module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
-    return module in {f"lychee_exp.{c}" for c in (*_COMMANDS, *_MODULE_COMMANDS)} or _os.path.basename(
-        _sys.argv[0]
-    ) in {f"lychee-{c}" for c in _COMMANDS}
+    return module in _MODULE_COMMANDS or _os.path.basename(_sys.argv[0]) in {f"lychee-{c}" for c in _COMMANDS}
 
 
 def _interrupted_while_starting(signum, frame) -> None:

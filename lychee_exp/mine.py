@@ -1,8 +1,8 @@
 """Entry point: `python -m lychee_exp.mine dataset=<beir dir> split=train first_stage=bm25 out=<train.jsonl>`.
 
 Writes a BEIR split as FlagEmbedding reranker JSONL with hard negatives from the first stage's ranks
-(core.ir.mining; keys in core.ir.commands.MineConfig), then one summary line. A user mistake is one line, exit 2.
-out= is written as core.outputs says: whole or not at all, never over an input (the corpus, a run file), an
+(ir.mining; keys in config.commands.MineConfig), then one summary line. A user mistake is one line, exit 2.
+out= is written as io.outputs says: whole or not at all, never over an input (the corpus, a run file), an
 existing file only with overwrite=true; Ctrl-C leaves it as it was.
 """
 
@@ -15,18 +15,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lychee_exp.core.ir.commands import (
+from lychee_exp.cli import run_output_command
+from lychee_exp.config.commands import (
     MineConfig,
     check_mine_config,
     command_inputs,
     mine_settings,
     register_ir_schemas,
 )
-from lychee_exp.core.ir.mining import MineSummary
-from lychee_exp.core.ir.pipeline import mine_to_file, open_split
-from lychee_exp.core.model_card import check_trained_head
-from lychee_exp.core.outputs import staged_output
-from lychee_exp.run import run_output_command
+from lychee_exp.io.outputs import staged_output
+from lychee_exp.ir.mining import MineSummary
+from lychee_exp.ir.pipeline import mine_to_file, open_split
+from lychee_exp.model.card import check_trained_head
 
 log = logging.getLogger("lychee_exp.mine")
 
@@ -53,7 +53,7 @@ def _mine_into(cfg: MineConfig, out: Path) -> MineSummary:
         return tqdm(items, desc=f"mine {cfg.split}", unit="query", disable=not show)
 
     if cfg.teacher == "reranker":  # before any scoring: a wrong path or model is one line
-        from lychee_exp.core.model import model_dir  # torch: here, so that a misspelt key is answered without it
+        from lychee_exp.model.reranker import model_dir  # torch: here, so that a misspelt key is answered without it
 
         model_dir(cfg.model)
         check_trained_head(cfg.model)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import sys
 
-from lychee_exp.core.config import RunConfig, check_config
-from lychee_exp.core.errors import UserError
+from lychee_exp.config.schema import RunConfig, check_config
+from lychee_exp.errors import UserError
 
 DEVICE_KEY = "device_gib"
 DEVICE_GIB = (24.0, 80.0, 141.0)
@@ -41,12 +41,12 @@ def split_device_sizes(argv: list[str]) -> tuple[tuple[float, ...], list[str]]:
 
 
 def devices_of(cfg: RunConfig) -> int:
-    """The devices the run would use, by the run's own rules and one-line errors (core.devices.plan_devices:
+    """The devices the run would use, by the run's own rules and one-line errors (parallel.devices.plan_devices:
     gpus=0, -2, more GPUs than are visible, parallel=single with gpus=2). On a machine without CUDA the plan is
     for a machine with the GPUs asked for, so those are taken as there."""
     import torch
 
-    from lychee_exp.core.devices import parse_gpus, plan_devices
+    from lychee_exp.parallel.devices import parse_gpus, plan_devices
 
     here = torch.cuda.device_count() if torch.cuda.is_available() else 0
     requested = parse_gpus(cfg.gpus)
@@ -64,7 +64,7 @@ def devices_of(cfg: RunConfig) -> int:
 
 def describe(cfg: RunConfig, sizes: tuple[float, ...]) -> list[str]:
     """The plan's lines: the run, one device's memory, and whether it fits each size."""
-    from lychee_exp.core.memory_plan import GIB, MARGIN, plan_memory
+    from lychee_exp.parallel.memory_plan import GIB, MARGIN, plan_memory
 
     precision = "bf16" if cfg.trainer.precision == "auto" else str(cfg.trainer.precision)
     devices = devices_of(cfg)
@@ -110,7 +110,7 @@ def describe(cfg: RunConfig, sizes: tuple[float, ...]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lychee_exp.run import command_config
+    from lychee_exp.cli import command_config
 
     try:
         sizes, overrides = split_device_sizes(list(sys.argv[1:] if argv is None else argv))

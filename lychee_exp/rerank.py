@@ -6,10 +6,10 @@ Scores a split's first-stage top-k with a trained run's model/ (or any model pre
 as trec_eval -c computes them on run.trec and the split's qrels, the same keys prefixed first_stage_, and the
 queries asked, scored and judged; <out>/per_query.tsv: those figures per query; <out>/timing.json: pairs/s. A split
 without qrels gets run.trec (and timing.json) alone. With teacher_weight or first_stage_weight > 0 (or a model card
-that records one) run.trec ranks by the model mixed with its teacher and/or the first stage (core.ir.fusion),
+that records one) run.trec ranks by the model mixed with its teacher and/or the first stage (ir.fusion),
 run.model.trec by the model alone; teacher_* figures whenever the card names the teacher (teacher_figures). Everything
 a user can get wrong is checked before any rank starts; a mistake is one line, exit 2. out= is written as
-core.outputs says: whole or not at all, never over an input, an earlier result only with overwrite=true; Ctrl-C
+io.outputs says: whole or not at all, never over an input, an earlier result only with overwrite=true; Ctrl-C
 leaves it as it was.
 """
 
@@ -18,20 +18,20 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from lychee_exp.core.atomic import write_json_atomic, write_text_atomic
-from lychee_exp.core.devices import DevicePlan, plan_devices
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.ir.beir import dataset_dir, split_names
-from lychee_exp.core.ir.commands import RerankConfig, check_rerank_config, command_inputs, register_ir_schemas
-from lychee_exp.core.ir.dense import DenseConfig, corpus_embeddings
-from lychee_exp.core.ir.first_stage import retrieve
-from lychee_exp.core.ir.fusion import check_mix_weights
-from lychee_exp.core.ir.metrics import standing_below_first_stage
-from lychee_exp.core.ir.pipeline import open_split
-from lychee_exp.core.ir.trec import write_run
-from lychee_exp.core.model_card import card_ranking, check_trained_head
-from lychee_exp.core.outputs import staged_output
-from lychee_exp.run import run_output_command
+from lychee_exp.cli import run_output_command
+from lychee_exp.config.commands import RerankConfig, check_rerank_config, command_inputs, register_ir_schemas
+from lychee_exp.errors import UserError
+from lychee_exp.io.atomic import write_json_atomic, write_text_atomic
+from lychee_exp.io.outputs import staged_output
+from lychee_exp.ir.beir import dataset_dir, split_names
+from lychee_exp.ir.dense import DenseConfig, corpus_embeddings
+from lychee_exp.ir.first_stage import retrieve
+from lychee_exp.ir.fusion import check_mix_weights
+from lychee_exp.ir.metrics import standing_below_first_stage
+from lychee_exp.ir.pipeline import open_split
+from lychee_exp.ir.trec import write_run
+from lychee_exp.model.card import card_ranking, check_trained_head
+from lychee_exp.parallel.devices import DevicePlan, plan_devices
 
 log = logging.getLogger("lychee_exp.rerank")
 KEYS = ("ndcg@10", "mrr@10", "map")
@@ -86,7 +86,7 @@ def launch_rerank(cfg: RerankConfig, plan: DevicePlan, out: Path) -> dict:
 
 
 def _rerank_into(cfg: RerankConfig, out: Path) -> tuple[dict, dict]:
-    from lychee_exp.core.model import build_encoder, load_tokenizer, model_dir  # torch: once the config composed
+    from lychee_exp.model.reranker import build_encoder, load_tokenizer, model_dir  # torch: once the config composed
 
     # preflight: the data, the first stage (its run cached for the ranks) and the model, before any rank starts
     corpus, split = open_split(cfg.dataset, cfg.split, need_qrels=False)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from lychee_exp.core.ir.first_stage import retrieve
-from lychee_exp.core.ir.mining import MineSettings
-from lychee_exp.core.ir.pipeline import open_split
-from lychee_exp.core.ir.trec import write_run
+from lychee_exp.ir.first_stage import retrieve
+from lychee_exp.ir.mining import MineSettings
+from lychee_exp.ir.pipeline import open_split
+from lychee_exp.ir.trec import write_run
 
 
 def write_beir(root: Path, docs: dict[str, str], queries: dict[str, str], qrels: dict[str, dict]) -> Path:

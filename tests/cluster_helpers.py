@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_RANKS
 
-from lychee_exp.testing.local_slurm import INSTALL, missing_binaries
+from tools.local_slurm import INSTALL, missing_binaries
 
 # The tiny Lychee model, fp32, as tests/test_ddp.py: 2 ranks x batch 2 on any launch path must agree.
 TINY_MULTI = [

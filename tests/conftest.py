@@ -1,4 +1,4 @@
-"""Shared fixtures: in-process Hydra composition and runs (lychee_exp.testing.jobs, the helper that benchmarks and
+"""Shared fixtures: in-process Hydra composition and runs (lychee_exp.job.in_process, the helper that benchmarks and
 scripts use too), tiny fast runs, and the CLI as a subprocess.
 
 Runs are pinned to one intra-op thread: the machine has 2 cores, and torch's default of one thread per core
@@ -23,14 +23,14 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
 import lychee_exp
-from lychee_exp.core import inputs
-from lychee_exp.run import CONF_DIR as _CONF_DIR
-from lychee_exp.testing.jobs import compose_job as compose_config
-from lychee_exp.testing.jobs import run_job
+from lychee_exp.config.schema import CONF_DIR as _CONF_DIR
+from lychee_exp.job.in_process import compose_job as compose_config
+from lychee_exp.job.in_process import run_job
+from lychee_exp.train import inputs
 
 # Fault injection (LYCHEE_FAULT) reaches the ranks through the step hook the launcher looks up by name: every
 # job the tests start, in this process or in subprocesses, inherits it.
-os.environ.setdefault("LYCHEE_STEP_HOOK", "lychee_exp.testing.faults:fault_hook")
+os.environ.setdefault("LYCHEE_STEP_HOOK", "faults:fault_hook")
 # One speedup-baseline cache for the session, never the checkout's outputs/ (tests that need their own set it)
 os.environ["LYCHEE_BASELINE_FILE"] = str(Path(tempfile.mkdtemp(prefix="lychee-baselines-")) / "b.json")
 
@@ -81,7 +81,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True)
 def _fresh_inputs_cache():
-    """lychee_exp.core.inputs keeps the last inputs a process read: each test starts without them."""
+    """lychee_exp.train.inputs keeps the last inputs a process read: each test starts without them."""
     inputs._last = None
     yield
 
@@ -153,7 +153,7 @@ def output_lines(proc: subprocess.CompletedProcess) -> list[str]:
 @pytest.fixture
 def postgres_url():
     """A throwaway PostgreSQL server on localhost (as the postgres user when run as root); its SQLAlchemy URL."""
-    from lychee_exp.testing.local_postgres import local_postgres, server_bindir
+    from benchmarks.local_postgres import local_postgres, server_bindir
 
     if server_bindir() is None:
         pytest.skip("PostgreSQL server binaries are not installed")

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from conftest import TINY_RANKS, compose_config
 
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.devices import plan_devices
-from lychee_exp.core.distributed import DistEnv
-from lychee_exp.recipe.trainer import Trainer
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.parallel.devices import plan_devices
+from lychee_exp.parallel.distributed import DistEnv
+from lychee_exp.train.trainer import Trainer
 
 
 def trainer_for(tmp_path: Path, *overrides: str, env: DistEnv | None = None, strategy: str = "single") -> Trainer:

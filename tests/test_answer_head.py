@@ -1,4 +1,4 @@
-"""core.answer_head: the relevance logit from the LM head's yes/no rows equals the full-vocabulary path's (fp32),
+"""model.answer_head: the relevance logit from the LM head's yes/no rows equals the full-vocabulary path's (fp32),
 with the same per-parameter gradients, padded and packed, LoRA and full fine-tuning, both score modes, a head with
 a bias; the full forward's LM head is not run; architectures it was not written for keep the full path."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from test_packing import LORA, _assert_same_grads, _grads, _groups, _pair
 
-from lychee_exp.core import answer_head
-from lychee_exp.core.answer_head import answer_row_logit, full_answer, split_backbone
-from lychee_exp.core.data.groups import GroupCollator
-from lychee_exp.core.losses import RankingLoss
+from lychee_exp.data.groups import GroupCollator
+from lychee_exp.model import answer_head
+from lychee_exp.model.answer_head import answer_row_logit, full_answer, split_backbone
+from lychee_exp.train.losses import RankingLoss
 
 YES, NO = 7, 3
 
@@ -150,7 +150,7 @@ def test_heads_it_was_not_written_for_keep_the_full_path(tmp_path):
 def test_bench_counts_the_full_logits_and_not_the_weight():
     """bench/yes_no_head.py's peak: the full path holds at least its (rows, vocab) logits, the two-row path a
     small fraction of them (the weight and hidden states, which exist before the step, are not counted)."""
-    from lychee_exp.bench.yes_no_head import measure, shapes
+    from benchmarks.yes_no_head import measure, shapes
 
     hidden, vocab = shapes()["tiny"]
     got = measure((hidden, vocab), "fp32", False, rows=4, repeats=1)

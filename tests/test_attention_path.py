@@ -9,10 +9,10 @@ from conftest import TINY_OVERRIDES, compose_config
 from hydra.errors import ConfigCompositionException
 from test_packing import _groups, _pair
 
-from lychee_exp.core import packing
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.data.groups import GroupCollator
-from lychee_exp.core.errors import UserError
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.data import packing
+from lychee_exp.data.groups import GroupCollator
+from lychee_exp.errors import UserError
 
 CUDA = torch.device("cuda", 0)
 KEYS = ("position_ids", "cu_seqlens", "last_index", "max_length", "bounds")

@@ -1,4 +1,4 @@
-"""lychee_exp.bench.harness, the one harness of the side-by-side benchmarks: turns, rounds, medians, the ratio to the
+"""benchmarks.harness, the one harness of the side-by-side benchmarks: turns, rounds, medians, the ratio to the
 fastest peer and the written table, on hand-made figures (no training)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import csv
 import json
 import math
 
-from lychee_exp.bench import harness
+from benchmarks import harness
 
 
 def test_every_round_runs_every_system_once_and_each_goes_first_in_turn():
@@ -86,5 +86,5 @@ def test_precision_option_and_run_names():
 
 def test_a_failed_child_is_reported_and_left_out(caplog):
     # a module that does not exist: the fresh process exits non-zero, and the harness logs its error
-    assert harness.run_child("lychee_exp.bench.no_such_benchmark", "torch_loop", {}, {}) is None
+    assert harness.run_child("benchmarks.no_such_benchmark", "torch_loop", {}, {}) is None
     assert "torch_loop failed" in caplog.text and "No module named" in caplog.text

@@ -1,6 +1,6 @@
 """Where the benchmarks write (`--out`), by the output policy of every command (docs/outputs.md), through the one
-shared place, lychee_exp.bench.harness.bench_output:
-- the scaling benchmark (`python -m lychee_exp.bench`) in this process with its measurement replaced (a fake that
+shared place, benchmarks.harness.bench_output:
+- the scaling benchmark (`python -m benchmarks`) in this process with its measurement replaced (a fake that
   writes what the real one writes): an earlier --out is refused without --overwrite and replaced whole with it,
   never merged; a directory holding anything else (notes, a finished run, a model) is never replaced; every path
   that names no writable local directory is one line; all of it before anything is measured;
@@ -9,7 +9,7 @@ shared place, lychee_exp.bench.harness.bench_output:
 - the real command line in a subprocess: `bench model=nosuch` (one line with the options, exit 2, nothing
   written), a real measurement replacing an earlier --out, and Ctrl-C / SIGTERM during one (130 / 143, one line,
   the earlier --out byte for byte as it was, no process or temporary left);
-- core.cli.command_main, which every command's main ends through.
+- errors.command_main, which every command's main ends through.
 Wrong code that would still pass is said beside a guard where it is not obvious."""
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ import pytest
 from conftest import TINY_OVERRIDES, output_lines, run_cli
 from ddp_helpers import live_processes_in_group
 
-from lychee_exp.bench import harness, scaling
-from lychee_exp.core.cli import command_main
-from lychee_exp.core.errors import RunFailed, Terminated, UserError
+from benchmarks import harness, scaling
+from lychee_exp.errors import RunFailed, Terminated, UserError, command_main
 
 # the cheapest real scaling benchmark: one device, one timed step, nothing logged
 CHEAP_BENCH = ["gpus=1", "model=tiny_lychee", "data.max_train_queries=8", "logger=none", "--steps", "1"]
@@ -94,7 +93,7 @@ def said(output: str) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def _signal_handlers_restored():
-    """A command's main run here hands Ctrl-C and SIGTERM to itself (core.cli.ctrl_c_raises): put pytest's back."""
+    """A command's main run here hands Ctrl-C and SIGTERM to itself (errors.ctrl_c_raises): put pytest's back."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     yield
     for sig, handler in handlers.items():
@@ -122,7 +121,7 @@ def fake_measure(monkeypatch) -> list[list[int]]:
 
 
 def bench(capsys, *args: str) -> tuple[int, list[str]]:
-    """`python -m lychee_exp.bench gpus=1 logger=none <args>` in this process: exit status, lines on stderr."""
+    """`python -m benchmarks gpus=1 logger=none <args>` in this process: exit status, lines on stderr."""
     code = scaling.main(["gpus=1", "model=tiny_lychee", "logger=none", *args])
     return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
@@ -240,13 +239,13 @@ def test_the_default_out_is_a_fresh_directory(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ every benchmark with --out goes through it
 def _peers(argv):
-    from lychee_exp.bench import peers
+    from benchmarks import peers
 
     return peers.main(argv)
 
 
 def _own_batching(argv):
-    from lychee_exp.bench import own_batching
+    from benchmarks import own_batching
 
     return own_batching.main(argv)
 
@@ -256,7 +255,7 @@ def _from_sys_argv(module: str) -> Callable[[list[str]], int]:
 
     def main(argv: list[str]) -> int:
         sys.argv = [module, *argv]
-        return importlib.import_module(f"lychee_exp.bench.{module}").main()
+        return importlib.import_module(f"benchmarks.{module}").main()
 
     return main
 
@@ -285,7 +284,7 @@ def test_every_benchmark_refuses_an_out_it_may_not_replace_before_measuring(tmp_
 # --------------------------------------------------------------------------------- the real command line
 def test_bench_with_an_unknown_model_names_the_options_in_one_line(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "lychee_exp.bench", "model=nosuch"],
+        [sys.executable, "-m", "benchmarks", "model=nosuch"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -300,7 +299,7 @@ def test_bench_with_an_unknown_model_names_the_options_in_one_line(tmp_path):
 def test_a_real_benchmark_replaces_its_earlier_results_whole(tmp_path):
     out = earlier_bench(tmp_path / "bench")
     proc = subprocess.run(
-        [sys.executable, "-m", "lychee_exp.bench", *CHEAP_BENCH, "--out", str(out), "--overwrite"],
+        [sys.executable, "-m", "benchmarks", *CHEAP_BENCH, "--out", str(out), "--overwrite"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -324,7 +323,7 @@ def test_a_stopped_benchmark_leaves_its_earlier_out_as_it_was(tmp_path, sig, cod
     out = earlier_bench(tmp_path / "bench")
     before = tree(tmp_path)
     started = lambda printed, pid: bool(list(tmp_path.glob(".bench.*.tmp-*/devices_1")))  # noqa: E731
-    cmd = [sys.executable, "-m", "lychee_exp.bench", *CHEAP_BENCH, "--out", str(out), "--overwrite"]
+    cmd = [sys.executable, "-m", "benchmarks", *CHEAP_BENCH, "--out", str(out), "--overwrite"]
     status, output = interrupt(cmd, started, sig, cwd=tmp_path)
     assert status == code and said(output) == [f"{words}; {out} left as it was"], output
     assert "Traceback" not in output
@@ -333,7 +332,7 @@ def test_a_stopped_benchmark_leaves_its_earlier_out_as_it_was(tmp_path, sig, cod
 
 @pytest.mark.parametrize(
     "command",
-    [["lychee_exp.bench", *CHEAP_BENCH], ["lychee_exp.report", "runs"], ["lychee_exp.bench.gpu_check", "--tiny"]],
+    [["benchmarks", *CHEAP_BENCH], ["lychee_exp.report", "runs"], ["benchmarks.gpu_check", "--tiny"]],
     ids=["bench", "report", "gpu_check"],
 )
 def test_ctrl_c_while_a_command_still_imports_is_one_line(tmp_path, command):
@@ -348,7 +347,7 @@ def test_ctrl_c_while_a_command_still_imports_is_one_line(tmp_path, command):
     assert "Traceback" not in output and list(tmp_path.iterdir()) == []
 
 
-# ------------------------------------------------------------------------------------------ core.cli
+# ------------------------------------------------------------------------------------------ errors
 @pytest.mark.parametrize(
     ("raised", "code", "line"),
     [

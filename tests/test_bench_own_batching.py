@@ -13,23 +13,23 @@ import torch
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("datasets")
 
-from lychee_exp.bench import harness, own_batching, own_batching_loops  # noqa: E402
-from lychee_exp.core.resources import resolve_path  # noqa: E402
+from benchmarks import harness, own_batching, own_batching_loops  # noqa: E402
+from lychee_exp.io.resources import resolve_path  # noqa: E402
 
 SAMPLE = "pkg://lychee_exp.assets/sample/train.jsonl"
 
 
 @pytest.fixture(scope="module")
 def lychee_cfg(tmp_path_factory):
-    from lychee_exp.core.config import to_run_config
-    from lychee_exp.testing.jobs import compose_job
+    from lychee_exp.config.schema import to_run_config
+    from lychee_exp.job.in_process import compose_job
 
     return to_run_config(compose_job(own_batching.LYCHEE, tmp_path_factory.mktemp("cfg")))
 
 
 @pytest.fixture(scope="module")
 def tokenizer(lychee_cfg):
-    from lychee_exp.core.model import load_tokenizer
+    from lychee_exp.model.reranker import load_tokenizer
 
     return load_tokenizer(lychee_cfg.model)
 
@@ -48,8 +48,8 @@ def test_every_system_reads_the_same_tokens_and_counts_them_alike(lychee_cfg, to
     from sentence_transformers.cross_encoder import CrossEncoder
     from transformers import BertForSequenceClassification, DataCollatorWithPadding
 
-    from lychee_exp.core.chunks import length_chunks
-    from lychee_exp.core.model import Reranker, build_encoder, model_dir
+    from lychee_exp.data.chunks import length_chunks
+    from lychee_exp.model.reranker import Reranker, build_encoder, model_dir
 
     prompt = lychee_cfg.model.prompt
     template = prompt.prefix + prompt.separator + prompt.template
@@ -144,7 +144,7 @@ def test_flag_embedding_reads_the_file_itself_and_trains(tmp_path, monkeypatch):
     pytest.importorskip("FlagEmbedding")
     from transformers import BertForSequenceClassification
 
-    from lychee_exp.bench.flag_peer import own_file
+    from benchmarks.flag_peer import own_file
 
     spec = own_batching.build_spec(tmp_path, 2, 2, "cpu", [])
     spec.update(pairs_per_step=8, max_steps=3, precision="bf16")

@@ -12,10 +12,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lychee_exp.bench import harness, peers  # noqa: E402
-from lychee_exp.bench.peer_batches import build_steps  # noqa: E402
-from lychee_exp.bench.peer_loops import Settings, hf_trainer, timed_row, torch_loop  # noqa: E402
-from lychee_exp.bench.peers import markdown_table, summarize  # noqa: E402
+from benchmarks import harness, peers  # noqa: E402
+from benchmarks.peer_batches import build_steps  # noqa: E402
+from benchmarks.peer_loops import Settings, hf_trainer, timed_row, torch_loop  # noqa: E402
+from benchmarks.peers import markdown_table, summarize  # noqa: E402
 
 TINY = [
     "model=tiny_lychee",
@@ -33,11 +33,11 @@ TINY = [
 def test_peers_get_lychee_exps_batches_and_the_same_gradient(tmp_path):
     """The benchmark's steps are the batches lychee_exp's own Trainer loads (its loader, not a rebuilt one), and
     the bare loop's backward on a batch gives the gradient lychee_exp's training step gives: the same work."""
-    from lychee_exp.core.config import to_run_config
-    from lychee_exp.core.devices import plan_devices
-    from lychee_exp.core.distributed import DistEnv
-    from lychee_exp.recipe.trainer import Trainer
-    from lychee_exp.testing.jobs import compose_job
+    from lychee_exp.config.schema import to_run_config
+    from lychee_exp.job.in_process import compose_job
+    from lychee_exp.parallel.devices import plan_devices
+    from lychee_exp.parallel.distributed import DistEnv
+    from lychee_exp.train.trainer import Trainer
 
     _, _, model, steps = build_steps(TINY, tmp_path, 3)
     overrides = [*TINY, "parallel=single", "gpus=1", "logger=none", "data.bucket_by_length=false"]
@@ -118,7 +118,7 @@ def test_flag_embedding_trains_on_the_same_batches_in_both_precisions(tmp_path):
     """FlagEmbedding's model and Trainer read exactly the benchmark's batches (token ids, BERT segment ids), take
     every step, move the weights and count the batches' non-pad tokens, in fp32 and in bf16."""
     pytest.importorskip("FlagEmbedding")
-    from lychee_exp.bench.flag_peer import identical_batches
+    from benchmarks.flag_peer import identical_batches
 
     overrides = ["model=minilm_cross_encoder", *[o for o in TINY if not o.startswith("model=")]]
     _, encoder, model, steps = build_steps(overrides, tmp_path, 2)
@@ -193,7 +193,7 @@ def test_the_longtail_file_is_long_tailed_and_reproducible(tmp_path):
     import json
     import statistics
 
-    from lychee_exp.bench.peer_batches import longtail_file
+    from benchmarks.peer_batches import longtail_file
 
     first = longtail_file(tmp_path, 200).read_text()
     assert longtail_file(tmp_path, 200).read_text() == first  # the same seed writes the same file

@@ -10,13 +10,13 @@ from omegaconf import OmegaConf
 from test_packed_encoder import PACKED_KEYS, assert_gradients_match
 from test_packing import _grads, _groups
 
-from lychee_exp.core.bi_encoder import split_pair
-from lychee_exp.core.config import ModelConfig
-from lychee_exp.core.data.groups import GroupCollator
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.ir.dense import SCALE, DenseConfig, embed, pool
-from lychee_exp.core.losses import RankingLoss
-from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer, save_reranker
+from lychee_exp.config.schema import ModelConfig
+from lychee_exp.data.groups import GroupCollator
+from lychee_exp.errors import UserError
+from lychee_exp.ir.dense import SCALE, DenseConfig, embed, pool
+from lychee_exp.model.bi_encoder import split_pair
+from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer, save_reranker
+from lychee_exp.train.losses import RankingLoss
 
 PAIRS = [
     ("what is a heap queue", "This module provides an implementation of the heap queue algorithm. " * 3),
@@ -113,7 +113,7 @@ def test_a_tokenizer_whose_pairs_do_not_split_is_one_line():
 
 
 def test_packed_pairs_give_the_padded_logits_and_gradients(student):
-    """data.packing (auto on CPU): each pair repacked as its two texts (core.bi_encoder.bi_encoder_packed_logits)."""
+    """data.packing (auto on CPU): each pair repacked as its two texts (model.bi_encoder.bi_encoder_packed_logits)."""
     cfg, _, encoder, _ = student
     padded = load_reranker(cfg, encoder, seed=0, training=True)
     with torch.no_grad():  # away from the teacher, so that the scores spread

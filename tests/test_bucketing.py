@@ -8,14 +8,14 @@ import torch
 from conftest import TINY_QWEN2
 from transformers import AutoTokenizer
 
-from lychee_exp.core.chunks import length_chunks, padded_slots
-from lychee_exp.core.config import PromptConfig, to_run_config
-from lychee_exp.core.data.groups import GroupCollator, TrainGroups
-from lychee_exp.core.data.queries import load_queries
-from lychee_exp.core.data.sampling import PromptLengths, bucketed_order, train_sampler
-from lychee_exp.core.inputs import load_inputs
-from lychee_exp.core.model import load_reranker
-from lychee_exp.core.prompt import PromptEncoder
+from lychee_exp.config.schema import PromptConfig, to_run_config
+from lychee_exp.data.chunks import length_chunks, padded_slots
+from lychee_exp.data.groups import GroupCollator, TrainGroups
+from lychee_exp.data.prompt import PromptEncoder
+from lychee_exp.data.queries import load_queries
+from lychee_exp.data.sampling import PromptLengths, bucketed_order, train_sampler
+from lychee_exp.model.reranker import load_reranker
+from lychee_exp.train.inputs import load_inputs
 
 SAMPLE = "pkg://lychee_exp.assets/sample/train.jsonl"
 

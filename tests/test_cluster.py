@@ -12,16 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
+from baselines import seed_baseline
 from cluster_helpers import TINY_MULTI, cluster_env
 from conftest import REPO_ROOT, run_metrics
+from equivalence import assert_same_training
 
-from lychee_exp.core.devices import available_cores
-from lychee_exp.core.errors import Preempted, RunFailed, UserError
+from lychee_exp.errors import Preempted, RunFailed, UserError
+from lychee_exp.job.in_process import run_job
 from lychee_exp.launch.cluster import expand_nodelist, is_main_process, job_devices, slurm_nodes
 from lychee_exp.launch.processes import free_port
-from lychee_exp.testing.baselines import seed_baseline
-from lychee_exp.testing.equivalence import assert_same_training
-from lychee_exp.testing.jobs import run_job
+from lychee_exp.parallel.devices import available_cores
 
 
 def _losses(run_dir: Path) -> list[float]:

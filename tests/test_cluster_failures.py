@@ -19,9 +19,9 @@ import pytest
 from cluster_helpers import require_slurm
 from conftest import TINY_OVERRIDES, output_lines, run_cli
 
-from lychee_exp.core.devices import parse_gpus, plan_devices
-from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.errors import RunFailed, UserError
 from lychee_exp.launch import slurm_jobs
+from lychee_exp.parallel.devices import parse_gpus, plan_devices
 
 
 # ------------------------------------------------------------------------------------ CPU ranks and the cores
@@ -96,7 +96,7 @@ def _local_slurm(*args: str, tmpdir: Path | None = None) -> subprocess.Popen:
     if tmpdir is not None:
         env["TMPDIR"] = str(tmpdir)
     return subprocess.Popen(
-        [sys.executable, "-m", "lychee_exp.testing.local_slurm", *args],
+        [sys.executable, "-m", "tools.local_slurm", *args],
         env=env,
         text=True,
         stdout=subprocess.PIPE,

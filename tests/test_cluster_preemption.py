@@ -11,7 +11,7 @@ import torch
 from cluster_helpers import TINY_MULTI, start_until_step_2
 from conftest import run_metrics
 
-from lychee_exp.testing.jobs import run_job
+from lychee_exp.job.in_process import run_job
 
 
 def test_damaged_latest_checkpoint_resumes_from_the_previous_one(tmp_path, caplog):

@@ -1,5 +1,5 @@
 """The SLURM paths on a real Slurm: a throwaway controller and two slurmd node names on this host
-(lychee_exp/testing/local_slurm.py), driven through the user's commands. Sweep trials as sbatch jobs (n_jobs at
+(tools/local_slurm.py), driven through the user's commands. Sweep trials as sbatch jobs (n_jobs at
 once) with a failing rank, a job of two nodes under srun equal to in-process DDP, a preempted trial requeued by
 Slurm that continues from its checkpoint, and launch/slurm/sweep_array.sbatch as an array job on one study. And
 what goes wrong: settings Slurm refuses (one line before any job), a user error inside a job (the job's line),
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from cluster_helpers import TINY_MULTI, cluster_env, require_slurm, start_until_step_2
 from conftest import REPO_ROOT, output_lines, run_metrics
+from equivalence import assert_same_training
 
+from lychee_exp.job.in_process import run_job
 from lychee_exp.launch.processes import free_port
-from lychee_exp.testing.equivalence import assert_same_training
-from lychee_exp.testing.jobs import run_job
-from lychee_exp.testing.local_slurm import local_slurm
+from tools.local_slurm import local_slurm
 
 pytestmark = pytest.mark.slow
 

@@ -9,11 +9,11 @@ from conftest import CONF_DIR, compose_config, output_lines, run_cli
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from lychee_exp.core import choices
-from lychee_exp.core.config import Choice, RunConfig, check_config, to_run_config
-from lychee_exp.core.errors import UserError
+from lychee_exp.cli import composition_error, main
+from lychee_exp.config import choices
+from lychee_exp.config.schema import Choice, RunConfig, check_config, to_run_config
+from lychee_exp.errors import UserError
 from lychee_exp.job.training_job import preflight
-from lychee_exp.run import composition_error, main
 
 GROUPS = ["model", "data", "loss", "optimizer", "trainer", "parallel", "logger", "experiment"]
 # Options whose required paths are the user's own: they get placeholders, so only compose + check_config.
@@ -63,7 +63,7 @@ def test_experiment_lychee_lora_recipe(tmp_path):
     assert run_cfg.model.lora.enabled and run_cfg.model.lora.r == 64 and run_cfg.model.lora.alpha == 32
     assert run_cfg.optimizer.lr == pytest.approx(1e-4)
     assert run_cfg.data.train_group_size == 16
-    # token-budget packed batches: one shape per run (lychee_exp/bench/padded_vs_packed.py, docs/performance.md)
+    # token-budget packed batches: one shape per run (benchmarks/padded_vs_packed.py, docs/performance.md)
     assert run_cfg.data.packing and run_cfg.data.max_tokens_per_batch == 16384
 
 

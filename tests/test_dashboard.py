@@ -276,7 +276,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_definition(small_disk, ca
     ],
 )
 def test_the_wandb_mode_follows_wandb_mode_then_the_config(monkeypatch, env, mode, key, expected):
-    from lychee_exp.core.config import LoggerConfig
+    from lychee_exp.config.schema import LoggerConfig
     from lychee_exp.tracking import backends
 
     monkeypatch.setenv("WANDB_MODE", env)

@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 from conftest import output_lines, run_cli
 
-from lychee_exp.core.data.groups import TrainGroups
-from lychee_exp.core.data.queries import RankingQuery, load_queries
-from lychee_exp.core.errors import UserError
-from lychee_exp.testing.jobs import run_job
+from lychee_exp.data.groups import TrainGroups
+from lychee_exp.data.queries import RankingQuery, load_queries
+from lychee_exp.errors import UserError
+from lychee_exp.job.in_process import run_job
 
 GOOD = {"query": "what is a lychee", "pos": ["a tropical fruit"], "neg": ["a car", "a boat", "a plane"]}
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from conftest import run_metrics, warm_ranks_kept
 from ddp_helpers import TINY_DDP, run_losses, start_cli
+from equivalence import assert_same_training
 
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.errors import RunFailed
-from lychee_exp.core.memory_plan import plan_memory
-from lychee_exp.testing.equivalence import assert_same_training
-from lychee_exp.testing.jobs import compose_job, run_job
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.errors import RunFailed
+from lychee_exp.job.in_process import compose_job, run_job
+from lychee_exp.parallel.memory_plan import plan_memory
 
 
 @pytest.fixture(scope="module")

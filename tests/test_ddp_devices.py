@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import run_metrics, warm_ranks_kept
 from ddp_helpers import TINY_DDP, run_losses, run_weights
+from equivalence import assert_same_training
 
-from lychee_exp.core.devices import plan_devices
-from lychee_exp.core.errors import UserError
-from lychee_exp.testing.equivalence import assert_same_training
-from lychee_exp.testing.jobs import run_job
+from lychee_exp.errors import UserError
+from lychee_exp.job.in_process import run_job
+from lychee_exp.parallel.devices import plan_devices
 
 
 def test_gpu_count_checks():
@@ -40,7 +40,7 @@ def test_gpu_count_checks():
 )
 def test_auto_precision_on_a_cpu_is_bf16_only_where_it_computes_bf16_natively(tmp_path, monkeypatch, flags, expected):
     """AVX-512 without its bf16 instructions emulates bf16 (slower than fp32): such a CPU stays fp32."""
-    from lychee_exp.core import devices
+    from lychee_exp.parallel import devices
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")

@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import run_metrics, warm_ranks_kept
 from ddp_helpers import TINY_DDP, start_cli
+from equivalence import assert_same_training
 
-from lychee_exp.core.errors import RunFailed
-from lychee_exp.testing.equivalence import assert_same_training
-from lychee_exp.testing.jobs import run_job
+from lychee_exp.errors import RunFailed
+from lychee_exp.job.in_process import run_job
 
 
 def _resume_args(bucket: bool) -> list[str]:

@@ -1,4 +1,4 @@
-"""Each default is written once: in the schema (lychee_exp.core.config's dataclasses) or in a YAML file of conf/,
+"""Each default is written once: in the schema (lychee_exp.config.schema's dataclasses) or in a YAML file of conf/,
 never in both. A YAML key that restates the value it would have anyway (the schema's, or the parent option's)
 is a second home that can drift; a key of a default option (one conf/config.yaml picks, or one named
 `default`) that differs from the schema, unless declared below as a choice of the default run, means the two
@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from lychee_exp.core.config import RunConfig
-from lychee_exp.testing.jobs import CONF_DIR
+from lychee_exp.config.schema import CONF_DIR, RunConfig
 
 CONF = Path(CONF_DIR)
 # every conf/ group that fills a section of the run's schema (hydra/ and hparams_search/ configure Hydra)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from beir_helpers import fruit_dataset, write_beir
 
-from lychee_exp.core.ir import dense as dense_module
-from lychee_exp.core.ir.dense import DenseConfig, corpus_embeddings, embed, pool, top_k_by_blocks
-from lychee_exp.core.ir.first_stage import retrieve
-from lychee_exp.core.ir.pipeline import open_split
-from lychee_exp.core.resources import resolve_path
+from lychee_exp.io.resources import resolve_path
+from lychee_exp.ir import dense as dense_module
+from lychee_exp.ir.dense import DenseConfig, corpus_embeddings, embed, pool, top_k_by_blocks
+from lychee_exp.ir.first_stage import retrieve
+from lychee_exp.ir.pipeline import open_split
 
 
 def _full_top_k(queries, docs, k):

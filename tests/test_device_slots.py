@@ -15,7 +15,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from lychee_exp.core.errors import UserError
+from lychee_exp.errors import UserError
 from lychee_exp.sweep.device_slots import parse
 from lychee_exp.sweep.placement import candidates, decide, wall_time
 from lychee_exp.sweep.slots import Devices, machine_devices, plan_slots, run_slots, slot_env
@@ -246,9 +246,9 @@ def test_auto_from_the_cache_runs_lr_batch_one_device_per_trial_two_training_tri
 
 
 def test_auto_measures_each_device_count_once_then_reads_the_cache(tmp_path, monkeypatch):
-    from lychee_exp.core.config import to_run_config
+    from lychee_exp.config.schema import to_run_config
+    from lychee_exp.job.in_process import compose_job
     from lychee_exp.sweep.placement import cache_path, measured_speedups, store_rate
-    from lychee_exp.testing.jobs import compose_job
 
     monkeypatch.setenv("LYCHEE_BASELINE_FILE", str(tmp_path / "b.json"))
     cfg = to_run_config(compose_job(["model=tiny_lychee"], tmp_path))

@@ -13,14 +13,14 @@ import torch
 from conftest import TINY_QWEN2, run_tiny
 from transformers import AutoTokenizer
 
-from lychee_exp.core import losses
-from lychee_exp.core.config import PromptConfig
-from lychee_exp.core.data.groups import GroupCollator, TrainGroups, build_dev_pairs
-from lychee_exp.core.data.queries import check_teacher_scores, load_queries
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.evaluate import bm25_scores, ranking_metrics
-from lychee_exp.core.prompt import PromptEncoder
-from lychee_exp.testing.jobs import run_job
+from lychee_exp.config.schema import PromptConfig
+from lychee_exp.data.groups import GroupCollator, TrainGroups, build_dev_pairs
+from lychee_exp.data.prompt import PromptEncoder
+from lychee_exp.data.queries import check_teacher_scores, load_queries
+from lychee_exp.errors import UserError
+from lychee_exp.ir.evaluate import bm25_scores, ranking_metrics
+from lychee_exp.job.in_process import run_job
+from lychee_exp.train import losses
 
 
 def write_jsonl(path, records):
@@ -120,7 +120,7 @@ def test_unknown_keys_warned_once_per_file_naming_them(tmp_path, caplog):
     records = [{"query": f"q{i}", "pos": ["p"], "neg": ["n"], "scores": [1], "query_id": i} for i in range(5)]
     records[3]["passage_prompt"] = "x"
     path = write_jsonl(tmp_path / "t.jsonl", records)
-    with caplog.at_level(logging.WARNING, logger="lychee_exp.core.data.groups"):
+    with caplog.at_level(logging.WARNING, logger="lychee_exp.data.groups"):
         load_queries(str(path), "data.train_file")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
@@ -267,10 +267,10 @@ def test_training_distills_each_document_towards_its_own_teacher_score(tmp_path,
     document text, written out by hand."""
     from conftest import TINY_OVERRIDES, compose_config
 
-    from lychee_exp.core.config import to_run_config
-    from lychee_exp.core.devices import plan_devices
-    from lychee_exp.core.distributed import DistEnv
-    from lychee_exp.recipe.trainer import Trainer
+    from lychee_exp.config.schema import to_run_config
+    from lychee_exp.parallel.devices import plan_devices
+    from lychee_exp.parallel.distributed import DistEnv
+    from lychee_exp.train.trainer import Trainer
 
     def teacher_of(number: int) -> float:  # varied signs and sizes, so that a score in the wrong row shows
         return ((number * 37) % 11 - 5) / 2

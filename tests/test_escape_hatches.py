@@ -25,9 +25,9 @@ from test_user_files import _command, _run, _user_files
 
 from lychee_exp import mine as mine_entry
 from lychee_exp import rerank as rerank_entry
-from lychee_exp.core.atomic import update_json_locked
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.outputs import RUN_MARKER, resolved, staged_output
+from lychee_exp.errors import UserError
+from lychee_exp.io.atomic import update_json_locked
+from lychee_exp.io.outputs import RUN_MARKER, resolved, staged_output
 from lychee_exp.job import run_dir
 from lychee_exp.job.run_dir import (
     KEPT,
@@ -514,7 +514,7 @@ def test_concurrent_updates_of_a_shared_table_all_stay(tmp_path):
     and one entry is lost)."""
     table = tmp_path / "table.json"
     code = (
-        "import sys; from pathlib import Path; from lychee_exp.core.atomic import update_json_locked\n"
+        "import sys; from pathlib import Path; from lychee_exp.io.atomic import update_json_locked\n"
         "for i in range(40): update_json_locked(Path(sys.argv[1]), lambda t: t.update({f'{sys.argv[2]}{i}': i}))\n"
     )
     procs = [subprocess.Popen([sys.executable, "-c", code, str(table), name]) for name in "ab"]

@@ -14,14 +14,14 @@ import pytest
 import torch
 from conftest import run_metrics, warm_ranks_kept
 from ddp_helpers import TINY_DDP, run_losses
+from equivalence import assert_same_training
 from gradient_helpers import spawned_windows, trainer_for, window_gradients
 
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.errors import RunFailed, UserError
-from lychee_exp.core.memory_plan import plan_memory
-from lychee_exp.core.sharding import transformer_blocks
-from lychee_exp.testing.equivalence import assert_same_training
-from lychee_exp.testing.jobs import compose_job, run_job
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.errors import RunFailed, UserError
+from lychee_exp.job.in_process import compose_job, run_job
+from lychee_exp.parallel.memory_plan import plan_memory
+from lychee_exp.parallel.sharding import transformer_blocks
 
 # 2 ranks x 1 query x accumulation 2 against 1 process x 2 queries x accumulation 2: 4 queries a step either way
 WINDOW = ["trainer.grad_accum_steps=2", "trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.eval_every=3"]
@@ -72,7 +72,7 @@ def test_fsdp_trains_as_one_process(runs, tuning):
 @pytest.mark.parametrize("tuning", list(TUNING))
 def test_each_rank_holds_half_the_state(runs, tuning, tmp_path):
     """Parameters, gradients and AdamW state per rank: the tensors' own sizes, shards under fsdp; and exactly what
-    `python -m lychee_exp.plan` says before the run (core.memory_plan, from the model on the meta device)."""
+    `python -m lychee_exp.plan` says before the run (parallel.memory_plan, from the model on the meta device)."""
     m_fsdp, m_single = run_metrics(runs[tuning, "fsdp"]), run_metrics(runs[tuning, "single"])
     for key in ("param_bytes_per_rank", "grad_bytes_per_rank", "optimizer_bytes_per_rank"):
         (whole,), shards = m_single[key], m_fsdp[key]
@@ -164,7 +164,7 @@ def test_blocks_are_found_in_every_preset_kind():
 
 
 def test_cpu_offload_without_cuda_is_one_line():
-    from lychee_exp.core.devices import plan_devices
+    from lychee_exp.parallel.devices import plan_devices
 
     with pytest.raises(UserError, match="parallel.cpu_offload=true moves GPU state to CPU memory"):
         plan_devices("fsdp", 2, cuda_count=0, cpu_offload=True)

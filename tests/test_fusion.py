@@ -13,21 +13,21 @@ from beir_helpers import fruit_dataset
 from conftest import compose_config
 from test_model import _spread_weights, tiny_reranker
 
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.data.groups import DevPairs
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.evaluate import metrics_of, ranking_metrics
-from lychee_exp.core.ir.candidates import RerankPairs
-from lychee_exp.core.ir.commands import RerankConfig, register_ir_schemas
-from lychee_exp.core.ir.dense import DenseConfig
-from lychee_exp.core.ir.first_stage import retrieve
-from lychee_exp.core.ir.fusion import fuse, interpolate, standardise
-from lychee_exp.core.ir.metrics import trec_metrics
-from lychee_exp.core.ir.pipeline import dense_teacher, open_split
-from lychee_exp.core.ir.trec import read_run
-from lychee_exp.core.model import save_reranker
+from lychee_exp.cli import command_config
+from lychee_exp.config.commands import RerankConfig, register_ir_schemas
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.data.groups import DevPairs
+from lychee_exp.errors import UserError
+from lychee_exp.ir.candidates import RerankPairs
+from lychee_exp.ir.dense import DenseConfig
+from lychee_exp.ir.evaluate import metrics_of, ranking_metrics
+from lychee_exp.ir.first_stage import retrieve
+from lychee_exp.ir.fusion import fuse, interpolate, standardise
+from lychee_exp.ir.metrics import trec_metrics
+from lychee_exp.ir.pipeline import dense_teacher, open_split
+from lychee_exp.ir.trec import read_run
+from lychee_exp.model.reranker import save_reranker
 from lychee_exp.rerank import rerank_command, standing_line
-from lychee_exp.run import command_config
 
 
 def test_standardise_is_per_query_and_scale_free():

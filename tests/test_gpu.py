@@ -89,7 +89,7 @@ def test_nccl_process_group_on_one_gpu():
 def test_data_parallel_matches_one_gpu(tmp_path):
     """DataParallel over every GPU with batch b per GPU trains as one GPU with batch b x GPUs: the same losses and
     pre-clip gradient norms per step, and the same weights (GPU kernels: a looser tolerance than on CPU)."""
-    from lychee_exp.testing.equivalence import assert_same_training
+    from equivalence import assert_same_training
 
     count = torch.cuda.device_count()
     single, dp = tmp_path / "single", tmp_path / "dp"

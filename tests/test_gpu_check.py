@@ -1,4 +1,4 @@
-"""The GPU check (lychee_exp/bench/gpu_check.py): its FLOP accounting and timed window on hand-made inputs, its
+"""The GPU check (benchmarks/gpu_check.py): its FLOP accounting and timed window on hand-made inputs, its
 time budget, Ctrl-C (one line, exit 130, the earlier report kept) and what it leaves in $TMPDIR (nothing), and
 (slow) the whole check end to end on the CPU with the tiny model (--tiny), read back from its JSON."""
 
@@ -16,13 +16,13 @@ import torch
 from conftest import REPO_ROOT, TINY_QWEN2
 from torch.utils.flop_counter import FlopCounterMode
 
-from lychee_exp.bench import gpu_check
-from lychee_exp.bench.gpu.flops import QWEN25_1P5B, Shape, step_flops
-from lychee_exp.bench.gpu.lychee_lora_run import has_key
-from lychee_exp.bench.gpu.profile import summarise
-from lychee_exp.bench.gpu.timed_runs import ABLATION, Budget, Runner, ablation_skip
-from lychee_exp.bench.gpu.timing import BatchLog, WindowClock, forward_rows, window_figures
-from lychee_exp.bench.gpu.weights import fingerprints
+from benchmarks import gpu_check
+from benchmarks.gpu.flops import QWEN25_1P5B, Shape, step_flops
+from benchmarks.gpu.lychee_lora_run import has_key
+from benchmarks.gpu.profile import summarise
+from benchmarks.gpu.timed_runs import ABLATION, Budget, Runner, ablation_skip
+from benchmarks.gpu.timing import BatchLog, WindowClock, forward_rows, window_figures
+from benchmarks.gpu.weights import fingerprints
 
 SHAPE = Shape.of(QWEN25_1P5B)
 
@@ -35,7 +35,7 @@ def counted_flops(tmp_path, lengths: list[int], checkpointing: bool) -> tuple[fl
     formula counts it (2N backward for every layer)."""
     from test_model import model_cfg
 
-    from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
+    from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer
 
     overrides = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.dropout=0.0"]
     overrides += ["model.attn_implementation=eager", f"model.gradient_checkpointing={str(checkpointing).lower()}"]
@@ -149,7 +149,7 @@ def test_hf_groups_by_length_within_the_warmup_and_the_window():
     from torch.utils.data import Subset
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
-    from lychee_exp.bench.gpu.hf_peft_run import SlicedSampler
+    from benchmarks.gpu.hf_peft_run import SlicedSampler
 
     rows = [{"input_ids": [1] * n} for n in torch.randint(4, 400, (48,)).tolist()]
     warm = 16
@@ -232,7 +232,7 @@ def test_ctrl_c_leaves_the_earlier_report_and_no_temporary_files(tmp_path, monke
     out.write_text('{"commit": "abc", "mode": "checks", "device": "H200", "checks": {}}\n')  # an earlier report
     scratch.mkdir()
     monkeypatch.setenv("TMPDIR", str(scratch))
-    cmd = [sys.executable, "-m", "lychee_exp.bench.gpu_check", "--tiny", "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--tiny", "--out", str(out)]
     code, output = interrupt(cmd, lambda printed, pid: "gpu_check: weights: PASS" in printed, cwd=REPO_ROOT)
     lines = output.splitlines()
     assert code == 130 and lines[-1] == f"gpu_check: interrupted; {out} left as it was", output[-3000:]
@@ -247,7 +247,7 @@ def test_tiny_dry_run_runs_every_phase_and_writes_every_key(tmp_path):
     out, scratch = tmp_path / "gpu_check.json", tmp_path / "tmp"
     scratch.mkdir()
     # through the shell entry a GPU machine runs (from the repository root), with this interpreter
-    cmd = ["bash", "lychee_exp/bench/gpu_check.sh", "--tiny", "--out", str(out)]
+    cmd = ["bash", "benchmarks/gpu_check.sh", "--tiny", "--out", str(out)]
     env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(scratch)}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -287,7 +287,7 @@ def test_tiny_dry_run_runs_every_phase_and_writes_every_key(tmp_path):
 @pytest.mark.slow
 def test_tiny_ablation_dry_run(tmp_path):
     out = tmp_path / "ablation.json"
-    cmd = [sys.executable, "-m", "lychee_exp.bench.gpu_check", "--tiny", "--ablation", "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--tiny", "--ablation", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -317,7 +317,7 @@ def test_lychee_exp_and_hf_trainer_do_the_same_math(built_weights, tmp_path):
     ours, hf = (row["first_losses"] for row in rows)
     assert len(ours) == len(hf) == 5
     assert ours[0] == pytest.approx(hf[0], rel=1e-4)  # step 1: the same weights, batch and loss
-    # then within 1e-3 (measured: 2.3e-4): lychee_exp reads the yes/no logit in fp32 (core.answer_head), HF from
+    # then within 1e-3 (measured: 2.3e-4): lychee_exp reads the yes/no logit in fp32 (model.answer_head), HF from
     # its bf16 LM head's logits, so the gradients, and the weights after step 1, differ in their low bits
     assert ours == pytest.approx(hf, rel=1e-3)
     assert len(set(ours)) == 5  # the losses move: the comparison is not of a model that does not train
@@ -329,10 +329,10 @@ def test_hf_times_the_rows_of_lychee_exps_window(built_weights, tmp_path):
     micro-batches (compared as the multiset of prompt lengths its loader yields), its warm-up a separate slice."""
     import dataclasses
 
-    from lychee_exp.bench.gpu import hf_peft_run, lychee_lora_run
-    from lychee_exp.core.devices import plan_devices
-    from lychee_exp.core.distributed import DistEnv
-    from lychee_exp.recipe.trainer import Trainer
+    from benchmarks.gpu import hf_peft_run, lychee_lora_run
+    from lychee_exp.parallel.devices import plan_devices
+    from lychee_exp.parallel.distributed import DistEnv
+    from lychee_exp.train.trainer import Trainer
 
     runner = runner_from(built_weights, tmp_path, warmup=2, timed=3)
     mix = runner.mixes["long_tailed"]

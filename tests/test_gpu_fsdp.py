@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 from conftest import run_tiny
-
-from lychee_exp.testing.equivalence import assert_same_training, step_rows
+from equivalence import assert_same_training, step_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

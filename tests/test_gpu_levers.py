@@ -11,13 +11,13 @@ import torch
 from conftest import TINY_OVERRIDES, compose_config
 from test_levers import draw_lora_b
 
-from lychee_exp.core.config import OptimizerConfig, to_run_config
-from lychee_exp.core.inputs import load_inputs
-from lychee_exp.core.levers import apply_levers
-from lychee_exp.core.memory_plan import resolve_checkpointing
-from lychee_exp.core.model import load_reranker
-from lychee_exp.core.optim import adamw
-from lychee_exp.core.seeding import seed_everything
+from lychee_exp.config.schema import OptimizerConfig, to_run_config
+from lychee_exp.model.levers import apply_levers
+from lychee_exp.model.reranker import load_reranker
+from lychee_exp.parallel.memory_plan import resolve_checkpointing
+from lychee_exp.parallel.seeding import seed_everything
+from lychee_exp.train.inputs import load_inputs
+from lychee_exp.train.optim import adamw
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA = torch.device("cuda", 0)

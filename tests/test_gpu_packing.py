@@ -10,9 +10,9 @@ from test_levers import draw_lora_b
 from test_model import _spread_weights, model_cfg
 from test_packing import _groups
 
-from lychee_exp.core import packing
-from lychee_exp.core.data.groups import GroupCollator
-from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
+from lychee_exp.data import packing
+from lychee_exp.data.groups import GroupCollator
+from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA = torch.device("cuda", 0)

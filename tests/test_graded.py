@@ -11,11 +11,11 @@ from conftest import TINY_QWEN2
 from test_metrics import assert_matches_pytrec
 from transformers import AutoTokenizer
 
-from lychee_exp.core.config import PromptConfig
-from lychee_exp.core.data.groups import build_dev_pairs
-from lychee_exp.core.data.queries import load_queries
-from lychee_exp.core.evaluate import ranking_metrics
-from lychee_exp.core.prompt import PromptEncoder
+from lychee_exp.config.schema import PromptConfig
+from lychee_exp.data.groups import build_dev_pairs
+from lychee_exp.data.prompt import PromptEncoder
+from lychee_exp.data.queries import load_queries
+from lychee_exp.ir.evaluate import ranking_metrics
 
 
 def graded_dev_set(seed: int, n_queries: int):

@@ -33,17 +33,17 @@ from conftest import TINY_OVERRIDES, compose_config, output_lines, run_cli
 from test_model import tiny_reranker
 from test_user_files import _no_temporaries, _run
 
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.data.queries import load_queries
-from lychee_exp.core.errors import RunFailed, UserError
-from lychee_exp.core.inputs import load_inputs
-from lychee_exp.core.model import load_tokenizer, save_reranker
-from lychee_exp.core.output_lock import short_name
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.data.queries import load_queries
+from lychee_exp.errors import RunFailed, UserError
+from lychee_exp.io.lock import short_name
 from lychee_exp.job.training_job import with_model_resolved
 from lychee_exp.mine import main as mine_main
+from lychee_exp.model.reranker import load_tokenizer, save_reranker
 from lychee_exp.plan import main as plan_main
-from lychee_exp.recipe.checkpoint import save_checkpoint
 from lychee_exp.rerank import main as rerank_main
+from lychee_exp.train.checkpoint import save_checkpoint
+from lychee_exp.train.inputs import load_inputs
 
 UNTRAINED = "holds no weights (tiny_lychee is untrained)"
 
@@ -320,7 +320,7 @@ def test_a_save_killed_earlier_leaves_nothing_behind_the_next(saved, tmp_path):
     """A run SIGKILLed while saving leaves its hidden directory (named for its pid) beside model/: the next save
     removes it. Wrong code that would still pass the tests above: staging beside model/ without ever cleaning up."""
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f".{short_name(tmp_path / 'model')}.tmp-{dead.stdout.strip()}-0badcafe"  # core.outputs' name
+    stale = tmp_path / f".{short_name(tmp_path / 'model')}.tmp-{dead.stdout.strip()}-0badcafe"  # io.outputs' name
     stale.mkdir()
     (stale / "config.json").write_text("{}")
     save_reranker(saved["reranker"], saved["tokenizer"], saved["cfg"], tmp_path / "model")

@@ -17,10 +17,10 @@ from conftest import TINY_OVERRIDES, output_lines, run_cli
 from test_model import tiny_reranker
 from test_user_files import _command, _no_temporaries, _run, _user_files
 
-from lychee_exp.core.devices import parse_gpus, plan_devices
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.model import save_reranker
-from lychee_exp.core.model_card import CARD_FILE
+from lychee_exp.errors import UserError
+from lychee_exp.model.card import CARD_FILE
+from lychee_exp.model.reranker import save_reranker
+from lychee_exp.parallel.devices import parse_gpus, plan_devices
 from lychee_exp.plan import main as plan_main
 from lychee_exp.tracking.report.html import main as report_main
 from lychee_exp.tracking.report.output import GENERATOR_TAG
@@ -101,7 +101,7 @@ USES = {  # (command, the key naming the model directory, extra arguments)
 @pytest.mark.parametrize("use", USES)
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_model_directory_is_one_line(saved_model, tmp_path, ir_cache, capsys, caplog, damage, use):
-    """Each damaged file is checked before transformers reads it (core.model_files, core.model_card.read_card).
+    """Each damaged file is checked before transformers reads it (model.files, model.card.read_card).
     Wrong code that would still pass: a check of the first weights file only (the fixture has one); a tokenizer
     check that accepts tokenizer_config.json alone (the fixture removes every tokenizer* file)."""
     which, key, extra = USES[use]
@@ -119,7 +119,7 @@ def test_a_damaged_model_directory_is_one_line(saved_model, tmp_path, ir_cache, 
 
 
 def test_training_from_truncated_weights_is_one_line_before_any_rank(saved_model, tmp_path):
-    """The same check in the run's preflight (core.inputs): without it a rank failed with the weights' error, a
+    """The same check in the run's preflight (train.inputs): without it a rank failed with the weights' error, a
     torch warning and exit 1. Wrong code that would still pass: a preflight that checks only model.safetensors,
     not other shards (the fixture has the one file)."""
     model = shutil.copytree(saved_model, tmp_path / "model")
@@ -191,7 +191,7 @@ def _refusal(call) -> str:
     ids=["zero", "negative", "single-with-two", "more-than-visible"],
 )
 def test_plan_refuses_gpus_as_the_run_does(monkeypatch, capsys, args, cuda, run_says):
-    """The line is the one core.devices gives the run (parse_gpus through check_config, plan_devices).
+    """The line is the one parallel.devices gives the run (parse_gpus through check_config, plan_devices).
     more-than-visible pretends 2 CUDA GPUs; without CUDA, plan sizes a machine with the GPUs asked for. Wrong code
     that would still pass: a plan that refuses any count above the visible GPUs on a machine without CUDA too
     (test_plan.py's fsdp gpus=8 plan catches that)."""
@@ -279,7 +279,7 @@ def test_gpu_check_out_replaces_an_earlier_report_only(tmp_path, monkeypatch, ca
     directory or a file that is not an earlier gpu_check report; an earlier report is replaced; --overwrite
     replaces the foreign file too. Wrong code that would still pass: recognising an earlier report by anything
     less than its keys (a user's JSON holding commit, mode, device and checks would be replaced; not tried)."""
-    from lychee_exp.bench import gpu_check
+    from benchmarks import gpu_check
 
     ran = []
     report = {"commit": "c", "mode": "tiny checks", "device": "cpu", "checks": {}, "passed": True, "seconds": 0.1}

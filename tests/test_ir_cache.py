@@ -10,17 +10,17 @@ from types import SimpleNamespace
 import pytest
 from beir_helpers import fruit_dataset
 
-from lychee_exp.core.choices import Stemmer
-from lychee_exp.core.ir import first_stage
-from lychee_exp.core.ir.commands import MineConfig, RerankConfig, register_ir_schemas
-from lychee_exp.core.ir.dense import DenseConfig
-from lychee_exp.core.ir.first_stage import retrieve
-from lychee_exp.core.ir.pipeline import mined_train_file, open_split
-from lychee_exp.core.ir.training import beir_dev
-from lychee_exp.core.ir.trec import write_run
+from lychee_exp.cli import command_config
+from lychee_exp.config.choices import Stemmer
+from lychee_exp.config.commands import MineConfig, RerankConfig, register_ir_schemas
+from lychee_exp.ir import first_stage
+from lychee_exp.ir.dense import DenseConfig
+from lychee_exp.ir.first_stage import retrieve
+from lychee_exp.ir.pipeline import mined_train_file, open_split
+from lychee_exp.ir.training import beir_dev
+from lychee_exp.ir.trec import write_run
 from lychee_exp.mine import mine_command
 from lychee_exp.rerank import rerank_command
-from lychee_exp.run import command_config
 
 TINY = ["model=tiny_lychee", "model.random_init=true", "top_k=6", "batch_size=8", "progress_bar=false", "split=test"]
 OUTPUTS = ("run.trec", "metrics.json", "per_query.tsv")

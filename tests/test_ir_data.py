@@ -9,11 +9,11 @@ import os
 import pytest
 from beir_helpers import fruit_dataset, write_beir
 
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.ir import beir
-from lychee_exp.core.ir.first_stage import retrieve
-from lychee_exp.core.ir.pipeline import open_split
-from lychee_exp.core.ir.trec import read_qrels, read_run, write_qrels, write_run
+from lychee_exp.errors import UserError
+from lychee_exp.ir import beir
+from lychee_exp.ir.first_stage import retrieve
+from lychee_exp.ir.pipeline import open_split
+from lychee_exp.ir.trec import read_qrels, read_run, write_qrels, write_run
 
 DOCS = {"d1": "one", "d2": "two", "d3": "three"}
 QUERIES = {"q1": "first", "q2": "second"}

@@ -11,9 +11,9 @@ import random
 import pytest
 import pytrec_eval
 
-from lychee_exp.core.evaluate import ranking_metrics
-from lychee_exp.core.ir.metrics import trec_metrics
-from lychee_exp.core.ir.trec import as_written, write_run
+from lychee_exp.ir.evaluate import ranking_metrics
+from lychee_exp.ir.metrics import trec_metrics
+from lychee_exp.ir.trec import as_written, write_run
 
 
 def _dcg(gains):

@@ -15,8 +15,8 @@ LAYERS = ["core", "tracking", "recipe", "launch", "job", "sweep", "entry", "test
 ENTRY_POINTS = {"run", "report", "dashboard", "mine", "rerank", "plan"}
 SUBPACKAGE_DOCS = [
     "core",
-    "core.data",
-    "core.ir",
+    "data",
+    "ir",
     "tracking",
     "tracking.report",
     "sweep",
@@ -111,12 +111,12 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_graph_sees_the_package():
     graph = import_graph()
-    assert {"lychee_exp.recipe.trainer", "lychee_exp.core.config", "lychee_exp.sweep.sweeper"} <= set(graph)
-    assert "lychee_exp.tracking.trial" in graph["lychee_exp.recipe.rank_training"]  # pruning, below the recipe
+    assert {"lychee_exp.train.trainer", "lychee_exp.config.schema", "lychee_exp.sweep.sweeper"} <= set(graph)
+    assert "lychee_exp.tracking.trial" in graph["lychee_exp.train.rank_training"]  # pruning, below the recipe
     assert "lychee_exp.launch.processes" in graph["lychee_exp.sweep.slots"]  # the sweeper starts processes
     assert "lychee_exp.launch.launcher" in reachable(graph, "lychee_exp.run")
-    assert "lychee_exp.recipe.rank_training" in graph["lychee_exp.launch.launcher"]
-    assert "lychee_exp.core.evaluate" in graph["lychee_exp.recipe.trainer"]  # `from lychee_exp.core import evaluate`
+    assert "lychee_exp.train.rank_training" in graph["lychee_exp.launch.launcher"]
+    assert "lychee_exp.ir.evaluate" in graph["lychee_exp.train.trainer"]  # `from lychee_exp import evaluate`
 
 
 def test_no_import_cycles():
@@ -145,20 +145,20 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
         (pkg / sub).mkdir(parents=True)
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "core" / "speedup.py").write_text("def calibrate():\n    from lychee_exp.core.timing import clock\n")
+    (pkg / "core" / "speedup.py").write_text("def calibrate():\n    from lychee_exp.timing import clock\n")
     (pkg / "core" / "timing.py").write_text("from lychee_exp.tracking.lines import say\n")
-    (pkg / "tracking" / "lines.py").write_text("from lychee_exp.recipe.train import run\n")
-    (pkg / "recipe" / "train.py").write_text("from lychee_exp.core.speedup import calibrate\n")
+    (pkg / "tracking" / "lines.py").write_text("from lychee_exp.train.train import run\n")
+    (pkg / "recipe" / "train.py").write_text("from lychee_exp.speedup import calibrate\n")
     graph = import_graph(pkg)
-    assert graph["lychee_exp.core.speedup"] == {"lychee_exp.core.timing"}  # no direct upward import
+    assert graph["lychee_exp.speedup"] == {"lychee_exp.timing"}  # no direct upward import
     assert find_cycle(graph) == [
-        "lychee_exp.core.speedup",
-        "lychee_exp.core.timing",
+        "lychee_exp.speedup",
+        "lychee_exp.timing",
         "lychee_exp.tracking.lines",
-        "lychee_exp.recipe.train",
-        "lychee_exp.core.speedup",
+        "lychee_exp.train.train",
+        "lychee_exp.speedup",
     ]
     wrong = upward_imports(graph)
-    assert "lychee_exp.core.speedup reaches lychee_exp.recipe.train" in wrong
-    assert "lychee_exp.core.speedup reaches lychee_exp.tracking.lines" in wrong
-    assert not any(line.startswith("lychee_exp.recipe.train reaches") for line in wrong)  # downward is fine
+    assert "lychee_exp.speedup reaches lychee_exp.train.train" in wrong
+    assert "lychee_exp.speedup reaches lychee_exp.tracking.lines" in wrong
+    assert not any(line.startswith("lychee_exp.train.train reaches") for line in wrong)  # downward is fine

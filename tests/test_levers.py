@@ -15,16 +15,16 @@ import torch
 from conftest import REPO_ROOT, TINY_OVERRIDES, TINY_QWEN2, compose_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lychee_exp.core.config import OptimizerConfig, to_run_config
-from lychee_exp.core.devices import plan_devices
-from lychee_exp.core.distributed import DistEnv
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.inputs import load_inputs
-from lychee_exp.core.levers import apply_levers
-from lychee_exp.core.memory_plan import activation_bytes, resolve_checkpointing
-from lychee_exp.core.model import load_reranker
-from lychee_exp.core.optim import adamw
-from lychee_exp.recipe.trainer import Trainer
+from lychee_exp.config.schema import OptimizerConfig, to_run_config
+from lychee_exp.errors import UserError
+from lychee_exp.model.levers import apply_levers
+from lychee_exp.model.reranker import load_reranker
+from lychee_exp.parallel.devices import plan_devices
+from lychee_exp.parallel.distributed import DistEnv
+from lychee_exp.parallel.memory_plan import activation_bytes, resolve_checkpointing
+from lychee_exp.train.inputs import load_inputs
+from lychee_exp.train.optim import adamw
+from lychee_exp.train.trainer import Trainer
 
 QWEN25_1P5B_SHAPE = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "vocab_size": 151936}
 
@@ -68,8 +68,8 @@ def test_fit_does_not_tokenize_when_pretokenized(pretokenize, tmp_path):
 
 def test_pretokenized_batches_equal_tokenized_ones(tmp_path):
     """The cache returns exactly what the encoder would: the same batches, so the same run."""
-    from lychee_exp.core.data.groups import GroupCollator, TrainGroups
-    from lychee_exp.core.token_cache import pretokenized
+    from lychee_exp.data.groups import GroupCollator, TrainGroups
+    from lychee_exp.data.token_cache import pretokenized
 
     cfg = run_config(tmp_path)
     inputs = load_inputs(cfg)
@@ -219,7 +219,7 @@ def test_bad_lever_values_are_one_line_errors(tmp_path):
 def test_every_training_process_gets_the_cublas_workspace_setting():
     """Set on import of the recipe every training process runs (train_on_rank), before any GEMM; a user's value wins."""
     env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
-    code = "import os, lychee_exp.recipe.rank_training; print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'))"
+    code = "import os, lychee_exp.train.rank_training; print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True)
     assert out.stdout.strip() == ":4096:8", out.stderr[-2000:]
     env["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"

@@ -9,12 +9,12 @@ import torch
 from conftest import run_metrics
 from safetensors.torch import load_file
 
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.data.groups import build_dev_pairs
-from lychee_exp.core.data.queries import load_queries
-from lychee_exp.core.evaluate import ranking_metrics, score_token_ids
-from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
-from lychee_exp.testing.jobs import compose_job, run_job
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.data.groups import build_dev_pairs
+from lychee_exp.data.queries import load_queries
+from lychee_exp.ir.evaluate import ranking_metrics, score_token_ids
+from lychee_exp.job.in_process import compose_job, run_job
+from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer
 
 pytestmark = pytest.mark.slow  # two training jobs (one of 2 ranks): ~45 s of CPU, minutes on a loaded machine
 

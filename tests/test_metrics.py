@@ -8,8 +8,8 @@ import random
 import pytest
 import pytrec_eval
 
-from lychee_exp.core.data.groups import DevPairs
-from lychee_exp.core.evaluate import bm25_scores, ranking_metrics
+from lychee_exp.data.groups import DevPairs
+from lychee_exp.ir.evaluate import bm25_scores, ranking_metrics
 
 
 def random_dev_set(seed: int, n_queries: int, signed: bool):

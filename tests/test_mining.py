@@ -11,9 +11,9 @@ import sys
 import pytest
 from beir_helpers import fruit_dataset, mining, ranked_dataset
 
-from lychee_exp.core.data.queries import load_queries
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.ir.mining import mine
+from lychee_exp.data.queries import load_queries
+from lychee_exp.errors import UserError
+from lychee_exp.ir.mining import mine
 from lychee_exp.mine import main as mine_main
 
 
@@ -121,11 +121,11 @@ def test_a_trained_reranker_as_teacher_writes_its_own_scores(tmp_path, ir_cache)
     random Qwen2 here, seeded); a wrong model.path is one line before any scoring."""
     import torch
 
-    from lychee_exp.core.evaluate import score_token_ids
-    from lychee_exp.core.ir.commands import MineConfig, register_ir_schemas
-    from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
+    from lychee_exp.cli import command_config
+    from lychee_exp.config.commands import MineConfig, register_ir_schemas
+    from lychee_exp.ir.evaluate import score_token_ids
     from lychee_exp.mine import mine_command
-    from lychee_exp.run import command_config
+    from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer
 
     root = fruit_dataset(tmp_path / "fruit")
     out = tmp_path / "train.jsonl"

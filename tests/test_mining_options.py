@@ -10,7 +10,7 @@ import json
 import pytest
 from beir_helpers import fruit_dataset, mining, ranked_dataset
 
-from lychee_exp.core.ir.mining import mine
+from lychee_exp.ir.mining import mine
 
 # the run ranks d00..d39 in order; positives d03, d12, d25 (lowest teacher score: d12's 4.0)
 POSITIVES = {"d03": 5.0, "d12": 4.0, "d25": 6.0}
@@ -95,9 +95,9 @@ def test_rank_by_teacher_takes_the_range_over_the_teachers_ranking_of_the_first_
 def test_a_dense_first_stage_and_teacher_with_topk_percpos_writes_what_it_promises(tmp_path, ir_cache):
     """NV-Retriever's TopK-PercPos through the command: each negative scores at most 95% of the query's lowest
     positive, and they are the best ranked such candidates (a dense first stage ranks by the teacher's cosine)."""
-    from lychee_exp.core.ir.commands import MineConfig, register_ir_schemas
+    from lychee_exp.cli import command_config
+    from lychee_exp.config.commands import MineConfig, register_ir_schemas
     from lychee_exp.mine import mine_command
-    from lychee_exp.run import command_config
 
     root = fruit_dataset(tmp_path / "fruit")
     out = tmp_path / "train.jsonl"

@@ -9,9 +9,10 @@ import torch
 from conftest import compose_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.model import (
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.errors import UserError
+from lychee_exp.model.card import CARD_FILE
+from lychee_exp.model.reranker import (
     Reranker,
     build_encoder,
     count_parameters,
@@ -19,7 +20,6 @@ from lychee_exp.core.model import (
     load_tokenizer,
     save_reranker,
 )
-from lychee_exp.core.model_card import CARD_FILE
 
 DOCS = [
     "lychee",

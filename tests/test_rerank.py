@@ -12,14 +12,14 @@ import pytest
 import pytrec_eval
 from beir_helpers import fruit_dataset
 
-from lychee_exp.core.ir.commands import RerankConfig, register_ir_schemas
-from lychee_exp.core.ir.first_stage import retrieve
-from lychee_exp.core.ir.metrics import trec_metrics
-from lychee_exp.core.ir.pipeline import open_split
-from lychee_exp.core.ir.trec import read_qrels, write_qrels
+from lychee_exp.cli import command_config
+from lychee_exp.config.commands import RerankConfig, register_ir_schemas
+from lychee_exp.ir.first_stage import retrieve
+from lychee_exp.ir.metrics import trec_metrics
+from lychee_exp.ir.pipeline import open_split
+from lychee_exp.ir.trec import read_qrels, write_qrels
 from lychee_exp.rerank import main as rerank_main
 from lychee_exp.rerank import rerank_command
-from lychee_exp.run import command_config
 
 TINY = ["model=tiny_lychee", "model.random_init=true", "top_k=6", "batch_size=5", "progress_bar=false", "split=test"]
 

@@ -13,18 +13,18 @@ import pytest
 import pytrec_eval
 from beir_helpers import fruit_dataset, mining
 
-from lychee_exp.core.choices import Stemmer
-from lychee_exp.core.ir.candidates import build_rerank_pairs
-from lychee_exp.core.ir.commands import RerankConfig, register_ir_schemas
-from lychee_exp.core.ir.dense import DenseConfig
-from lychee_exp.core.ir.metrics import trec_metrics
-from lychee_exp.core.ir.mining import mine
-from lychee_exp.core.ir.pipeline import open_split
-from lychee_exp.core.ir.training import beir_dev
-from lychee_exp.core.ir.trec import write_run
+from lychee_exp.cli import command_config
+from lychee_exp.config.choices import Stemmer
+from lychee_exp.config.commands import RerankConfig, register_ir_schemas
+from lychee_exp.ir.candidates import build_rerank_pairs
+from lychee_exp.ir.dense import DenseConfig
+from lychee_exp.ir.metrics import trec_metrics
+from lychee_exp.ir.mining import mine
+from lychee_exp.ir.pipeline import open_split
+from lychee_exp.ir.training import beir_dev
+from lychee_exp.ir.trec import write_run
 from lychee_exp.mine import main as mine_main
 from lychee_exp.rerank import rerank_command
-from lychee_exp.run import command_config
 
 TINY = ["model=tiny_lychee", "model.random_init=true", "top_k=6", "batch_size=8", "progress_bar=false"]
 ZERO_ONLY = "q-apple"  # a train query, judged in test with no relevant document

@@ -1,6 +1,6 @@
 """The end of a run says when the trained model alone ranks its dev split below the first stage it reranks."""
 
-from lychee_exp.core.ir.metrics import standing_below_first_stage
+from lychee_exp.ir.metrics import standing_below_first_stage
 
 
 def test_a_model_below_its_first_stage_says_so_with_the_teacher_beside():

@@ -21,10 +21,10 @@ from conftest import TINY_OVERRIDES, output_lines, run_cli, run_metrics
 from ddp_helpers import live_processes_in_group
 from omegaconf import OmegaConf
 
-from lychee_exp.core.config import check_config
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.output_lock import OutputLock, short_name
-from lychee_exp.core.outputs import RUN_MARKER, resolved
+from lychee_exp.config.schema import check_config
+from lychee_exp.errors import UserError
+from lychee_exp.io.lock import OutputLock, short_name
+from lychee_exp.io.outputs import RUN_MARKER, resolved
 from lychee_exp.job import run_dir
 from lychee_exp.job.run_dir import RunDirGuard, RunDirRefused, check_resumed_model, claim_run_dir, finish_run_dir
 
@@ -245,7 +245,7 @@ def test_a_sweep_directory_in_or_around_an_input_is_refused(tmp_path):
     RunDirGuard().on_multirun_start(config)  # not a dataset (nor a model directory): a wrong path, named elsewhere
 
 
-@pytest.mark.parametrize("command", ["run", "mine", "rerank", "plan", "report", "bench.gpu_check"])
+@pytest.mark.parametrize("command", ["run", "mine", "rerank", "plan", "report", "benchmarks.gpu_check"])
 def test_every_commands_help_points_to_the_output_policy(command):
     proc = subprocess.run(
         [sys.executable, "-m", f"lychee_exp.{command}", "--help"], capture_output=True, text=True, timeout=120

@@ -1,4 +1,4 @@
-"""Observed speedup (lychee_exp.tracking.speedup, lychee_exp.recipe.baseline_phase): one ratio over one device,
+"""Observed speedup (lychee_exp.tracking.speedup, lychee_exp.train.baseline_phase): one ratio over one device,
 its reliability rules, the baseline cache, and the launch's first phase that measures one device inside the
 ranks without changing the run."""
 
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_RANKS, run_metrics, warm_ranks_kept
+from equivalence import assert_same_training
 
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.devices import DevicePlan
-from lychee_exp.testing.equivalence import assert_same_training
-from lychee_exp.testing.jobs import run_job
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.job.in_process import run_job
+from lychee_exp.parallel.devices import DevicePlan
 from lychee_exp.tracking.speedup import (
     Baseline,
     baseline_file,

@@ -53,7 +53,7 @@ def test_a_trial_being_drawn_by_another_worker_is_no_other_search_space():
     drew all their parameters say which ones the study has; a finished trial with fewer still is refused."""
     import pytest
 
-    from lychee_exp.core.errors import UserError
+    from lychee_exp.errors import UserError
     from lychee_exp.sweep.storage import check_search_space
 
     lr = optuna.distributions.FloatDistribution(1e-5, 1e-3, log=True)

@@ -530,8 +530,8 @@ def test_a_trial_context_travels_beside_the_config_to_the_job_s_environment(monk
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
+    from lychee_exp.job.in_process import compose_job
     from lychee_exp.sweep.lychee_trials import STORAGE_ENV, is_lychee_job, trial_context, trial_override
-    from lychee_exp.testing.jobs import compose_job
     from lychee_exp.tracking.trial import TRIAL_ENV, current_trial, trial_number
 
     monkeypatch.delenv(TRIAL_ENV, raising=False)
@@ -556,7 +556,7 @@ def test_job_outcomes(tmp_path):
     from hydra.core.utils import JobReturn, JobStatus
     from omegaconf import OmegaConf
 
-    from lychee_exp.core.errors import RunFailed
+    from lychee_exp.errors import RunFailed
     from lychee_exp.sweep.lychee_trials import oom_retry_overrides
     from lychee_exp.sweep.outcome import job_outcome
 
@@ -607,7 +607,7 @@ def test_params_grammar_to_distributions():
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
-    from lychee_exp.core.errors import UserError
+    from lychee_exp.errors import UserError
     from lychee_exp.sweep.space import build_space, render
 
     config = OmegaConf.create(

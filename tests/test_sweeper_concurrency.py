@@ -273,7 +273,7 @@ def test_oom_retries_of_two_trials_in_flight_run_in_their_own_slots(tmp_path):
 
     from omegaconf import OmegaConf
 
-    from lychee_exp.core.errors import RunFailed
+    from lychee_exp.errors import RunFailed
 
     launched, lock = [], threading.Lock()
 

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from lychee_exp.core.errors import UserError
+from lychee_exp.errors import UserError
 from lychee_exp.sweep.space import build_space
 
 APPS = Path(__file__).resolve().parent / "sweep_apps"
@@ -252,8 +252,8 @@ def test_the_plugin_shell_is_cheap_and_the_sweeper_does_not_import_the_training_
     code = (
         f"import sys, {', '.join(shell)}; shell = 'optuna' in sys.modules; "
         "import lychee_exp.sweep.sweeper; "
-        "print(shell, 'optuna' in sys.modules, [m for m in ('torch', 'lychee_exp.core.config', "
-        "'lychee_exp.recipe.trainer', 'lychee_exp.run') if m in sys.modules])"
+        "print(shell, 'optuna' in sys.modules, [m for m in ('torch', 'lychee_exp.config.schema', "
+        "'lychee_exp.train.trainer', 'lychee_exp.run') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, check=True).stdout
     assert out.split() == ["False", "True", "[]"]

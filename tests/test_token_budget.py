@@ -11,15 +11,15 @@ import math
 import pytest
 import torch
 from conftest import TINY_OVERRIDES, TINY_RANKS, compose_config, run_tiny
+from equivalence import assert_same_training
 from gradient_helpers import spawned_gradients, trainer_for, window_gradients
 from test_training import read_csv
 
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.data.budget import plan_epoch
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.optim import scaled_lr
-from lychee_exp.testing.equivalence import assert_same_training
-from lychee_exp.testing.jobs import run_job
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.data.budget import plan_epoch
+from lychee_exp.errors import UserError
+from lychee_exp.job.in_process import run_job
+from lychee_exp.train.optim import scaled_lr
 
 BUDGET = ("data.max_tokens_per_batch=2048", "data.packing=true")
 
@@ -171,8 +171,8 @@ def test_checkpointing_auto_decides_from_the_budget(tmp_path, monkeypatch):
     estimates the budget runs without checkpointing and the fixed batch with it."""
     import re
 
-    from lychee_exp.core.inputs import load_inputs
-    from lychee_exp.core.memory_plan import resolve_checkpointing
+    from lychee_exp.parallel.memory_plan import resolve_checkpointing
+    from lychee_exp.train.inputs import load_inputs
 
     common = ["model.gradient_checkpointing=auto", "model.dtype=bfloat16", "model.prompt.max_len=2048"]
     fixed = to_run_config(compose_config([*TINY_RANKS, *common, "data.batch_size=8"], tmp_path / "fixed"))

@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import run_metrics
 
-from lychee_exp.testing.jobs import run_job
+from lychee_exp.job.in_process import run_job
 from lychee_exp.tracking.speedup import SHARED_CPU_SHARE
 from lychee_exp.tracking.wandb_records import find_run_files, read_run
 
@@ -87,7 +87,7 @@ def test_bench_prints_table_csv_and_plot(tmp_path, no_wandb_key):
         [
             sys.executable,
             "-m",
-            "lychee_exp.bench.scaling",
+            "benchmarks.scaling",
             "gpus=2",  # the 1-device row is measured all the same: speedup divides by it
             *TINY,
             "logger=wandb",

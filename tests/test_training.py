@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY_OVERRIDES, compose_config, run_tiny
+from faults import fault_hook
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lychee_exp.core import losses
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.optim import effective_batch_size, scaled_lr
-from lychee_exp.testing.faults import fault_hook
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.train import losses
+from lychee_exp.train.optim import effective_batch_size, scaled_lr
 
 REQUIRED_KEYS = {
     "ndcg@10",
@@ -237,7 +237,7 @@ def test_a_failed_run_leaves_the_earlier_metrics_json_as_it_was(tmp_path):
     earlier attempt's, which a continued run keeps until it writes its own (issue 51: a resume that failed a check
     used to leave the run without it). A sweeper never meets it: every trial gets a directory no earlier trial
     used (tests/test_escape_hatches.py)."""
-    from lychee_exp.core.errors import UserError
+    from lychee_exp.errors import UserError
     from lychee_exp.job.training_job import train_job as run
 
     (tmp_path / "metrics.json").write_text('{"ndcg@10": 99}')
@@ -257,7 +257,7 @@ def test_a_failed_run_leaves_the_earlier_metrics_json_as_it_was(tmp_path):
 
 def test_inputs_are_read_once_per_process(tmp_path):
     """preflight reads the data files and builds the tokenizer; the in-process Trainer reuses them."""
-    import lychee_exp.core.inputs as inputs
+    import lychee_exp.train.inputs as inputs
 
     with (
         mock.patch.object(inputs, "load_queries", wraps=inputs.load_queries) as load_queries,
@@ -286,10 +286,10 @@ def test_trainer_gradient_is_autograd_of_the_plain_mean_loss(tmp_path):
     """The trainer's accumulated gradient (2 micro-batches, forward chunks) equals autograd of the mean over the
     window's queries of Lychee's loss written out here (-log p(yes) for the positive, -log p(no) for negatives,
     averaged over each group), and the logged grad_norm is that gradient's norm before clipping."""
-    from lychee_exp.core.devices import plan_devices
-    from lychee_exp.core.distributed import DistEnv
-    from lychee_exp.core.optim import optimizer_step
-    from lychee_exp.recipe.trainer import Trainer
+    from lychee_exp.parallel.devices import plan_devices
+    from lychee_exp.parallel.distributed import DistEnv
+    from lychee_exp.train.optim import optimizer_step
+    from lychee_exp.train.trainer import Trainer
 
     cfg = to_run_config(
         compose_config(
@@ -354,10 +354,10 @@ def test_throughput_counts_what_runs_between_steps(tmp_path):
     it, as the peer benchmark's wall clock counts everything a peer does between steps."""
     import time
 
-    from lychee_exp.core.devices import plan_devices
-    from lychee_exp.core.distributed import DistEnv
-    from lychee_exp.recipe.progress import StepHooks
-    from lychee_exp.recipe.rank_training import train_on_rank
+    from lychee_exp.parallel.devices import plan_devices
+    from lychee_exp.parallel.distributed import DistEnv
+    from lychee_exp.train.progress import StepHooks
+    from lychee_exp.train.rank_training import train_on_rank
 
     def slow_stop_request() -> bool:
         time.sleep(0.2)

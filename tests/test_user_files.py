@@ -1,4 +1,4 @@
-"""Nothing the user wrote is lost (core.outputs): mine and rerank refuse an out= that is or holds one of their
+"""Nothing the user wrote is lost (io.outputs): mine and rerank refuse an out= that is or holds one of their
 inputs, an out= with earlier results unless overwrite=true, a path they cannot write, and an out= another command
 holds; an interrupted or failed command leaves the previous results byte for byte; bad bytes and doubtful qrels in
 the user's files are one line naming file and line. Each case: one line, its exit code, every user file unchanged."""
@@ -20,11 +20,11 @@ from ddp_helpers import live_processes_in_group
 
 from lychee_exp import mine as mine_entry
 from lychee_exp import rerank as rerank_entry
-from lychee_exp.core.data.queries import load_queries
-from lychee_exp.core.errors import RunFailed, Terminated, UserError
-from lychee_exp.core.ir.beir import read_beir_qrels
-from lychee_exp.core.output_lock import OutputLock, short_name
-from lychee_exp.core.outputs import resolved
+from lychee_exp.data.queries import load_queries
+from lychee_exp.errors import RunFailed, Terminated, UserError
+from lychee_exp.io.lock import OutputLock, short_name
+from lychee_exp.io.outputs import resolved
+from lychee_exp.ir.beir import read_beir_qrels
 
 RERANK = ["model=tiny_lychee", "top_k=6", "batch_size=5", "progress_bar=false", "split=test"]
 MINE = ["split=train", "teacher=none", "range_min=1", "range_max=10", "num_negatives=3", "progress_bar=false"]

@@ -18,15 +18,15 @@ from pathlib import Path
 import optuna
 import pytest
 from conftest import TINY_RANKS, run_metrics
+from equivalence import assert_same_training
 from hydra_in_process import run_in_process
 from optuna.trial import TrialState
 from warm_rank_jobs import form_group, never_forms, stuck_forming, summed
 
-from lychee_exp.core.config import to_run_config
-from lychee_exp.core.inputs import load_inputs
-from lychee_exp.core.resources import resolve_path
+from lychee_exp.config.schema import to_run_config
+from lychee_exp.io.resources import resolve_path
 from lychee_exp.launch.warm_ranks import RankSetup, RanksFailed, WarmRanks, close_warm_ranks, warm_ranks
-from lychee_exp.testing.equivalence import assert_same_training
+from lychee_exp.train.inputs import load_inputs
 
 SETUP = RankSetup(world_size=2, device_type="cpu", threads=1, backend="gloo", timeout_s=20)
 
@@ -134,8 +134,8 @@ def test_inputs_are_read_again_only_when_their_source_changes(tmp_path, compose_
 def test_dev_pairs_and_their_reference_metrics_are_built_once_per_process(tmp_path, compose_cfg, monkeypatch):
     """A warm trial reuses the dev pairs (tokenized) and their BM25 figures: they were most of its setup. Another
     seed or instruction (another candidate order or prompt) builds new ones, equal to a fresh build."""
-    from lychee_exp.core import evaluate as ev
-    from lychee_exp.core.data.groups import build_dev_pairs
+    from lychee_exp.data.groups import build_dev_pairs
+    from lychee_exp.ir import evaluate as ev
 
     cfg = to_run_config(compose_cfg(["model=tiny_lychee", "loss=pointwise", "data.max_dev_queries=6"], tmp_path))
     inputs = load_inputs(cfg)
@@ -265,7 +265,7 @@ def test_warm_trials_equal_fresh_process_trials(tmp_path, capfd, monkeypatch):
     assert warm_overhead < 0.5 * fresh_overhead, (warm_overhead, fresh_overhead)
 
 
-# One sweep shows every kind of failed trial, each in a trial of its own (lychee_exp.testing.faults: several
+# One sweep shows every kind of failed trial, each in a trial of its own (faults: several
 # comma-separated faults): trial 0 runs out of memory at batch 2 (step 1, rank 0) and is retried; trials 2 and 4
 # raise and are killed (step 2, rank 1), each on the ranks that the trial before it kept.
 FAULTS = "0:1:oom:0:2,1:2:raise:2,1:2:kill:4"

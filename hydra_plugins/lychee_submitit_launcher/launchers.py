@@ -80,7 +80,7 @@ class _WatchesJobs:
         from hydra.core.utils import filter_overrides
         from submitit.core.utils import FailedJobError
 
-        from lychee_exp.core.errors import RunFailed, UserError
+        from lychee_exp.errors import RunFailed, UserError
         from lychee_exp.launch import slurm_jobs
 
         assert self.config is not None and len(job_overrides) > 0
@@ -123,7 +123,7 @@ class _SaidJobReturn(JobReturn):
 
 
 def _said_by_the_command(ret: JobReturn) -> JobReturn:
-    from lychee_exp.core.errors import RunFailed, UserError
+    from lychee_exp.errors import RunFailed, UserError
 
     if ret.status != JobStatus.FAILED or not isinstance(ret._return_value, (UserError, RunFailed)):
         return ret

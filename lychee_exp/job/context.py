@@ -9,8 +9,17 @@ from datetime import datetime
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from omegaconf import OmegaConf
 
+from lychee_exp.config.schema import register_schema
 from lychee_exp.launch.cluster import under_torchrun
+
+
+def register_config() -> None:
+    """What composing a run's config needs in this process: the typed schema and the `lychee_stamp` resolver
+    (python -m lychee_exp.run, and lychee_exp.job.in_process for tests, notebooks and benchmarks)."""
+    register_schema()
+    OmegaConf.register_new_resolver("lychee_stamp", run_stamp, use_cache=True, replace=True)
 
 
 def run_stamp() -> str:

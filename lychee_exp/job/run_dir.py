@@ -11,7 +11,7 @@ conf/config.yaml), which runs after the config has composed and BEFORE Hydra cre
   once the new run has finished (until then the old run waits beside it, hidden; a failed or interrupted new run
   puts it back).
 - `overwrite=true` replaces only a lychee_exp run: a directory carrying the marker every run writes when it claims
-  its directory (core.outputs.RUN_MARKER) and holding nothing a run does not write; never the current directory or
+  its directory (io.outputs.RUN_MARKER) and holding nothing a run does not write; never the current directory or
   one that holds it, the home directory, or an input.
 - A run continued with trainer.resume keeps every file as it was until the job's checks have passed (`commit`):
   Hydra's `.hydra/` files are kept aside and its log's length noted, and both are put back if a check fails, the
@@ -23,7 +23,7 @@ conf/config.yaml), which runs after the config has composed and BEFORE Hydra cre
   was (exit 0, so that a requeued script goes on to its next step).
 - The run directory must not be, hold, or lie inside an input (model.path, the data files, the dataset), nor lie
   inside a model directory, a dataset or another run.
-- The main process locks it (core.output_lock) for the whole job: a second run into it is refused at once.
+- The main process locks it (io.lock) for the whole job: a second run into it is refused at once.
 Other processes of the same job (torchrun ranks other than 0, SLURM nodes other than the first) neither check nor
 lock: the directory is theirs.
 
@@ -48,10 +48,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lychee_exp.core.atomic import read_json, write_json_atomic
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.output_lock import OutputLock, short_name
-from lychee_exp.core.outputs import (
+from lychee_exp.errors import UserError
+from lychee_exp.io.atomic import read_json, write_json_atomic
+from lychee_exp.io.lock import OutputLock, short_name
+from lychee_exp.io.outputs import (
     RUN_DIR,
     RUN_MARKER,
     RUN_NAMES,
@@ -66,7 +66,7 @@ from lychee_exp.core.outputs import (
     refuse_protected,
     writable_parent,
 )
-from lychee_exp.core.resources import resolve_path
+from lychee_exp.io.resources import resolve_path
 from lychee_exp.launch.cluster import is_main_process
 
 log = logging.getLogger("lychee_exp")

@@ -1,5 +1,5 @@
 """One training job in the Hydra process: check the config and the inputs, plan the devices, launch the ranks
-(which measure their own speedup baseline, lychee_exp.recipe.baseline_phase), write metrics.json from rank 0's
+(which measure their own speedup baseline, lychee_exp.train.baseline_phase), write metrics.json from rank 0's
 results, and return the optimized metric."""
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lychee_exp.core.atomic import write_text_atomic
-from lychee_exp.core.config import RunConfig, to_run_config
-from lychee_exp.core.data.budget import check_token_budget
-from lychee_exp.core.devices import plan_devices
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.inputs import RunInputs, load_inputs
-from lychee_exp.core.losses import LOSSES
-from lychee_exp.core.model_card import model_choice, resolve_model
-from lychee_exp.core.optim import OPTIMIZERS, with_global_batch
-from lychee_exp.core.packing_rule import packing_on
+from lychee_exp.config.packing_rule import packing_on
+from lychee_exp.config.schema import RunConfig, to_run_config
+from lychee_exp.data.budget import check_token_budget
+from lychee_exp.errors import UserError
+from lychee_exp.io.atomic import write_text_atomic
 from lychee_exp.job.context import in_sweep, trials_run_here
 from lychee_exp.job.results import nothing_left, write_results
 from lychee_exp.job.run_dir import check_resumed_model, commit_run_dir
 from lychee_exp.launch.cluster import is_main_process, job_devices, local_ranks, under_torchrun
+from lychee_exp.model.card import model_choice, resolve_model
+from lychee_exp.parallel.devices import plan_devices
+from lychee_exp.train.inputs import RunInputs, load_inputs
+from lychee_exp.train.losses import LOSSES
+from lychee_exp.train.optim import OPTIMIZERS, with_global_batch
 
 log = logging.getLogger("lychee_exp")
 
@@ -87,7 +87,7 @@ def train_job(cfg: DictConfig) -> float:
     # the launcher (and through it the recipe, transformers, peft) only once the checks passed: a user mistake
     # is reported without loading the training stack
     from lychee_exp.launch.launcher import launch
-    from lychee_exp.recipe.progress import NOTHING_LEFT
+    from lychee_exp.train.progress import NOTHING_LEFT
 
     metrics = launch(run_cfg, plan, output_dir, job_log_file(), inputs, keep_ranks=trials_run_here())
     if NOTHING_LEFT in metrics:
@@ -96,7 +96,7 @@ def train_job(cfg: DictConfig) -> float:
 
 
 def with_model_resolved(cfg: DictConfig) -> DictConfig | dict:
-    """The job's config with its model as core.model_card.resolve_model reads it: the card of a model.path given
+    """The job's config with its model as model.card.resolve_model reads it: the card of a model.path given
     on the command line wins over the default preset, unless a preset was chosen (model=, or an experiment's)."""
     if not HydraConfig.initialized():
         return cfg

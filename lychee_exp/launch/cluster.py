@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lychee_exp.core.errors import UserError
+from lychee_exp.errors import UserError
 
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 PORT_BASE, PORT_SPAN = 20000, 20000  # rendezvous ports derived from SLURM job ids stay in [20000, 40000)

@@ -30,11 +30,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from lychee_exp.core.config import RunConfig, plain_dict
-from lychee_exp.core.devices import RANK_STRATEGIES, DevicePlan, torch_device
-from lychee_exp.core.distributed import DistEnv
-from lychee_exp.core.errors import STOP_SIGNALS, RunFailed, Terminated, TrainingDiverged
-from lychee_exp.core.inputs import RunInputs
+from lychee_exp.config.schema import RunConfig, plain_dict
+from lychee_exp.errors import STOP_SIGNALS, RunFailed, Terminated, TrainingDiverged
 from lychee_exp.launch.cluster import NodeSpec, slurm_nodes, under_torchrun
 from lychee_exp.launch.failures import FAILURE_NOTES, collateral, failure_kind, first_cause, lost_nodes, with_notes
 from lychee_exp.launch.preemption import PreemptionWatch
@@ -42,8 +39,11 @@ from lychee_exp.launch.rank_start import rank_start, stop_server
 from lychee_exp.launch.ranks import PASSED_ENV, WARM_LOGS, as_rank, warm_init, warm_job, worker
 from lychee_exp.launch.step_hooks import rank_hooks
 from lychee_exp.launch.warm_ranks import RankSetup, RanksFailed, close_warm_ranks, warm_ranks
-from lychee_exp.recipe.rank_training import train_on_rank
+from lychee_exp.parallel.devices import RANK_STRATEGIES, DevicePlan, torch_device
+from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.tracking.trial import trial_number
+from lychee_exp.train.inputs import RunInputs
+from lychee_exp.train.rank_training import train_on_rank
 
 log = logging.getLogger(__name__)
 QUIET_CTRL_C_ENV = "LYCHEE_RANK_QUIET_CTRL_C"  # ranks started with it end silently on Ctrl-C (lychee_exp/__init__)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lychee_exp.core.errors import Preempted
+from lychee_exp.errors import Preempted
 
 log = logging.getLogger(__name__)
 

@@ -20,19 +20,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from lychee_exp.core.config import RunConfig, to_run_config
-from lychee_exp.core.devices import DevicePlan, rank_strategy, torch_device
-from lychee_exp.core.distributed import DistEnv
-from lychee_exp.core.inputs import RunInputs
+from lychee_exp.config.schema import RunConfig, to_run_config
 from lychee_exp.launch.failures import note_failure
 from lychee_exp.launch.preemption import install_rank_handler
 from lychee_exp.launch.processes import die_with_parent, one_line
 from lychee_exp.launch.rank_start import RankParent
 from lychee_exp.launch.step_hooks import rank_hooks
 from lychee_exp.launch.warm_ranks import RankSetup
-from lychee_exp.recipe.rank_training import train_on_rank
+from lychee_exp.parallel.devices import DevicePlan, rank_strategy, torch_device
+from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.tracking.throughput import reset_peak_memory
 from lychee_exp.tracking.trial import trial_number
+from lychee_exp.train.inputs import RunInputs
+from lychee_exp.train.rank_training import train_on_rank
 
 WARM_LOGS = "logs/warm"
 

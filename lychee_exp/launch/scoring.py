@@ -13,15 +13,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from lychee_exp.core.devices import DevicePlan, torch_device
-from lychee_exp.core.distributed import DistEnv
-from lychee_exp.core.ir.commands import RerankConfig, rerank_config_from
+from lychee_exp.config.commands import RerankConfig, rerank_config_from
+from lychee_exp.ir.rank_reranking import rerank_on_rank
 from lychee_exp.launch.failures import note_failure
 from lychee_exp.launch.launcher import run_ranks
 from lychee_exp.launch.processes import one_line
 from lychee_exp.launch.rank_start import RankParent
 from lychee_exp.launch.ranks import init_distributed
-from lychee_exp.recipe.rank_reranking import rerank_on_rank
+from lychee_exp.parallel.devices import DevicePlan, torch_device
+from lychee_exp.parallel.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 

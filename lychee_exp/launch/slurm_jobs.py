@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.errors import RunFailed, UserError
 
 CHECK_EVERY_S = 10.0  # how often Slurm is asked whether a job still runs while no result has come
 RESULT_GRACE_S = 15.0  # a job that ended may write its result a moment later (submitit's own wait on shared disks)

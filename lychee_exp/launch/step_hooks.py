@@ -2,7 +2,7 @@
 in tests only, a fault injector named by the environment.
 
 LYCHEE_STEP_HOOK=<module>:<factory> names a factory (rank, trial number, per-device batch size) -> callable(step)
-or None; the test suite points it at lychee_exp.testing.faults:fault_hook, so the library itself never imports
+or None; the test suite points it at faults:fault_hook, so the library itself never imports
 test support.
 """
 
@@ -13,10 +13,10 @@ import os
 from functools import partial
 from pathlib import Path
 
-from lychee_exp.core.distributed import DistEnv
-from lychee_exp.core.errors import UserError
+from lychee_exp.errors import UserError
 from lychee_exp.launch.preemption import stop_requested
-from lychee_exp.recipe.progress import StepHooks
+from lychee_exp.parallel.distributed import DistEnv
+from lychee_exp.train.progress import StepHooks
 
 STEP_HOOK_ENV = "LYCHEE_STEP_HOOK"
 

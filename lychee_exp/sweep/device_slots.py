@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from lychee_exp.core.errors import UserError
+from lychee_exp.errors import UserError
 from lychee_exp.sweep import storage as st
 from lychee_exp.sweep.dispatch import DeviceSlots
 from lychee_exp.sweep.slots import SLOT_ENV, Devices, machine_devices, plan_slots, slot_command
@@ -22,7 +22,7 @@ from lychee_exp.sweep.space import render
 from lychee_exp.sweep.trials import PLACEMENT
 
 if TYPE_CHECKING:  # the run's config and the placement measurement import torch: only a sweep in slots needs them
-    from lychee_exp.core.config import RunConfig
+    from lychee_exp.config.schema import RunConfig
     from lychee_exp.sweep.placement import Decision
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def in_slot() -> bool:
 def _run_config(job_cfg: DictConfig) -> RunConfig:
     """The trial's RunConfig for planning: `${hydra:...}` values (the run's directories) resolve only inside a
     running job, and no figure planned here depends on them, so they are left empty."""
-    from lychee_exp.core.config import to_run_config
+    from lychee_exp.config.schema import to_run_config
 
     def unhydra(node: Any) -> Any:
         if isinstance(node, dict):
@@ -67,7 +67,7 @@ def trial_devices(job_cfg: DictConfig | None, devices: Devices) -> int:
     """D: the devices a trial uses on `all`."""
     if job_cfg is None:
         return len(devices.ids)
-    from lychee_exp.core.devices import plan_devices
+    from lychee_exp.parallel.devices import plan_devices
 
     run = _run_config(job_cfg)
     cuda = len(devices.ids) if devices.kind == "cuda" else 0

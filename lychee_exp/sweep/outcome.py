@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from hydra.core.utils import JobStatus
 
-from lychee_exp.core.errors import RunFailed, UserError
+from lychee_exp.errors import RunFailed, UserError
 from lychee_exp.tracking.keys import TRIAL_METRICS
 
 

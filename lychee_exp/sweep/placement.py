@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from lychee_exp.core.atomic import write_json_atomic
-from lychee_exp.core.config import RunConfig
-from lychee_exp.core.errors import UserError
+from lychee_exp.config.schema import RunConfig
+from lychee_exp.errors import UserError
+from lychee_exp.io.atomic import write_json_atomic
 from lychee_exp.sweep.slots import Slot, slot_env, slot_preexec
 from lychee_exp.tracking.speedup import scaling_file, throughput_settings
 
@@ -123,7 +123,7 @@ def measured_speedups(
     cfg: RunConfig, device_type: str, counts: Sequence[int], measure: Callable[[int], float]
 ) -> dict[int, float]:
     """s(n) for every n in counts (1 included): samples/s at n over samples/s at 1, each from the cache (filled
-    by earlier calibrations and by `python -m lychee_exp.bench`) or `measure(n)` (then cached)."""
+    by earlier calibrations and by `python -m benchmarks`) or `measure(n)` (then cached)."""
     path, rates = cache_path(cfg), {}
     for n in sorted({1, *counts}):
         entry = _load(path).get(cache_key(cfg, device_type, device_name(device_type), n))

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import optuna
 from hydra.utils import instantiate
 
-from lychee_exp.core.errors import UserError
+from lychee_exp.errors import UserError
 
 MOTPE = (
     "optuna.samplers.MOTPESampler",

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from lychee_exp.core.errors import STOP_SIGNALS
+from lychee_exp.errors import STOP_SIGNALS
 from lychee_exp.launch.processes import die_with_parent
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-from lychee_exp.core.errors import UserError
+from lychee_exp.errors import UserError
 
 _NOT_FOUND = object()
 

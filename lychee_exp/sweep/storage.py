@@ -22,7 +22,7 @@ import psutil
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
-from lychee_exp.core.errors import UserError
+from lychee_exp.errors import UserError
 
 log = logging.getLogger(__name__)
 

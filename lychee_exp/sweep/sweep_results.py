@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import yaml
 from optuna.trial import TrialState
 
-from lychee_exp.core.atomic import locked, write_bytes_atomic, write_text_atomic
+from lychee_exp.io.atomic import locked, write_bytes_atomic, write_text_atomic
 from lychee_exp.sweep.storage import METRICS, REASON, RUN_DIR, SURPLUS, tally
 from lychee_exp.tracking.keys import TRIALS_CSV_COLUMNS
 

@@ -27,7 +27,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
-from lychee_exp.core.errors import UserError
+from lychee_exp.errors import UserError
 from lychee_exp.sweep import device_slots, lychee_trials
 from lychee_exp.sweep import storage as st
 from lychee_exp.sweep.dispatch import Placement, SlotsFailed, launcher_placement

@@ -12,7 +12,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from optuna.distributions import BaseDistribution
 
-from lychee_exp.core.errors import UserError
+from lychee_exp.errors import UserError
 from lychee_exp.sweep.space import to_distribution
 
 

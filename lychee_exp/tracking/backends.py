@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from urllib.parse import urlparse
 
-from lychee_exp.core.config import LoggerConfig, RunConfig, plain_dict
+from lychee_exp.config.schema import LoggerConfig, RunConfig, plain_dict
 from lychee_exp.tracking.keys import HISTORY
 from lychee_exp.tracking.trial import current_trial
 

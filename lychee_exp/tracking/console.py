@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from lychee_exp.core.config import RunConfig
+from lychee_exp.config.schema import RunConfig
 from lychee_exp.tracking.backends import NullLogger
 from lychee_exp.tracking.keys import DEV_PREFIX, HISTORY
 
@@ -68,7 +68,7 @@ def log_train_step(
     gpu: dict | None = None,
 ) -> None:
     """One training row: `loss` (the mean since the last row) and the logged step's own figures (a
-    recipe.progress.StepFigures: grad_norm, queries and non-pad tokens over all ranks, seconds, data wait), plus
+    train.progress.StepFigures: grad_norm, queries and non-pad tokens over all ranks, seconds, data wait), plus
     rank 0's GPU memory and utilisation (`gpu`: throughput.gpu_memory's figures, {} off CUDA)."""
     gpu = gpu or {}
     grad_norm, queries, tokens, elapsed, wait = (

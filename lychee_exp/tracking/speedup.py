@@ -5,7 +5,7 @@ scaling_efficiency = speedup / devices.
 The one-device figure is a measured record (`Baseline`) keyed by throughput_settings and the device, cached in
 `baseline_file()` (env LYCHEE_BASELINE_FILE; JSON, written under its lock, readable, safe to delete). Every
 single-device run stores its own figure; a multi-device run without a cached one measures it in the first phase
-of its launch (lychee_exp/recipe/baseline_phase.py). A figure measured while the machine was shared (on CPU: the
+of its launch (lychee_exp/train/baseline_phase.py). A figure measured while the machine was shared (on CPU: the
 process got well under its threads' worth of CPU time), or a ratio above the device count, is not divided by:
 the run records `speedup_status` saying why instead of a `speedup`. Only reliable figures are cached.
 """
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from lychee_exp.core.atomic import read_json, update_json_locked
-from lychee_exp.core.chunks import forward_chunk_count
-from lychee_exp.core.config import RunConfig
-from lychee_exp.core.devices import DevicePlan, resolve_precision, torch_device
-from lychee_exp.core.optim import uses_fused
-from lychee_exp.core.packing_rule import packing_on
+from lychee_exp.config.packing_rule import packing_on
+from lychee_exp.config.schema import RunConfig
+from lychee_exp.data.chunks import forward_chunk_count
+from lychee_exp.io.atomic import read_json, update_json_locked
+from lychee_exp.parallel.devices import DevicePlan, resolve_precision, torch_device
+from lychee_exp.train.optim import uses_fused
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from lychee_exp.core.config import RunConfig
-from lychee_exp.core.devices import DevicePlan
-from lychee_exp.core.distributed import DistEnv, device_name
-from lychee_exp.core.optim import effective_batch_size
-from lychee_exp.core.sharding import state_bytes
+from lychee_exp.config.schema import RunConfig
+from lychee_exp.parallel.devices import DevicePlan
+from lychee_exp.parallel.distributed import DistEnv, device_name
+from lychee_exp.parallel.sharding import state_bytes
 from lychee_exp.tracking.keys import HISTORY
 from lychee_exp.tracking.speedup import cpu_share
+from lychee_exp.train.optim import effective_batch_size
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def summarize(per_rank: list[dict]) -> dict:
         "data_wait_share": sum(r["wait"] / r["time"] if r["time"] else 0.0 for r in per_rank) / len(per_rank),
         "rank_time_spread": max(busy) / min(busy) if min(busy) > 0 else 1.0,
         "peak_memory_mb_per_rank": [r["peak_memory_mb"] for r in per_rank],
-        # each rank's bytes of parameters, gradients and optimizer state (core.sharding.state_bytes), and the largest
+        # each rank's bytes of parameters, gradients and optimizer state (sharding.state_bytes), and the largest
         # as a scalar for W&B and TensorBoard
         **{f"{key}_per_rank": [r[key] for r in per_rank] for key in main if key.endswith("_bytes")},
         **{key: max(r[key] for r in per_rank) for key in main if key.endswith("_bytes")},

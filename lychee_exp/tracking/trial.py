@@ -16,7 +16,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
-from lychee_exp.core.errors import UserError
+from lychee_exp.errors import UserError
 
 log = logging.getLogger(__name__)
 TRIAL_ENV = "LYCHEE_TRIAL"

@@ -27,9 +27,8 @@ from typing import Sequence
 import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.workspaces as ws
 
-from lychee_exp.core.cli import INTERRUPTED, command_main
-from lychee_exp.core.errors import UserError
-from lychee_exp.core.outputs import POLICY_LINE, interrupted_line, staged_output
+from lychee_exp.errors import INTERRUPTED, UserError, command_main
+from lychee_exp.io.outputs import POLICY_LINE, interrupted_line, staged_output
 from lychee_exp.tracking.backends import has_wandb_api_key
 from lychee_exp.tracking.keys import HISTORY
 

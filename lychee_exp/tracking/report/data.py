@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from lychee_exp.core.errors import UserError
+from lychee_exp.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from lychee_exp.core.cli import command_main
-from lychee_exp.core.outputs import POLICY_LINE, interrupted_line
+from lychee_exp.errors import command_main
+from lychee_exp.io.outputs import POLICY_LINE, interrupted_line
 from lychee_exp.tracking.keys import num_devices
 from lychee_exp.tracking.report import plots
 from lychee_exp.tracking.report.data import (

@@ -1,4 +1,4 @@
-"""Where the report page goes (`--out`), by core.outputs' policy: the page appears whole (staged, then moved into
+"""Where the report page goes (`--out`), by io.outputs' policy: the page appears whole (staged, then moved into
 place), never over a file the report reads (a run's metrics.json, config.yaml, ...), never over a directory, and
 over an existing file only when that file is an earlier page of ours (re-running the report refreshes it) or with
 --overwrite. An earlier page is recognised by the generator tag every page carries in its head."""
@@ -9,7 +9,7 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
-from lychee_exp.core.outputs import staged_output
+from lychee_exp.io.outputs import staged_output
 
 GENERATOR_TAG = '<meta name="generator" content="lychee_exp.report">'
 # what the report reads below its directory (tracking.report.data)

@@ -1,0 +1,7 @@
+"""`python -m benchmarks`: the scaling benchmark (benchmarks.scaling)."""
+
+import sys
+
+from benchmarks.scaling import main
+
+sys.exit(main())

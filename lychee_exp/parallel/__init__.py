@@ -1,0 +1,2 @@
+"""Many devices: which devices a run uses (devices), this process's place in the run and its collectives
+(distributed), FSDP2 sharding, per-device memory before a run starts (memory_plan), seeds per process."""

@@ -1,0 +1,236 @@
+"""Periodic training checkpoints, written atomically and loaded without unpickling arbitrary objects.
+
+Layout: <run>/checkpoints/step_000120/{model.safetensors, state.pt} and <run>/checkpoints/latest (a file naming
+the newest complete checkpoint); a sharded run (fsdp) has shards/ (train.sharded_checkpoint) instead of
+model.safetensors and the optimizer's state. A checkpoint is written into a temporary directory and renamed into place,
+then `latest` is replaced atomically: a crash mid-write leaves the previous checkpoint as the latest.
+model.safetensors holds the trainable parameters (all of them, or just LoRA's); state.pt holds optimizer,
+scheduler, scaler, progress and RNG states as tensors and plain containers, read with weights_only=True.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from lychee_exp.io.atomic import write_text_atomic
+from lychee_exp.model.files import match_umask
+from lychee_exp.parallel.sharding import is_sharded
+from lychee_exp.train.progress import Progress
+from lychee_exp.train.sharded_checkpoint import has_shards, load_shards, save_shards
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+LATEST = "latest"
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint saves and restores besides the progress: the model and its optimizer, learning-rate
+    scheduler and gradient scaler, and the rank's DistEnv (the collectives and the world size to match)."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    env: Any  # parallel.distributed.DistEnv
+
+
+def checkpoint_root(output_dir: Path) -> Path:
+    return output_dir / CHECKPOINT_DIR
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": json.dumps(random.getstate()),
+        "torch": torch.get_rng_state(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    python_state = json.loads(state["python"])
+    random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
+    torch.set_rng_state(state["torch"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().cpu().contiguous().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _tmp_dir(output_dir: Path, step: int) -> Path:
+    return checkpoint_root(output_dir) / f".tmp_step_{step:06d}"
+
+
+def _empty_tmp_dir(output_dir: Path, step: int) -> Path:
+    tmp = _tmp_dir(output_dir, step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def save_checkpoint(output_dir: Path, step: int, model: torch.nn.Module | None, state: dict, keep: int) -> Path:
+    """Called on the main rank only; `state` holds everything but the weights. model=None: the weights are in
+    the step's temporary directory already (shards written by every rank)."""
+    root = checkpoint_root(output_dir)
+    final = root / f"step_{step:06d}"
+    tmp = _empty_tmp_dir(output_dir, step) if model is not None else _tmp_dir(output_dir, step)
+    written = ["state.pt"]
+    if model is not None:
+        save_file(trainable_state(model), str(tmp / "model.safetensors"))
+        written.append("model.safetensors")
+    torch.save(state, tmp / "state.pt")
+    match_umask(tmp)  # safetensors writes 0600: the run's other files follow the user's umask
+    for name in written:
+        with open(tmp / name, "rb") as handle:
+            os.fsync(handle.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    write_text_atomic(root / LATEST, final.name + "\n")
+    for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _complete(path: Path) -> bool:
+    return (path / "state.pt").is_file() and ((path / "model.safetensors").is_file() or has_shards(path))
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The checkpoint `latest` names; if that pointer is missing or stale, the newest complete step directory."""
+    root = checkpoint_root(output_dir)
+    pointer = root / LATEST
+    named = root / pointer.read_text().strip() if pointer.is_file() else None
+    if named is not None and named.name and _complete(named):
+        return named
+    steps = [path for path in sorted(root.glob("step_*"), reverse=True) if _complete(path)]
+    return steps[0] if steps else None
+
+
+def older_checkpoints(path: Path) -> list[Path]:
+    """Complete checkpoints of the same run older than path, newest first."""
+    return [
+        other
+        for other in sorted(path.parent.glob("step_*"), reverse=True)
+        if other.name < path.name and _complete(other)
+    ]
+
+
+def load_checkpoint(path: Path, training: TrainingState) -> dict:
+    """Loads the weights into the model (a sharded run: and the optimizer state) and returns the rest of the
+    state (all ranks call this). Both files are read before the model changes: a damaged checkpoint leaves the
+    model as it was. Shards are read into the model's own tensors, so a damaged sharded checkpoint may leave
+    part of them written: the next candidate loaded overwrites every trained weight and the optimizer state."""
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    model = training.model
+    if has_shards(path):
+        load_shards(path, model, training.optimizer)
+        return state
+    weights = load_file(str(path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    wanted = {name for name, p in model.named_parameters() if p.requires_grad}
+    if unexpected or wanted & set(missing):
+        raise RuntimeError(
+            f"checkpoint {path} does not match the model: unexpected {unexpected[:3]}, "
+            f"missing {sorted(wanted & set(missing))[:3]}"
+        )
+    return state
+
+
+def save_training_state(output_dir: Path, training: TrainingState, progress: Progress, keep: int) -> Path | None:
+    """Collective (every rank's RNG state is gathered, so dropout continues as it would have); rank 0 writes
+    and logs the checkpoint's path."""
+    env = training.env
+    rngs = env.gather_objects(rng_state())
+    sharded = is_sharded(training.model)
+    if sharded:  # every rank writes its shards into the step's temporary directory, emptied by rank 0 first
+        if env.is_main:
+            _empty_tmp_dir(output_dir, progress.step)
+        env.gather_objects(None)
+        save_shards(_tmp_dir(output_dir, progress.step), training.model, training.optimizer)
+    if not env.is_main:
+        return None
+    state = {
+        **({} if sharded else {"optimizer": training.optimizer.state_dict()}),
+        "scheduler": training.scheduler.state_dict(),
+        "scaler": training.scaler.state_dict(),
+        **{k: getattr(progress, k) for k in ("step", "epoch", "batch", "evaluated_at")},
+        "summary": json.dumps(progress.summary),
+        "rng": rngs,
+        "world_size": env.world_size,
+    }
+    path = save_checkpoint(output_dir, progress.step, None if sharded else training.model, state, keep)
+    log.info("checkpoint: %s", path)
+    return path
+
+
+def load_readable(path: Path, training: TrainingState, fall_back: bool, report: bool) -> tuple[Path, dict]:
+    """Loads path, or (fall_back) the newest older checkpoint of the run that can be read, reporting each
+    unreadable one in one line (e.g. a state.pt truncated by a node that died mid-write outside our atomic
+    rename, or a damaged disk). Every rank sees the same files, so all ranks pick the same checkpoint."""
+    candidates = [path, *older_checkpoints(path)] if fall_back else [path]
+    for candidate in candidates:
+        try:
+            return candidate, load_checkpoint(candidate, training)
+        except Exception as err:  # safetensors, zip reader and unpickler errors have no common base
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            if candidate is candidates[-1]:
+                raise RuntimeError(
+                    f"no readable checkpoint: {candidate} cannot be read ({type(err).__name__}: {reason})"
+                ) from None
+            if report:
+                log.warning(
+                    "checkpoint %s cannot be read (%s: %s); resuming from the previous one",
+                    candidate,
+                    type(err).__name__,
+                    reason,
+                )
+    raise AssertionError("unreachable")
+
+
+def resume_path(resume: str, output_dir: Path) -> Path | None:
+    """trainer.resume: "never", "auto" (the run's newest checkpoint, if any) or a checkpoint's path."""
+    if resume == "never":
+        return None
+    return latest_checkpoint(output_dir) if resume == "auto" else Path(resume)
+
+
+def restore_training_state(path: Path, training: TrainingState) -> Progress:
+    """Loads a checkpoint on every rank (with resume=auto, the newest readable one); returns the progress to
+    continue from, with the checkpoint it came from as its source."""
+    in_a_run = path.parent.name == CHECKPOINT_DIR  # a step directory of a run: its older ones may stand in
+    env = training.env
+    path, state = load_readable(path, training, fall_back=in_a_run, report=env.is_main)
+    if state["world_size"] != env.world_size:
+        raise ValueError(
+            f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
+            f"{env.world_size}; resume with the same gpus"
+        )
+    if "optimizer" in state:  # else restored with the shards
+        training.optimizer.load_state_dict(state["optimizer"])
+    training.scheduler.load_state_dict(state["scheduler"])
+    training.scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"][env.rank])
+    fields = {k: state[k] for k in ("step", "epoch", "batch", "evaluated_at")}
+    progress = Progress(**fields, summary=json.loads(state["summary"]), source=path)
+    if env.is_main:
+        at = progress
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", at.source, at.step, at.epoch, at.batch)
+    return progress

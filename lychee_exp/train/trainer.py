@@ -1,0 +1,320 @@
+"""The training recipe: setup -> fit (train with periodic dev evaluation) -> save -> cleanup, on one rank of a run.
+
+Every rank runs this same code; only the main rank logs, shows progress and saves. A step is one optimizer
+update over `grad_accum_steps` micro-batches of `data.batch_size` queries on each of `num_devices` devices.
+The parts (model, data, loss, optimizer, logger) come from the library (lychee_exp) and tracking modules
+named for them; what happens around a step (preemption, injected faults) comes from the caller as StepHooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from lychee_exp.config.packing_rule import packing_on
+from lychee_exp.config.schema import RunConfig
+from lychee_exp.data.chunks import forward_chunk_count
+from lychee_exp.data.packing import packed_attention_path_of
+from lychee_exp.ir import evaluate as ev
+from lychee_exp.model.levers import apply_levers
+from lychee_exp.model.reranker import count_parameters, load_reranker
+from lychee_exp.parallel.devices import DevicePlan, resolve_precision
+from lychee_exp.parallel.distributed import DistEnv, wrap_for_training
+from lychee_exp.parallel.memory_plan import resolved_model_config
+from lychee_exp.parallel.seeding import seed_everything
+from lychee_exp.tracking.backends import NullLogger, run_logger
+from lychee_exp.tracking.console import log_eval, log_setup, log_train_step
+from lychee_exp.tracking.throughput import StepTimer, gpu_memory, log_hints, setup_facts, summarize
+from lychee_exp.train.baseline_phase import one_device_baseline, run_speedup
+from lychee_exp.train.checkpoint import TrainingState, restore_training_state, resume_path, save_training_state
+from lychee_exp.train.inputs import RunInputs, load_inputs
+from lychee_exp.train.losses import build_loss
+from lychee_exp.train.optim import build_optimizer, optimizer_step, scaled_lr
+from lychee_exp.train.pending import PendingSteps
+from lychee_exp.train.progress import NO_HOOKS, NOTHING_LEFT, Progress, StepFigures, StepHooks
+from lychee_exp.train.saving import save_model
+from lychee_exp.train.step import WindowStep
+from lychee_exp.train.train_data import TrainData, build_train_data
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """One rank's training run: `setup()` builds the model, data, optimizer, loss and logger; `fit()` trains with
+    periodic dev evaluation, checkpoints and the caller's step hooks and returns the run's metrics (the same on
+    every rank); `save()` writes the model (main rank); `cleanup()` closes the logger.
+
+    Raises TrainingDiverged when a step's loss is not finite, torch.OutOfMemoryError when a batch does not fit,
+    and whatever a step hook raises. A fit that a stop request ended returns with `preempted_at_step`."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        env: DistEnv,
+        plan: DevicePlan,
+        output_dir: Path,
+        eval_callbacks: Sequence[Callable[[int, dict], bool]] = (),
+        inputs: RunInputs | None = None,
+        hooks: StepHooks = NO_HOOKS,
+    ):
+        self.cfg, self.env, self.plan, self.output_dir, self.hooks = cfg, env, plan, output_dir, hooks
+        self.eval_callbacks = list(eval_callbacks)  # (step, dev metrics) -> True to stop; main rank only
+        self.inputs = inputs  # read by this process's preflight already, else loaded in setup
+        self.device = env.device
+        self.num_devices = plan.num_devices  # devices whose batches make one step (DDP ranks or DP GPUs)
+        # built by setup()
+        self.tokenizer = self.encoder = self.model = self.train_model = self.precision = self.model_cfg = None
+        self.data: TrainData | None = None
+        self.lr, self.optimizer, self.scheduler, self.warmup_steps, self.scaler = 0.0, None, None, 0, None
+        self.loss_fn = self.resume_from = self.step = self.baseline = None  # baseline: train.baseline_phase's
+        self.forward_chunks, self.facts = 1, {}
+        self.logger = NullLogger()
+        # state of fit()
+        self.eval_time_s = self.eval_cpu_s = 0.0
+        self.logged: list[StepFigures] = []  # steps read since the last logged training row
+        self.pending = PendingSteps()  # steps whose figures are still on the device
+        self.timer: StepTimer | None = None
+        self.bar: tqdm | None = None
+        self.stopped = False  # set when an evaluation callback (e.g. a sweep's pruner) ends the run early
+
+    # ----------------------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        packs = packing_on(self.cfg, self.device.type, self.plan.strategy)  # data.packing=auto decided here
+        cfg = self.cfg = dataclasses.replace(self.cfg, data=dataclasses.replace(self.cfg.data, packing=packs))
+        seed_everything(cfg.seed, cfg.trainer.deterministic)
+        inputs = self.inputs or load_inputs(cfg, warn_unknown=False)  # the Hydra process warned already
+        self._setup_model(inputs)
+        self.data = build_train_data(cfg, self.env, self.plan, inputs)
+        self.loss_fn = build_loss(cfg.loss, cfg.data.train_group_size)
+        self._setup_optimizer()
+        self.resume_from = resume_path(cfg.trainer.resume, self.output_dir)
+        self.facts = setup_facts(cfg, self.env, self.plan, self.lr, self.precision, count_parameters(self.model))
+        self.facts["forward_chunks"] = self.forward_chunks
+        if cfg.data.max_tokens_per_batch:  # steps vary in size: the plan's mean (what the lr was scaled to)
+            self.facts.update(
+                effective_batch_size=self.data.schedule.mean_step_queries(),
+                max_tokens_per_batch=cfg.data.max_tokens_per_batch,
+            )
+        self.logger = run_logger(cfg, self.output_dir, self.env.is_main, self.facts)
+        if self.env.is_main:
+            data = self.data
+            steps = {"total_steps": data.total_steps, "steps_per_epoch": data.steps_per_epoch}
+            log_setup(cfg, self.facts, len(data.train_set), data.dev_pairs, **steps, warmup_steps=self.warmup_steps)
+
+    def _setup_model(self, inputs: RunInputs) -> None:
+        self.tokenizer, self.encoder = inputs.tokenizer, inputs.encoder
+        model_cfg = self.model_cfg = resolved_model_config(self.cfg, self.encoder, self.device)
+        model = load_reranker(model_cfg, self.encoder, self.cfg.seed, packing=self.cfg.data.packing, training=True)
+        self.model = model.to(self.device)
+        self.precision = resolve_precision(self.cfg.trainer.precision, self.device)
+        apply_levers(self.model, model_cfg, self.precision, self.device)
+        self.attention = packed_attention_path_of(self.cfg, self.device, self.precision)  # stops without varlen
+        self.train_model = wrap_for_training(self.model, self.env, self.plan, self.cfg.parallel, self.precision)
+
+    def _setup_optimizer(self) -> None:
+        self.lr = scaled_lr(self.cfg, self.num_devices, self.data.schedule.mean_step_queries())
+        self.optimizer, self.scheduler, self.warmup_steps = build_optimizer(
+            self.cfg.optimizer, self.model, self.lr, self.data.total_steps
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.forward_chunks = forward_chunk_count(self.cfg.trainer.forward_chunks, self.device.type, self.plan.strategy)
+        self.step = WindowStep(
+            self.train_model, self.loss_fn, self.scaler, self.precision, self.env, self.forward_chunks
+        )
+
+    def evaluate(self) -> dict[str, float]:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        scorer = self.train_model if self.plan.strategy == "dp" else self.model  # DP: score on every GPU
+        pairs, batch = self.data.dev_pairs, self.cfg.data.eval_batch_size
+        data = self.cfg.data  # weights > 0: the model's scores mixed with the teacher's / first stage's, own as model_*
+        metrics = ev.evaluate(
+            scorer,
+            self.encoder,
+            pairs,
+            batch,
+            self.device,
+            self.env,
+            self.step.autocast,
+            data.teacher_weight,
+            data.first_stage_weight,
+        )
+        self.eval_time_s += time.perf_counter() - start
+        self.eval_cpu_s += time.process_time() - cpu_start
+        return metrics
+
+    # ----------------------------------------------------------------------------------------------- train
+    def fit(self) -> dict:
+        cfg, env = self.cfg, self.env
+        self.baseline = one_device_baseline(self)  # first: it puts back all the state it touches
+        progress = self._restore() if self.resume_from else Progress()
+        if progress.step >= self.data.total_steps and self._finished_before():
+            # a finished run continued with nothing left to train: its metrics.json and model/ stay as they are
+            return {"steps": progress.step, NOTHING_LEFT: progress.step}
+        if progress.step == 0 and cfg.trainer.evaluate:
+            progress.summary.update(ev.reference_metrics(self.data.dev_pairs) if env.is_main else {})
+            if cfg.trainer.eval_before_training:
+                initial = self._eval_and_log(0)
+                progress.summary.update({f"initial_{k}": v for k, v in initial.items()}, **initial)
+                progress.evaluated_at = 0
+        timer = self.timer = StepTimer(progress.step, self.data.total_steps, *self._training_clock())
+        self.logged = []
+        show = env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()
+        self.bar = tqdm(
+            total=self.data.total_steps, initial=progress.step, desc="train", dynamic_ncols=True, disable=not show
+        )
+        self.train_model.train()
+        train_start, eval_time_before = time.perf_counter(), self.eval_time_s
+        accum = cfg.trainer.grad_accum_steps
+        while progress.step < self.data.total_steps and not self.stopped:
+            self.data.schedule.seek(progress.epoch, progress.batch)
+            self.data.train_set.set_epoch(progress.epoch)
+            batches = iter(self.data.loader)
+            num_batches = self.data.schedule.num_batches(progress.epoch)
+            for first in range(progress.batch, num_batches, accum):
+                micro_steps = min(accum, num_batches - first)
+                self._train_window(batches, first, micro_steps, progress.step + 1)
+                progress.step += 1
+                done = first + micro_steps
+                position = (progress.epoch, done) if done < num_batches else (progress.epoch + 1, 0)
+                stop = self._after_step(progress, position)
+                # the step's end stamp, after its stop-request collective; evaluations are not training time
+                timer.stamp(progress.step, *self._training_clock())
+                if stop:  # preemption: checkpointed, the requeued job resumes
+                    self.bar.close()
+                    return {**progress.summary, "steps": progress.step, "preempted_at_step": progress.step}
+                if progress.step >= self.data.total_steps or self.stopped:
+                    break
+            progress.epoch, progress.batch = progress.epoch + 1, 0
+            if progress.evaluated_at != progress.step and not self.stopped:
+                self._evaluate_into(progress)
+        self._read_steps()  # before the clock stops: the device may still be running queued steps
+        timer.stamp(progress.step, *self._training_clock())  # the last step's end, device drained
+        self.bar.close()
+        train_time = time.perf_counter() - train_start - (self.eval_time_s - eval_time_before)
+        return self._finish(progress, timer, train_time)
+
+    def _finished_before(self) -> bool:
+        """Collective: whether this run had finished before (its metrics.json, as rank 0 sees it)."""
+        finished = self.env.is_main and (self.output_dir / "metrics.json").is_file()
+        return bool(self.env.gather_objects(finished)[0])
+
+    def _training_clock(self) -> tuple[float, float]:
+        """Wall and CPU time now, less what dev evaluations took: the clocks the step timer reads."""
+        return time.perf_counter() - self.eval_time_s, time.process_time() - self.eval_cpu_s
+
+    def _train_window(self, batches, first: int, micro_steps: int, step: int) -> None:
+        """One optimizer step: forward and backward over the accumulation window, then the update. Its figures
+        stay on the device (self.pending) until _read_steps: no host sync here."""
+        start = time.perf_counter()
+        # the loss is a mean over every query of the global step, so accumulation and sharding give the
+        # gradient of one big batch
+        divisor = self.data.schedule.loss_divisor(first, micro_steps)
+        stats, wait, busy = self.step.accumulate(batches, micro_steps, divisor)
+        grad_norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.scaler, self.cfg.optimizer)
+        if self.hooks.after_step:
+            self.hooks.after_step(step)
+        seconds = time.perf_counter() - start
+        self.pending.add(step, stats, grad_norm, seconds, wait, busy)
+
+    def _read_steps(self) -> None:
+        """Reads the unread steps' figures from the device (raises TrainingDiverged on a non-finite loss)."""
+        for step, figures in self.pending.read(self.lr):
+            self.timer.count(step, figures.wait, figures.busy, figures.queries, figures.tokens, figures.padded)
+            self.logged.append(figures)
+            self.bar.set_postfix(loss=f"{figures.loss:.4f}", samples_s=f"{figures.queries / figures.seconds:.1f}")
+
+    def _after_step(self, progress: Progress, position: tuple[int, int]) -> bool:
+        """Logging, evaluation and checkpoints due after this step; True when a stop request ended the run.
+        Step figures are read before any of them, so that no diverged state is evaluated or saved."""
+        cfg, step = self.cfg, progress.step
+        self.bar.update(1)
+        log_due = step % cfg.trainer.log_every == 0 or step == self.data.total_steps
+        eval_due = cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0
+        checkpoint_due = cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0
+        if log_due or eval_due or checkpoint_due:
+            self._read_steps()
+        if log_due:
+            self._log_train_row(progress)
+        if eval_due:
+            self._evaluate_into(progress)
+        if checkpoint_due:
+            self._checkpoint(progress, position)
+        if self.hooks.stop_requested():
+            self._read_steps()
+            self._checkpoint(progress, position)
+            return True
+        return False
+
+    def _log_train_row(self, progress: Progress) -> None:
+        summary, logged = progress.summary, self.logged
+        figures = logged[-1]  # the logged step's own values; the loss is the mean since the last row
+        summary["train_loss"] = sum(f.loss for f in logged) / len(logged)
+        if self.cfg.loss.distill_weight > 0:
+            summary["train_distill_loss"] = sum(f.distill_loss for f in logged) / len(logged)
+        lr = self.scheduler.get_last_lr()[0]
+        gpu = gpu_memory(self.device) if self.env.is_main else {}
+        at = {"step": progress.step, "total_steps": self.data.total_steps, "epoch": progress.epoch}
+        log_train_step(self.logger, self.env.is_main, **at, loss=summary["train_loss"], lr=lr, figures=figures, gpu=gpu)
+        logged.clear()
+
+    def _evaluate_into(self, progress: Progress) -> None:
+        progress.summary.update(self._eval_and_log(progress.step))
+        progress.evaluated_at = progress.step
+
+    def _finish(self, progress: Progress, timer: StepTimer, train_time: float) -> dict:
+        """The run's metrics: its summary, setup facts, throughput over all ranks, times and speedup."""
+        env, summary = self.env, progress.summary
+        self._read_steps()
+        throughput = summarize(env.gather_objects(timer.rank_record(self.device, self.model, self.optimizer)))
+        # kernels (and cuDNN's attention plans) are chosen per input shape: fewer shapes, fewer plans
+        summary["distinct_shapes"] = len(set().union(*env.gather_objects(self.step.shapes)))
+        summary.update(self.facts, **throughput, steps=progress.step, epochs=progress.epoch, stopped_early=self.stopped)
+        summary.update(train_time_s=train_time, eval_time_s=self.eval_time_s)
+        summary.update(run_speedup(self, summary["train_samples_per_s"], summary.get("train_cpu_share"), self.baseline))
+        if env.is_main:
+            log_hints(summary, self.cfg.data.num_workers)
+        self.logger.log_summary({**summary, "peak_memory_mb": max(summary["peak_memory_mb_per_rank"])})
+        return summary
+
+    def _eval_and_log(self, step: int) -> dict[str, float]:
+        if not self.cfg.trainer.evaluate:
+            return {}
+        metrics = self.evaluate()
+        log_eval(self.logger, self.env.is_main, metrics, step)
+        # Callbacks decide on the main rank; every rank must then stop at the same step, or DDP would hang.
+        votes = [callback(step, metrics) for callback in self.eval_callbacks] if self.env.is_main else []  # all run
+        stop = any(votes) and step < self.data.total_steps  # a run that trained to the end is complete, never pruned
+        self.stopped = self.env.gather_objects(stop)[0]
+        if self.stopped and self.env.is_main:
+            log.info("stopping after the evaluation at step %d (an evaluation callback asked to)", step)
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ checkpoint
+    def _checkpoint(self, progress: Progress, position: tuple[int, int]) -> None:
+        """Collective; `position`: the epoch and batch the run continues from."""
+        at = dataclasses.replace(progress, epoch=position[0], batch=position[1])
+        save_training_state(self.output_dir, self._training_state(), at, self.cfg.trainer.keep_checkpoints)
+
+    def _restore(self) -> Progress:
+        progress = restore_training_state(self.resume_from, self._training_state())
+        self.logger.truncate(progress.step)
+        return progress
+
+    def _training_state(self) -> TrainingState:
+        return TrainingState(self.model, self.optimizer, self.scheduler, self.scaler, self.env)
+
+    # ----------------------------------------------------------------------------------------- save, cleanup
+    def save(self) -> None:  # every rank: under fsdp they gather the weights
+        if self.cfg.trainer.save_model:
+            parts = (self.model_cfg, self.encoder, self.tokenizer, self.cfg, self.env)
+            save_model(self.model, self.output_dir / "model", *parts)
+
+    def cleanup(self) -> None:
+        self.logger.finish()
