@@ -1,5 +1,5 @@
 """Attention alone on CPU: a packed row's segments through sdpa one by one (the per-prompt path) against one batched
-matmul over the segments as padded rows (model.segment_rows), forward + backward, in fp32 and bf16, by length.
+matmul over the segments as padded rows (model.packed), forward + backward, in fp32 and bf16, by length.
 
     python -m benchmarks.attention_cpu [--segments 32] [--lengths 64,96,128,160,192,256] [--repeats 20]
 
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lychee_exp.model.segment_rows import segment_rows_attention
+from lychee_exp.model.packed import segment_rows_attention
 
 HEADS, DIM = 12, 32
 

@@ -41,7 +41,7 @@ from benchmarks.gpu.flops import bf16_peak_tflops
 from lychee_exp.errors import command_main
 from lychee_exp.io.outputs import POLICY_LINE, interrupted_line, staged_output
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 TINY_RUN = [
     "model=tiny_lychee",

@@ -5,7 +5,7 @@
 # and 2, with one line, on a machine without an NVIDIA GPU (--tiny / --dry-run: the same checks on the CPU).
 # Wheels in .whl/ (gpu_wheels.sh beside this file, for a machine without network) go into /tmp/lychee_site first.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 tiny=0
 for arg in "$@"; do [ "$arg" = "--tiny" ] || [ "$arg" = "--dry-run" ] && tiny=1; done
 if [ "$tiny" = 0 ] && { ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; }; then

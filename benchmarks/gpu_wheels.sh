@@ -5,7 +5,7 @@
 # installs whatever .whl/ holds into /tmp/lychee_site first. Versions: the ones this repository was tested with.
 #   bash benchmarks/gpu_wheels.sh     # .whl/ is git-ignored: the device call names it in `carry`
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 pip=${PIP:-.venv/bin/pip}
 mkdir -p .whl
 platform=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64

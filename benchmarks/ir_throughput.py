@@ -34,7 +34,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     os.environ["LYCHEE_CACHE_DIR"] = tempfile.mkdtemp(prefix="lychee_ir_bench_")
 
-    from lychee_exp.ir.mining import MineSettings
+    from lychee_exp.config.commands import MineSettings
     from lychee_exp.ir.pipeline import mine_to_file, open_split
 
     dataset = "pkg://lychee_exp.assets/beir_sample"

@@ -76,12 +76,12 @@ LYCHEE = [
 
 def build_spec(out: Path, steps: int, threads: int, device: str, overrides: list[str]) -> dict:
     """What every system shares, read from lychee_exp's composed config."""
+    from lychee_exp.config.auto import scaled_lr
     from lychee_exp.config.schema import to_run_config
     from lychee_exp.io.resources import resolve_path
     from lychee_exp.job.in_process import compose_job
     from lychee_exp.model.reranker import model_dir
     from lychee_exp.tracking.throughput import WARMUP_STEPS
-    from lychee_exp.train.optim import scaled_lr
 
     cfg = to_run_config(compose_job(LYCHEE, out))  # the shared settings: lychee's defaults, not the extra overrides
     path = model_dir(cfg.model)

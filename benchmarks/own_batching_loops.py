@@ -57,7 +57,7 @@ class Meter:
 
     def wrap_packed(self, encoder_cls):
         """Records the encoder's packed calls (lychee_exp's packed rows skip the classifier class's forward,
-        model.packed_encoder): non-pad tokens, the row's slots, and its prompts (segments not starting with pad)."""
+        model.packed): non-pad tokens, the row's slots, and its prompts (segments not starting with pad)."""
         from lychee_exp.data.packing import BOUNDS
 
         original = encoder_cls.forward

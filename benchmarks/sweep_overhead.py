@@ -98,7 +98,7 @@ def outcome(run_dir: str) -> tuple:
 
 def export(ref: str, out: Path) -> Path:
     """The tree of commit `ref` of this repository, in out/<ref>."""
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[1]
     target = out / f"code-{ref}"
     target.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(repo), "archive", ref], capture_output=True, check=True).stdout

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 from benchmarks.gpu.flops import QWEN25_1P5B
 from lychee_exp.model.answer_head import answer_row_logit, full_answer
 
-TINY_CONFIG = Path(__file__).resolve().parent.parent / "assets" / "tiny_qwen2" / "config.json"
+TINY_CONFIG = Path(__file__).resolve().parents[1] / "lychee_exp" / "assets" / "tiny_qwen2" / "config.json"
 YES, NO = 9454, 2152  # any two distinct rows below both vocabularies' sizes would do
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PATHS = ("full", "two_rows")

@@ -46,7 +46,8 @@ def devices_of(cfg: RunConfig) -> int:
     for a machine with the GPUs asked for, so those are taken as there."""
     import torch
 
-    from lychee_exp.parallel.devices import parse_gpus, plan_devices
+    from lychee_exp.config.auto import parse_gpus
+    from lychee_exp.parallel.devices import plan_devices
 
     here = torch.cuda.device_count() if torch.cuda.is_available() else 0
     requested = parse_gpus(cfg.gpus)
@@ -64,9 +65,10 @@ def devices_of(cfg: RunConfig) -> int:
 
 def describe(cfg: RunConfig, sizes: tuple[float, ...]) -> list[str]:
     """The plan's lines: the run, one device's memory, and whether it fits each size."""
+    from lychee_exp.model.precision import planned_precision
     from lychee_exp.parallel.memory_plan import GIB, MARGIN, plan_memory
 
-    precision = "bf16" if cfg.trainer.precision == "auto" else str(cfg.trainer.precision)
+    precision = planned_precision(str(cfg.trainer.precision))
     devices = devices_of(cfg)
     setting = cfg.model.gradient_checkpointing
     options = [bool(setting)] if setting != "auto" else [False, True]

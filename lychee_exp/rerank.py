@@ -20,13 +20,14 @@ from pathlib import Path
 
 from lychee_exp.cli import run_output_command
 from lychee_exp.config.commands import RerankConfig, check_rerank_config, command_inputs, register_ir_schemas
+from lychee_exp.config.rules import check_mix_weights
+from lychee_exp.config.schema import DenseConfig
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_json_atomic, write_text_atomic
 from lychee_exp.io.outputs import staged_output
 from lychee_exp.ir.beir import dataset_dir, split_names
-from lychee_exp.ir.dense import DenseConfig, corpus_embeddings
+from lychee_exp.ir.dense import corpus_embeddings
 from lychee_exp.ir.first_stage import retrieve
-from lychee_exp.ir.fusion import check_mix_weights
 from lychee_exp.ir.metrics import standing_below_first_stage
 from lychee_exp.ir.pipeline import open_split
 from lychee_exp.ir.trec import write_run

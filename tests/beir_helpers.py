@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from lychee_exp.config.commands import MineSettings
 from lychee_exp.ir.first_stage import retrieve
-from lychee_exp.ir.mining import MineSettings
 from lychee_exp.ir.pipeline import open_split
 from lychee_exp.ir.trec import write_run
 

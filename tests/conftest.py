@@ -28,9 +28,14 @@ from lychee_exp.job.in_process import compose_job as compose_config
 from lychee_exp.job.in_process import run_job
 from lychee_exp.train import inputs
 
-# Fault injection (LYCHEE_FAULT) reaches the ranks through the step hook the launcher looks up by name: every
-# job the tests start, in this process or in subprocesses, inherits it.
+# Fault injection (LYCHEE_FAULT) reaches the ranks through the step hook the launcher looks up by name (tests/faults.py,
+# outside the package: the product never names test code): every job the tests start, in this process or in
+# subprocesses, inherits it, and the repository root (benchmarks, tools) and tests/ on the path that finds it.
 os.environ.setdefault("LYCHEE_STEP_HOOK", "faults:fault_hook")
+_TESTS_DIR = Path(__file__).resolve().parent
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(_TESTS_DIR.parent), str(_TESTS_DIR), os.environ.get("PYTHONPATH")])
+)
 # One speedup-baseline cache for the session, never the checkout's outputs/ (tests that need their own set it)
 os.environ["LYCHEE_BASELINE_FILE"] = str(Path(tempfile.mkdtemp(prefix="lychee-baselines-")) / "b.json")
 

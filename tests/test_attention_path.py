@@ -10,9 +10,9 @@ from hydra.errors import ConfigCompositionException
 from test_packing import _groups, _pair
 
 from lychee_exp.config.schema import to_run_config
-from lychee_exp.data import packing
 from lychee_exp.data.groups import GroupCollator
 from lychee_exp.errors import UserError
+from lychee_exp.model import packed as packed_rows
 
 CUDA = torch.device("cuda", 0)
 KEYS = ("position_ids", "cu_seqlens", "last_index", "max_length", "bounds")
@@ -21,45 +21,45 @@ KEYS = ("position_ids", "cu_seqlens", "last_index", "max_length", "bounds")
 def test_the_paths_a_forward_takes_are_recorded(tmp_path):
     encoder, padded, packed = _pair(tmp_path)
     groups = _groups(2)
-    packing.ATTENTION_PATHS.clear()
+    packed_rows.ATTENTION_PATHS.clear()
     row = GroupCollator(encoder, pack_multiple=64)(groups)
     packed(row["input_ids"], packed={k: row[k] for k in KEYS})
-    seen = packing.ATTENTION_PATHS
+    seen = packed_rows.ATTENTION_PATHS
     assert seen == {"sdpa_per_prompt"}
     batch = GroupCollator(encoder)(groups)
     packed(batch["input_ids"], batch["attention_mask"])  # an evaluation batch through the packed model
-    seen = packing.ATTENTION_PATHS
+    seen = packed_rows.ATTENTION_PATHS
     assert seen == {"sdpa_per_prompt", "sdpa_padded"}
 
 
 @pytest.fixture
 def probe(monkeypatch):
     verdict = {"value": (False, "varlen_attn failed: RuntimeError: no kernel image")}
-    monkeypatch.setattr(packing, "varlen_probe", lambda device: verdict["value"])
+    monkeypatch.setattr(packed_rows, "varlen_probe", lambda device: verdict["value"])
     return verdict
 
 
 def test_cuda_without_varlen_stops_naming_the_fallback_key(probe):
     with pytest.raises(UserError, match="data.packing_fallback=sdpa") as err:
-        packing.check_packed_attention(CUDA, "bf16", "sdpa", 0.0, "none")
+        packed_rows.check_packed_attention(CUDA, "bf16", "sdpa", 0.0, "none")
     assert "no kernel image" in str(err.value) and "\n" not in str(err.value)
-    assert packing.check_packed_attention(CUDA, "bf16", "sdpa", 0.0, "sdpa") == "sdpa_per_prompt"
+    assert packed_rows.check_packed_attention(CUDA, "bf16", "sdpa", 0.0, "sdpa") == "sdpa_per_prompt"
     with pytest.raises(UserError, match="trainer.precision=fp32"):
         probe["value"] = (True, "ok")
-        packing.check_packed_attention(CUDA, "fp32", "sdpa", 0.0, "none")  # the kernel wants half precision
-    assert packing.check_packed_attention(CUDA, "bf16", "sdpa", 0.0, "none") == "varlen"
+        packed_rows.check_packed_attention(CUDA, "fp32", "sdpa", 0.0, "none")  # the kernel wants half precision
+    assert packed_rows.check_packed_attention(CUDA, "bf16", "sdpa", 0.0, "none") == "varlen"
     with pytest.raises(UserError, match="attention dropout"):
-        packing.check_packed_attention(CUDA, "bf16", "sdpa", 0.1, "none")
+        packed_rows.check_packed_attention(CUDA, "bf16", "sdpa", 0.1, "none")
     with pytest.raises(UserError, match="attends both ways"):  # an encoder: the varlen call here is causal
-        packing.check_packed_attention(CUDA, "bf16", "sdpa", 0.0, "none", causal=False)
-    assert packing.check_packed_attention(CUDA, "bf16", "sdpa", 0.0, "sdpa", causal=False) == "sdpa_per_prompt"
+        packed_rows.check_packed_attention(CUDA, "bf16", "sdpa", 0.0, "none", causal=False)
+    assert packed_rows.check_packed_attention(CUDA, "bf16", "sdpa", 0.0, "sdpa", causal=False) == "sdpa_per_prompt"
 
 
 def test_the_cpu_takes_the_per_prompt_path_without_asking(probe, tmp_path):
     cfg = to_run_config(compose_config([*TINY_OVERRIDES, "data.packing=true"], tmp_path))
-    assert packing.packed_attention_path_of(cfg, torch.device("cpu"), "fp32") == "sdpa_per_prompt"
+    assert packed_rows.packed_attention_path_of(cfg, torch.device("cpu"), "fp32") == "sdpa_per_prompt"
     cfg = to_run_config(compose_config([*TINY_OVERRIDES, "model.attn_implementation=eager"], tmp_path))
-    assert packing.packed_attention_path_of(cfg, CUDA, "bf16") == "eager_padded"  # not packed: nothing to probe
+    assert packed_rows.packed_attention_path_of(cfg, CUDA, "bf16") == "eager_padded"  # not packed: nothing to probe
 
 
 def test_an_unknown_fallback_fails_at_compose_naming_the_key_and_choices(tmp_path):
@@ -69,5 +69,5 @@ def test_an_unknown_fallback_fails_at_compose_naming_the_key_and_choices(tmp_pat
 
 
 def test_varlen_probe_says_why_not_without_cuda():
-    works, why = packing.varlen_probe(torch.device("cpu"))
+    works, why = packed_rows.varlen_probe(torch.device("cpu"))
     assert works is False and "CUDA" in why

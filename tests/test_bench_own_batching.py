@@ -48,7 +48,7 @@ def test_every_system_reads_the_same_tokens_and_counts_them_alike(lychee_cfg, to
     from sentence_transformers.cross_encoder import CrossEncoder
     from transformers import BertForSequenceClassification, DataCollatorWithPadding
 
-    from lychee_exp.data.chunks import length_chunks
+    from lychee_exp.data.packing import length_chunks
     from lychee_exp.model.reranker import Reranker, build_encoder, model_dir
 
     prompt = lychee_cfg.model.prompt

@@ -9,8 +9,8 @@ from conftest import TINY_QWEN2
 from transformers import AutoTokenizer
 
 from lychee_exp.config.schema import PromptConfig, to_run_config
-from lychee_exp.data.chunks import length_chunks, padded_slots
 from lychee_exp.data.groups import GroupCollator, TrainGroups
+from lychee_exp.data.packing import length_chunks, padded_slots
 from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.data.queries import load_queries
 from lychee_exp.data.sampling import PromptLengths, bucketed_order, train_sampler

@@ -19,9 +19,10 @@ import pytest
 from cluster_helpers import require_slurm
 from conftest import TINY_OVERRIDES, output_lines, run_cli
 
+from lychee_exp.config.auto import parse_gpus
 from lychee_exp.errors import RunFailed, UserError
 from lychee_exp.launch import slurm_jobs
-from lychee_exp.parallel.devices import parse_gpus, plan_devices
+from lychee_exp.parallel.devices import plan_devices
 
 
 # ------------------------------------------------------------------------------------ CPU ranks and the cores

@@ -9,11 +9,12 @@ from conftest import CONF_DIR, compose_config, output_lines, run_cli
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from lychee_exp.cli import composition_error, main
+from lychee_exp.cli import composition_error
 from lychee_exp.config import choices
 from lychee_exp.config.schema import Choice, RunConfig, check_config, to_run_config
 from lychee_exp.errors import UserError
 from lychee_exp.job.training_job import preflight
+from lychee_exp.run import main
 
 GROUPS = ["model", "data", "loss", "optimizer", "trainer", "parallel", "logger", "experiment"]
 # Options whose required paths are the user's own: they get placeholders, so only compose + check_config.

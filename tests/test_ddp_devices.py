@@ -40,14 +40,14 @@ def test_gpu_count_checks():
 )
 def test_auto_precision_on_a_cpu_is_bf16_only_where_it_computes_bf16_natively(tmp_path, monkeypatch, flags, expected):
     """AVX-512 without its bf16 instructions emulates bf16 (slower than fp32): such a CPU stays fp32."""
-    from lychee_exp.parallel import devices
+    from lychee_exp.model import precision
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
-    monkeypatch.setattr(devices.cpu_computes_bf16, "__defaults__", (str(cpuinfo),))
-    assert devices.resolve_precision("auto", torch.device("cpu")) == expected
-    assert devices.resolve_precision("fp32", torch.device("cpu")) == "fp32"  # what the user pins stays
-    assert devices.cpu_computes_bf16(str(tmp_path / "absent")) is False  # no /proc (macOS, Windows)
+    monkeypatch.setattr(precision.cpu_computes_bf16, "__defaults__", (str(cpuinfo),))
+    assert precision.resolve_precision("auto", torch.device("cpu")) == expected
+    assert precision.resolve_precision("fp32", torch.device("cpu")) == "fp32"  # what the user pins stays
+    assert precision.cpu_computes_bf16(str(tmp_path / "absent")) is False  # no /proc (macOS, Windows)
 
 
 def test_dp_without_cuda_is_one_line(tmp_path):

@@ -9,11 +9,13 @@ import pytest
 import torch
 from beir_helpers import fruit_dataset, write_beir
 
+from lychee_exp.config.schema import DenseConfig
 from lychee_exp.io.resources import resolve_path
 from lychee_exp.ir import dense as dense_module
-from lychee_exp.ir.dense import DenseConfig, corpus_embeddings, embed, pool, top_k_by_blocks
+from lychee_exp.ir.dense import corpus_embeddings, embed, top_k_by_blocks
 from lychee_exp.ir.first_stage import retrieve
 from lychee_exp.ir.pipeline import open_split
+from lychee_exp.model.bi_encoder import pool
 
 
 def _full_top_k(queries, docs, k):

@@ -15,11 +15,10 @@ from test_model import _spread_weights, tiny_reranker
 
 from lychee_exp.cli import command_config
 from lychee_exp.config.commands import RerankConfig, register_ir_schemas
-from lychee_exp.config.schema import to_run_config
+from lychee_exp.config.schema import DenseConfig, to_run_config
 from lychee_exp.data.groups import DevPairs
 from lychee_exp.errors import UserError
 from lychee_exp.ir.candidates import RerankPairs
-from lychee_exp.ir.dense import DenseConfig
 from lychee_exp.ir.evaluate import metrics_of, ranking_metrics
 from lychee_exp.ir.first_stage import retrieve
 from lychee_exp.ir.fusion import fuse, interpolate, standardise

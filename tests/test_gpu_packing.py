@@ -10,8 +10,8 @@ from test_levers import draw_lora_b
 from test_model import _spread_weights, model_cfg
 from test_packing import _groups
 
-from lychee_exp.data import packing
 from lychee_exp.data.groups import GroupCollator
+from lychee_exp.model import packed as packed_rows
 from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -49,7 +49,7 @@ def on_cuda(row: dict) -> dict:
 
 
 def test_varlen_kernel_gives_padded_logits_and_gradients(tmp_path):
-    works, why = packing.varlen_probe(CUDA)
+    works, why = packed_rows.varlen_probe(CUDA)
     assert works, why  # on a GPU the real kernel must run: the check's MFU is credited to it
     encoder, padded, packed = models(tmp_path)
     groups = _groups(3)  # 12 prompts of very different lengths
@@ -62,9 +62,9 @@ def test_varlen_kernel_gives_padded_logits_and_gradients(tmp_path):
     expected, expected_grads = scores_and_grads(
         padded, weights, plain["input_ids"].to(CUDA), plain["attention_mask"].to(CUDA)
     )
-    packing.ATTENTION_PATHS.clear()
+    packed_rows.ATTENTION_PATHS.clear()
     got, grads = scores_and_grads(packed, weights, row["input_ids"].to(CUDA), packed=on_cuda(row))
-    seen = packing.ATTENTION_PATHS
+    seen = packed_rows.ATTENTION_PATHS
     assert seen == {"varlen"}
     assert expected.std() > 0.1  # the scores differ from prompt to prompt: the comparison has teeth
     assert rel(got, expected) < TOL, rel(got, expected)

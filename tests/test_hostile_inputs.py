@@ -17,10 +17,11 @@ from conftest import TINY_OVERRIDES, output_lines, run_cli
 from test_model import tiny_reranker
 from test_user_files import _command, _no_temporaries, _run, _user_files
 
+from lychee_exp.config.auto import parse_gpus
 from lychee_exp.errors import UserError
 from lychee_exp.model.card import CARD_FILE
 from lychee_exp.model.reranker import save_reranker
-from lychee_exp.parallel.devices import parse_gpus, plan_devices
+from lychee_exp.parallel.devices import plan_devices
 from lychee_exp.plan import main as plan_main
 from lychee_exp.tracking.report.html import main as report_main
 from lychee_exp.tracking.report.output import GENERATOR_TAG

@@ -13,8 +13,8 @@ from beir_helpers import fruit_dataset
 from lychee_exp.cli import command_config
 from lychee_exp.config.choices import Stemmer
 from lychee_exp.config.commands import MineConfig, RerankConfig, register_ir_schemas
+from lychee_exp.config.schema import DenseConfig
 from lychee_exp.ir import first_stage
-from lychee_exp.ir.dense import DenseConfig
 from lychee_exp.ir.first_stage import retrieve
 from lychee_exp.ir.pipeline import mined_train_file, open_split
 from lychee_exp.ir.training import beir_dev

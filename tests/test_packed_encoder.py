@@ -1,5 +1,5 @@
 """Packed rows through the BERT-family cross-encoder (model.packed_encoder) and the CPU bf16 attention over segment
-rows (model.segment_rows): the padded batch's logits and per-parameter gradients, the token types of each prompt,
+rows (model.packed): the padded batch's logits and per-parameter gradients, the token types of each prompt,
 and where data.packing=auto packs."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import torch.nn.functional as F
 from conftest import compose_config, run_job
 from test_packing import _grads, _groups
 
-from lychee_exp.config.packing_rule import packing_on
+from lychee_exp.config.auto import packing_on
 from lychee_exp.config.schema import to_run_config
 from lychee_exp.data import packing
 from lychee_exp.data.groups import GroupCollator
 from lychee_exp.data.pair_prompt import token_types
 from lychee_exp.errors import UserError
-from lychee_exp.model.packed_encoder import packed_token_types
+from lychee_exp.model import packed as packed_rows
+from lychee_exp.model.packed import MAX_SEGMENT_TOKENS, packed_token_types, segment_rows_attention, use_segment_rows
 from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer
-from lychee_exp.model.segment_rows import MAX_SEGMENT_TOKENS, segment_rows_attention, use_segment_rows
 from lychee_exp.train.losses import RankingLoss
 
 MINILM = ["model=minilm_cross_encoder", "model.dropout=0.0"]
@@ -74,10 +74,10 @@ def assert_gradients_match(ours: dict, reference: dict) -> None:
 def test_packed_minilm_in_bf16_takes_segment_rows_and_stays_close(minilm_pair):
     encoder, padded, packed = minilm_pair
     run_padded, run_packed = _both(encoder, padded, packed, _groups(3, seed=2))
-    packing.ATTENTION_PATHS.clear()
+    packed_rows.ATTENTION_PATHS.clear()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         a, b = run_padded(), run_packed()
-    assert {"segment_rows"} == packing.ATTENTION_PATHS  # (the padded model records nothing)
+    assert {"segment_rows"} == packed_rows.ATTENTION_PATHS  # (the padded model records nothing)
     with torch.no_grad():
         truth = run_padded()  # fp32
     # bf16 rounding, not a different model: the packed bf16 logits are about as far from the fp32 ones as the

@@ -15,8 +15,9 @@ from test_training import read_csv
 
 from lychee_exp.config.schema import to_run_config
 from lychee_exp.data.groups import GroupCollator
-from lychee_exp.data.packing import block_causal_mask, pack, round_up
+from lychee_exp.data.packing import pack, round_up
 from lychee_exp.errors import TrainingDiverged, UserError
+from lychee_exp.model.packed import block_causal_mask
 from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer
 from lychee_exp.parallel.devices import plan_devices
 from lychee_exp.parallel.distributed import DistEnv
@@ -162,11 +163,11 @@ def test_varlen_kernel_path_equals_padded(tmp_path, monkeypatch, kernel):
     with reference kernels of both varlen_attn signatures."""
     import torch.nn.attention.varlen as varlen
 
-    from lychee_exp.data import packing
+    from lychee_exp.model import packed as packed_rows
 
     calls = []
     monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    monkeypatch.setattr(packing, "_use_varlen", lambda query: True)
+    monkeypatch.setattr(packed_rows, "_use_varlen", lambda query: True)
     # the lambda hides the signature: give it the kernel's
     monkeypatch.setattr(varlen.varlen_attn, "__signature__", inspect.signature(kernel), raising=False)
     encoder, padded, packed = _pair(tmp_path)

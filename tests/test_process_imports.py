@@ -11,8 +11,6 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import REPO_ROOT
-
 # The training stack: loaded by the launcher and the ranks, never before the checks passed. Adding one of these
 # back to the top of run.py, job/training_job.py or a module they import fails test_a_bad_input_...
 TRAINING_STACK = {
@@ -47,7 +45,7 @@ PROBE = textwrap.dedent(
 
 
 def probe(cases: dict[str, list[str]], watched: set[str], cwd) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HYDRA_FULL_ERROR="0")
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")  # PYTHONPATH: the repository and tests/ (conftest)
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, ",".join(sorted(watched)), json.dumps(cases)],
         cwd=cwd,

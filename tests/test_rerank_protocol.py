@@ -16,8 +16,8 @@ from beir_helpers import fruit_dataset, mining
 from lychee_exp.cli import command_config
 from lychee_exp.config.choices import Stemmer
 from lychee_exp.config.commands import RerankConfig, register_ir_schemas
+from lychee_exp.config.schema import DenseConfig
 from lychee_exp.ir.candidates import build_rerank_pairs
-from lychee_exp.ir.dense import DenseConfig
 from lychee_exp.ir.metrics import trec_metrics
 from lychee_exp.ir.mining import mine
 from lychee_exp.ir.pipeline import open_split

@@ -15,11 +15,11 @@ from equivalence import assert_same_training
 from gradient_helpers import spawned_gradients, trainer_for, window_gradients
 from test_training import read_csv
 
+from lychee_exp.config.auto import scaled_lr
 from lychee_exp.config.schema import to_run_config
 from lychee_exp.data.budget import plan_epoch
 from lychee_exp.errors import UserError
 from lychee_exp.job.in_process import run_job
-from lychee_exp.train.optim import scaled_lr
 
 BUDGET = ("data.max_tokens_per_batch=2048", "data.packing=true")
 

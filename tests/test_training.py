@@ -14,9 +14,9 @@ from conftest import TINY_OVERRIDES, compose_config, run_tiny
 from faults import fault_hook
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lychee_exp.config.auto import effective_batch_size, scaled_lr
 from lychee_exp.config.schema import to_run_config
 from lychee_exp.train import losses
-from lychee_exp.train.optim import effective_batch_size, scaled_lr
 
 REQUIRED_KEYS = {
     "ndcg@10",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent / "architectures"
+ROOT = Path(__file__).resolve().parents[1] / "lychee_exp" / "assets" / "architectures"
 QWEN = {"vocab_size": 151936, "rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": 32768}
 QWEN25_1P5B = {
     **QWEN, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 1536,

@@ -18,7 +18,7 @@ import hashlib
 import json
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+ASSETS = Path(__file__).resolve().parents[1] / "lychee_exp" / "assets"
 
 
 def doc_id(text: str) -> str:
@@ -52,9 +52,9 @@ def build(sample: Path, out: Path) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=HERE / "beir_sample")
+    parser.add_argument("--out", type=Path, default=ASSETS / "beir_sample")
     args = parser.parse_args(argv)
-    print(build(HERE / "sample", args.out))
+    print(build(ASSETS / "sample", args.out))
 
 
 if __name__ == "__main__":

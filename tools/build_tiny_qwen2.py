@@ -21,7 +21,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-HERE = Path(__file__).resolve().parent
+ASSETS = Path(__file__).resolve().parents[1] / "lychee_exp" / "assets"
 VOCAB_SIZE, MIN_FREQUENCY = 4096, 2
 EOS = "<|endoftext|>"  # also the pad token, as in Qwen2
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
@@ -96,8 +96,8 @@ def verify(out: Path, texts: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sample", type=Path, default=HERE / "sample")
-    ap.add_argument("--out", type=Path, default=HERE / "tiny_qwen2")
+    ap.add_argument("--sample", type=Path, default=ASSETS / "sample")
+    ap.add_argument("--out", type=Path, default=ASSETS / "tiny_qwen2")
     args = ap.parse_args(argv)
 
     texts = training_texts(args.sample)

@@ -117,7 +117,7 @@ class SlicedSampler(Sampler):
 def training_args(cfg, spec: dict, out: Path, rows: int, steps: int, checkpointing: bool, cuda: bool):
     from transformers import TrainingArguments
 
-    from lychee_exp.train.optim import scaled_lr
+    from lychee_exp.config.auto import scaled_lr
 
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     opt = cfg.optimizer

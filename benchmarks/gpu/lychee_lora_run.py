@@ -103,7 +103,7 @@ def planned(cfg: RunConfig, encoder, checkpointing: bool) -> dict:
 
 def attention_record(decided: str, device: torch.device) -> dict:
     """The attention path decided at setup, the paths the packed attention saw, and the varlen probe's verdict."""
-    from lychee_exp.data.packing import ATTENTION_PATHS, varlen_probe
+    from lychee_exp.model.packed import ATTENTION_PATHS, varlen_probe
 
     works, why = varlen_probe(device) if device.type == "cuda" else (False, "not CUDA")
     return {"attention": decided, "attention_paths_seen": sorted(ATTENTION_PATHS), "varlen_probe": {"ok": works,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from benchmarks.gpu.flops import QWEN25_1P5B
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "lychee_exp" / "assets"
 TINY_QWEN2 = ASSETS / "tiny_qwen2"
 SAMPLE_TRAIN = ASSETS / "sample" / "train.jsonl"
 TOKENS_PER_WORD = 1.7

@@ -23,7 +23,7 @@ from benchmarks.gpu.lychee_lora_run import has_key
 from benchmarks.gpu.mixes import Mix, full_mixes, model_dir, tiny_mixes, write_mix
 from benchmarks.gpu.worker import Served
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 FIRST_GUESS_S = {False: 60.0, True: 10.0}  # a run's seconds before any was measured (GPU, --tiny)
 TRAINING = ("ours", "hf", "hf_compiled")  # kinds whose runs cost about the same (one fresh training process)
 PACE_MARGIN = 1.15  # the next run of a kind may take a little longer than the longest one so far

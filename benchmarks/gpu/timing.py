@@ -10,7 +10,7 @@ import time
 import torch
 
 from benchmarks.gpu.flops import Shape, step_flops
-from lychee_exp.data.chunks import length_chunks
+from lychee_exp.data.packing import length_chunks
 
 
 class WindowClock:

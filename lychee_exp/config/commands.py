@@ -7,19 +7,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from lychee_exp.config.choices import Precision, RankBy, Sampling, Stemmer
-from lychee_exp.config.rules import SEED_RANGE, at_least, check_bounds, within
-from lychee_exp.config.schema import ModelConfig, ParallelConfig
+from lychee_exp.config.rules import RUN_PREFIX, SEED_RANGE, at_least, check_bounds, check_stage, within
+from lychee_exp.config.schema import DEFAULT_ENCODER, DenseConfig, ModelConfig, ParallelConfig
 from lychee_exp.errors import UserError
 from lychee_exp.io.resources import resolve_path
-from lychee_exp.ir.dense import DEFAULT_ENCODER, DenseConfig
-from lychee_exp.ir.first_stage import RUN_PREFIX, check_stage
-from lychee_exp.ir.mining import MineSettings
+
+pass
 
 TEACHERS = ("none", "dense", "reranker")
 # mine's relative_margin with the bi-encoder teacher unless given: TopK-PercPos's 5% (its cosines are positive,
@@ -177,3 +176,34 @@ def command_inputs(cfg: MineConfig | RerankConfig) -> list[tuple[str, str]]:
     if cfg.first_stage.startswith(RUN_PREFIX):
         found.append((f"first_stage={cfg.first_stage}", cfg.first_stage[len(RUN_PREFIX) :]))
     return found
+
+
+@dataclass(kw_only=True)
+class MineSettings:
+    """What `mine` keeps, all given by the caller (the mine command's MineConfig holds the defaults)."""
+
+    range_min: int
+    range_max: int
+    num_negatives: int
+    sampling: Sampling
+    rank_by: RankBy
+    seed: int
+    absolute_margin: Optional[float] = None  # None = no guard (each of the three)
+    relative_margin: Optional[float] = None
+    max_score: Optional[float] = None
+
+    def guards(self) -> dict[str, Callable[[float, float], bool]]:
+        """name -> keep(score, lowest positive score), for the guards that are set, in sentence-transformers'
+        order (a candidate is counted under the first guard that drops it)."""
+        kept = {}
+        if self.absolute_margin is not None:
+            kept["absolute_margin"] = lambda s, p, m=self.absolute_margin: s <= p - m
+        if self.relative_margin is not None:
+            kept["relative_margin"] = lambda s, p, r=self.relative_margin: s <= p * (1 - r)
+        if self.max_score is not None:
+            kept["max_score"] = lambda s, p, top=self.max_score: s <= top
+        return kept
+
+    def scores_decide(self) -> bool:
+        """Whether the teacher's scores decide which candidates are written (so it scores them all first)."""
+        return bool(self.guards()) or self.rank_by == RankBy.teacher

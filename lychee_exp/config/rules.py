@@ -10,11 +10,14 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from lychee_exp.config.packing_rule import PACKABLE_ENCODERS, check_packing_setting, encoder_model_type
-from lychee_exp.data.chunks import forward_chunk_count
+from lychee_exp.config.auto import (
+    PACKABLE_ENCODERS,
+    check_packing_setting,
+    encoder_model_type,
+    forward_chunk_count,
+    parse_gpus,
+)
 from lychee_exp.errors import UserError
-from lychee_exp.ir.fusion import check_mix_weights
-from lychee_exp.parallel.devices import parse_gpus
 
 
 def at_least(low: float, default: Any) -> Any:
@@ -96,7 +99,7 @@ def _check_trainer(trainer: Any) -> None:  # a config.schema.TrainerConfig
 
 def _check_packing(cfg: Any) -> None:  # a config.schema.RunConfig
     check_packing_setting(cfg.data.packing)
-    if cfg.data.packing is not True:  # auto decides per device (config.packing_rule.packing_on), never against these
+    if cfg.data.packing is not True:  # auto decides per device (config.auto.packing_on), never against these
         return
     model_type = encoder_model_type(cfg.model.path)
     if cfg.model.kind != "causal_lm" and model_type not in PACKABLE_ENCODERS:
@@ -179,3 +182,25 @@ def _check_template(template: str) -> None:
     for needed in ("query", "document"):
         if fields.count(needed) != 1:
             raise UserError(f"model.prompt.template must contain {{{needed}}} exactly once")
+
+
+def check_mix_weights(teacher_weight: float, first_stage_weight: float, prefix: str = "") -> None:
+    """The partners' weights leave the model a share of at least 0: one line naming the keys otherwise."""
+    if teacher_weight + first_stage_weight > 1:
+        raise UserError(
+            f"{prefix}teacher_weight={teacher_weight} + {prefix}first_stage_weight={first_stage_weight} exceeds 1, "
+            "which would leave the model a negative weight"
+        )
+
+
+RUN_PREFIX = "run:"
+
+
+def check_stage(spec: str, key: str = "first_stage") -> None:
+    if spec in ("bm25", "dense"):
+        return
+    if spec.startswith(RUN_PREFIX) and spec[len(RUN_PREFIX) :]:
+        if not Path(spec[len(RUN_PREFIX) :]).expanduser().is_file():
+            raise UserError(f"{key}={spec}: {spec[len(RUN_PREFIX) :]} does not exist")
+        return
+    raise UserError(f"{key}={spec}: expected bm25, dense or run:<TREC run file>")

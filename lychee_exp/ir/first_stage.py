@@ -15,26 +15,17 @@ from importlib.metadata import version
 from pathlib import Path
 
 from lychee_exp.config.choices import Stemmer
+from lychee_exp.config.rules import RUN_PREFIX, check_stage
+from lychee_exp.config.schema import DenseConfig
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_text_atomic
 from lychee_exp.ir.beir import Corpus, Split
 from lychee_exp.ir.cache import cache_path, file_key
-from lychee_exp.ir.dense import DenseConfig, corpus_embeddings, dense_key, embed, top_k_by_blocks
+from lychee_exp.ir.dense import corpus_embeddings, dense_key, embed, top_k_by_blocks
 from lychee_exp.ir.trec import Run, as_written, ranked, read_run
 
 log = logging.getLogger(__name__)
-RUN_PREFIX = "run:"
 BM25_SETTINGS = {"method": "lucene", "stopwords": "en"}  # bm25s' defaults and English stopwords, as _bm25 indexes
-
-
-def check_stage(spec: str, key: str = "first_stage") -> None:
-    if spec in ("bm25", "dense"):
-        return
-    if spec.startswith(RUN_PREFIX) and spec[len(RUN_PREFIX) :]:
-        if not Path(spec[len(RUN_PREFIX) :]).expanduser().is_file():
-            raise UserError(f"{key}={spec}: {spec[len(RUN_PREFIX) :]} does not exist")
-        return
-    raise UserError(f"{key}={spec}: expected bm25, dense or run:<TREC run file>")
 
 
 def stage_name(spec: str) -> str:

@@ -13,8 +13,6 @@ import math
 from collections import defaultdict
 from typing import Sequence
 
-from lychee_exp.errors import UserError
-
 
 def standardise(scores: Sequence[float], groups: Sequence[object]) -> list[float]:
     """Each score minus its group's mean, over the group's standard deviation (a constant group: all 0)."""
@@ -29,15 +27,6 @@ def standardise(scores: Sequence[float], groups: Sequence[object]) -> list[float
         for r, v in zip(members, values):
             out[r] = (v - mean) / deviation if deviation > 0 else 0.0
     return out
-
-
-def check_mix_weights(teacher_weight: float, first_stage_weight: float, prefix: str = "") -> None:
-    """The partners' weights leave the model a share of at least 0: one line naming the keys otherwise."""
-    if teacher_weight + first_stage_weight > 1:
-        raise UserError(
-            f"{prefix}teacher_weight={teacher_weight} + {prefix}first_stage_weight={first_stage_weight} exceeds 1, "
-            "which would leave the model a negative weight"
-        )
 
 
 def fuse(model: Sequence[float], groups: Sequence[object], partners: Sequence[tuple[Sequence[float], float]]):

@@ -17,45 +17,15 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
 from lychee_exp.config.choices import RankBy, Sampling
+from lychee_exp.config.commands import MineSettings
 from lychee_exp.ir.beir import Corpus, Split
 from lychee_exp.ir.trec import Run, ranked
 
 # (query id, document id) pairs -> one teacher score each
 Teacher = Callable[[list[tuple[str, str]]], list[float]]
-
-
-@dataclass(kw_only=True)
-class MineSettings:
-    """What `mine` keeps, all given by the caller (the mine command's MineConfig holds the defaults)."""
-
-    range_min: int
-    range_max: int
-    num_negatives: int
-    sampling: Sampling
-    rank_by: RankBy
-    seed: int
-    absolute_margin: Optional[float] = None  # None = no guard (each of the three)
-    relative_margin: Optional[float] = None
-    max_score: Optional[float] = None
-
-    def guards(self) -> dict[str, Callable[[float, float], bool]]:
-        """name -> keep(score, lowest positive score), for the guards that are set, in sentence-transformers'
-        order (a candidate is counted under the first guard that drops it)."""
-        kept = {}
-        if self.absolute_margin is not None:
-            kept["absolute_margin"] = lambda s, p, m=self.absolute_margin: s <= p - m
-        if self.relative_margin is not None:
-            kept["relative_margin"] = lambda s, p, r=self.relative_margin: s <= p * (1 - r)
-        if self.max_score is not None:
-            kept["max_score"] = lambda s, p, top=self.max_score: s <= top
-        return kept
-
-    def scores_decide(self) -> bool:
-        """Whether the teacher's scores decide which candidates are written (so it scores them all first)."""
-        return bool(self.guards()) or self.rank_by == RankBy.teacher
 
 
 @dataclass

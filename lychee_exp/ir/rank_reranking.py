@@ -5,12 +5,10 @@ the first stage (none for a split without qrels), the counts and the throughput.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import time
 
-import torch
 from tqdm import tqdm
 
 from lychee_exp.config.commands import RerankConfig
@@ -20,11 +18,10 @@ from lychee_exp.ir.first_stage import retrieve
 from lychee_exp.ir.fusion import fuse
 from lychee_exp.ir.metrics import mean_metrics, per_query_metrics, per_query_tsv
 from lychee_exp.ir.pipeline import dense_teacher, open_split
+from lychee_exp.model.precision import autocast, resolve_precision
 from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer
-from lychee_exp.parallel.devices import resolve_precision
 from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.parallel.seeding import seed_everything
-from lychee_exp.train.step import AMP_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +36,9 @@ def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
     seed_everything(cfg.seed, deterministic=True)
     model = load_reranker(cfg.model, encoder, cfg.seed).to(env.device)
     precision = resolve_precision(str(cfg.precision), env.device)
-    autocast = contextlib.nullcontext
-    if precision != "fp32":
 
-        def autocast():
-            return torch.autocast(env.device.type, dtype=AMP_DTYPES[precision])
+    def mixed_precision():
+        return autocast(env.device.type, precision)
 
     show = env.is_main and cfg.progress_bar and sys.stderr.isatty()
     # rank 0's bar counts its own pairs times the ranks: every rank scores about as many
@@ -56,7 +51,7 @@ def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
         cfg.batch_size,
         env.device,
         env,
-        autocast,
+        mixed_precision,
         lambda n: bar.update(n * env.world_size),
     )
     seconds = time.perf_counter() - start

@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lychee_exp.config.packing_rule import packing_on
+from lychee_exp.config.auto import packing_on, with_global_batch
 from lychee_exp.config.schema import RunConfig, to_run_config
 from lychee_exp.data.budget import check_token_budget
 from lychee_exp.errors import UserError
@@ -26,7 +26,7 @@ from lychee_exp.model.card import model_choice, resolve_model
 from lychee_exp.parallel.devices import plan_devices
 from lychee_exp.train.inputs import RunInputs, load_inputs
 from lychee_exp.train.losses import LOSSES
-from lychee_exp.train.optim import OPTIMIZERS, with_global_batch
+from lychee_exp.train.optim import OPTIMIZERS
 
 log = logging.getLogger("lychee_exp")
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lychee_exp.model.precision import full_precision
+
 # model_type -> its causal LM's forward is exactly lm_head(model(...)[positions]) (transformers 5); others (Gemma2's
 # soft-capping, Cohere's logit_scale, Granite's logits_scaling, ...) keep the full path.
 PLAIN_HEADS = frozenset({"qwen2", "qwen3", "llama", "mistral", "gemma"})
@@ -50,7 +52,7 @@ def answer_row_logit(
     """(rows, hidden) -> (rows,): h·(w_yes - w_no) + (b_yes - b_no), or with no_id None the yes logit alone;
     in fp32. A gradient reaches the hidden states and, where they train, the two rows of weight and bias."""
     row = weight[yes_id].float() if no_id is None else _difference(weight, yes_id, no_id)
-    with torch.autocast(hidden.device.type, enabled=False):  # fp32 even under bf16 autocast (module docstring)
+    with full_precision(hidden.device.type):  # fp32 even under bf16 autocast (module docstring)
         logit = (hidden.float() @ row.unsqueeze(1)).squeeze(1)  # a matmul, as FLOP counters count the head
     if bias is None:
         return logit.clone()  # not a view: FSDP2 hooks the output for its backward

@@ -20,7 +20,8 @@ from torch import nn
 from lychee_exp.config.choices import Pooling
 from lychee_exp.data.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, pack
 from lychee_exp.errors import UserError
-from lychee_exp.ir.dense import SCALE, pool
+
+pass
 
 # sentence-transformers' pooling modes, by model.pooling
 _ST_POOLING = {
@@ -152,3 +153,19 @@ def write_sentence_transformers_files(out_dir: Path, hidden_size: int, pooling: 
     (out_dir / "2_Normalize").mkdir(exist_ok=True)
     # cosine x SCALE is this reranker's logit: the same order as sentence-transformers' cosine similarity
     (out_dir / "config_sentence_transformers.json").write_text(json.dumps({"similarity_fn_name": "cosine"}) + "\n")
+
+
+SCALE = 20.0  # the similarity scale all-MiniLM-L6-v2 was trained with: teacher scores are cosine x 20
+
+
+def pool(hidden, mask, pooling: Pooling):
+    """One vector per row of token states [rows, tokens, dim], padding (mask 0) ignored on either side."""
+    import torch
+
+    if pooling == Pooling.cls:
+        return hidden[:, 0]
+    if pooling == Pooling.last:  # the last real token, whichever side the tokenizer pads
+        last = mask.shape[1] - 1 - mask.flip(1).argmax(1)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)

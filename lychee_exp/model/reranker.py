@@ -19,7 +19,7 @@ from torch import nn
 
 from lychee_exp.config.choices import ModelKind, Pooling
 from lychee_exp.config.schema import ModelConfig
-from lychee_exp.data.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX, packed_attention
+from lychee_exp.data.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX
 from lychee_exp.data.pair_prompt import PairEncoder, pair_max_len, token_types
 from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.errors import RunFailed, UserError
@@ -35,11 +35,10 @@ from lychee_exp.model.bi_encoder import (
 )
 from lychee_exp.model.card import ADAPTER_DIR, has_weights, new_head_allowed, write_card
 from lychee_exp.model.files import check_config_json, check_tokenizer_files, check_weights, match_umask
-from lychee_exp.model.packed_encoder import score_packed_encoder
+from lychee_exp.model.packed import packed_attention, score_packed_encoder
+from lychee_exp.model.precision import weight_dtype
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ class Reranker(nn.Module):
         similar length, each cut to its own width, so that fewer padding slots are computed; every row's logit
         is the same as in one pass (positions count real tokens, padding is masked), in the rows' order.
         `packed` (data.packing.pack, without its input_ids): input_ids is one packed row; one logit per prompt
-        (encoder cross-encoders: model.packed_encoder)."""
+        (encoder cross-encoders: model.packed)."""
         if packed is not None:
             return self._score_packed(input_ids, packed)
         if not chunks or len(chunks) == 1:
@@ -233,7 +232,7 @@ def load_reranker(
     attention = cfg.attn_implementation
     if packing:  # check_config has refused other model kinds and attention implementations
         attention = packed_attention(attention)
-    kwargs = {"dtype": _DTYPES[cfg.dtype], "attn_implementation": attention}
+    kwargs = {"dtype": weight_dtype(cfg.dtype), "attn_implementation": attention}
     torch.manual_seed(seed)  # random_init weights and new heads are part of the seeded run
     config = transformers.AutoConfig.from_pretrained(path, **extra)
     if cfg.dropout is not None:

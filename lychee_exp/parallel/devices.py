@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lychee_exp.config.auto import parse_gpus
 from lychee_exp.errors import UserError
 
 if TYPE_CHECKING:
@@ -56,19 +57,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def parse_gpus(gpus: object) -> int | None:
-    """`auto` -> None, else a positive int; anything else is a one-line error."""
-    if isinstance(gpus, str) and gpus.strip().lower() == "auto":
-        return None
-    try:
-        count = int(str(gpus))
-    except ValueError:
-        raise UserError(f"gpus={gpus!r} must be a positive integer or 'auto'") from None
-    if count < 1:
-        raise UserError(f"gpus={gpus} must be >= 1 (or 'auto')")
-    return count
 
 
 def plan_devices(
@@ -117,29 +105,3 @@ def torch_device(device_type: str, index: int = 0) -> torch.device:
     import torch
 
     return torch.device("cuda", index) if device_type == "cuda" else torch.device("cpu")
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """precision=auto: bf16 on GPUs that have it, else fp16; on a CPU, bf16 where its matrix units compute bf16
-    natively (the default job trains 1.8x faster on such a 2-core machine, docs/configuration.md), else fp32."""
-    if precision != "auto":
-        return precision
-    if device.type != "cuda":
-        return "bf16" if cpu_computes_bf16() else "fp32"
-    import torch
-
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-
-
-# x86 CPU flags of native bf16 matrix instructions (Zen 4+, Cooper Lake, Sapphire Rapids' AMX); without them
-# oneDNN emulates bf16, slower than fp32
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
-
-def cpu_computes_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    try:
-        with open(cpuinfo, encoding="utf-8") as handle:
-            flags = next((line for line in handle if line.startswith("flags")), "")
-    except OSError:  # no /proc (macOS, Windows): fp32
-        return False
-    return not NATIVE_BF16_FLAGS.isdisjoint(flags.partition(":")[2].split())

@@ -25,6 +25,7 @@ from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.errors import UserError
 from lychee_exp.io.resources import resolve_path
 from lychee_exp.model.levers import lora_dtype
+from lychee_exp.model.precision import planned_precision
 from lychee_exp.model.reranker import KINDS, add_lora, model_dir
 from lychee_exp.parallel.sharding import transformer_blocks
 
@@ -248,7 +249,7 @@ def resolve_checkpointing(cfg: RunConfig, encoder: PromptEncoder, device: torch.
         return True, "auto: unknown model shape"
     free, _ = torch.cuda.mem_get_info(device)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    plan = plan_memory(cfg, world, "bf16", checkpointing=False, encoder=encoder)
+    plan = plan_memory(cfg, world, planned_precision(str(cfg.trainer.precision)), checkpointing=False, encoder=encoder)
     need = MARGIN * plan.peak_bytes
     slots = f"{plan.tokens} token slots"
     why = f"auto: {need / GIB:.1f} GiB estimated without checkpointing ({slots}), {free / GIB:.1f} free"

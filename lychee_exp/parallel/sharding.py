@@ -18,8 +18,7 @@ from torch import nn
 
 from lychee_exp.config.schema import ParallelConfig
 from lychee_exp.errors import UserError
-
-_MP_DTYPES = {"bf16": torch.bfloat16}
+from lychee_exp.model.precision import amp_dtype
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -51,7 +50,7 @@ def shard_model(model: nn.Module, parallel: ParallelConfig, precision: str, devi
         )
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     # bf16: parameters gathered in bf16 for compute, gradients reduced in fp32 (their sum over ranks keeps its bits)
-    dtype = _MP_DTYPES.get(precision)
+    dtype = amp_dtype(precision) if precision == "bf16" else None
     options = {
         "mesh": mesh,
         "reshard_after_forward": parallel.reshard_after_forward,

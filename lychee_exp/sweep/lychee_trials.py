@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from lychee_exp.config.global_step import check_global_step
+from lychee_exp.config.auto import check_global_step
 from lychee_exp.errors import UserError
 from lychee_exp.sweep.space import render
 from lychee_exp.tracking.trial import TRIAL_ENV, TrialContext

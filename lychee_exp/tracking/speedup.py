@@ -23,12 +23,11 @@ from pathlib import Path
 
 import torch
 
-from lychee_exp.config.packing_rule import packing_on
+from lychee_exp.config.auto import forward_chunk_count, packing_on, uses_fused
 from lychee_exp.config.schema import RunConfig
-from lychee_exp.data.chunks import forward_chunk_count
 from lychee_exp.io.atomic import read_json, update_json_locked
-from lychee_exp.parallel.devices import DevicePlan, resolve_precision, torch_device
-from lychee_exp.train.optim import uses_fused
+from lychee_exp.model.precision import resolve_precision
+from lychee_exp.parallel.devices import DevicePlan, torch_device
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
+from lychee_exp.config.auto import effective_batch_size
 from lychee_exp.config.schema import RunConfig
 from lychee_exp.parallel.devices import DevicePlan
 from lychee_exp.parallel.distributed import DistEnv, device_name
 from lychee_exp.parallel.sharding import state_bytes
 from lychee_exp.tracking.keys import HISTORY
 from lychee_exp.tracking.speedup import cpu_share
-from lychee_exp.train.optim import effective_batch_size
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,11 @@ import time
 
 import torch
 
-from lychee_exp.data.chunks import length_chunks, padded_slots
-from lychee_exp.data.packing import HOST_KEYS
+from lychee_exp.data.packing import HOST_KEYS, length_chunks, padded_slots
+from lychee_exp.model.precision import autocast
 from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.parallel.sharding import gradient_sync
 
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STATS = ("loss_sum", "tokens", "queries", "distill_sum", "padded")  # the order of accumulate()'s statistics
 _PACKED_KEYS = ("position_ids", "cu_seqlens", "last_index")
 
@@ -26,9 +25,7 @@ class WindowStep:
         self.shapes: set[tuple[int, int]] = set()  # distinct (rows, width) forwarded: each may plan its own kernels
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.precision])
+        return autocast(self.device.type, self.precision)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         # pinned by the DataLoader on CUDA, so the copy does not wait for the device

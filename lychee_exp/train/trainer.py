@@ -18,14 +18,14 @@ from typing import Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from lychee_exp.config.packing_rule import packing_on
+from lychee_exp.config.auto import forward_chunk_count, packing_on, scaled_lr
 from lychee_exp.config.schema import RunConfig
-from lychee_exp.data.chunks import forward_chunk_count
-from lychee_exp.data.packing import packed_attention_path_of
 from lychee_exp.ir import evaluate as ev
 from lychee_exp.model.levers import apply_levers
+from lychee_exp.model.packed import packed_attention_path_of
+from lychee_exp.model.precision import resolve_precision
 from lychee_exp.model.reranker import count_parameters, load_reranker
-from lychee_exp.parallel.devices import DevicePlan, resolve_precision
+from lychee_exp.parallel.devices import DevicePlan
 from lychee_exp.parallel.distributed import DistEnv, wrap_for_training
 from lychee_exp.parallel.memory_plan import resolved_model_config
 from lychee_exp.parallel.seeding import seed_everything
@@ -36,7 +36,7 @@ from lychee_exp.train.baseline_phase import one_device_baseline, run_speedup
 from lychee_exp.train.checkpoint import TrainingState, restore_training_state, resume_path, save_training_state
 from lychee_exp.train.inputs import RunInputs, load_inputs
 from lychee_exp.train.losses import build_loss
-from lychee_exp.train.optim import build_optimizer, optimizer_step, scaled_lr
+from lychee_exp.train.optim import build_optimizer, optimizer_step
 from lychee_exp.train.pending import PendingSteps
 from lychee_exp.train.progress import NO_HOOKS, NOTHING_LEFT, Progress, StepFigures, StepHooks
 from lychee_exp.train.saving import save_model
