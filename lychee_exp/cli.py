@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lychee_exp.config.schema import CONF_DIR
 from lychee_exp.errors import UserError, command_main
-from lychee_exp.model.card import model_choice, resolve_model
+from lychee_exp.model.files import model_choice, resolve_model
 
 log = logging.getLogger("lychee_exp")
 
@@ -24,7 +24,7 @@ log = logging.getLogger("lychee_exp")
 def command_config(config_name: str, argv: list[str] | None, schema: type):
     """The typed config of a command other than training (mine, rerank): conf/<config_name>.yaml composed with
     the command line's key=value overrides (config groups such as model= included), as a plain dataclass; the
-    model as model.card.resolve_model reads it (a model.path's card, without model=). A misspelt key, a
+    model as model.files.resolve_model reads it (a model.path's card, without model=). A misspelt key, a
     wrong type or a preset that contradicts the model directory: one line naming the key, exit 2."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

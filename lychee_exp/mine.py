@@ -26,7 +26,7 @@ from lychee_exp.config.commands import (
 from lychee_exp.io.outputs import staged_output
 from lychee_exp.ir.mining import MineSummary
 from lychee_exp.ir.pipeline import mine_to_file, open_split
-from lychee_exp.model.card import check_trained_head
+from lychee_exp.model.files import check_trained_head
 
 log = logging.getLogger("lychee_exp.mine")
 

@@ -31,7 +31,7 @@ from lychee_exp.ir.first_stage import retrieve
 from lychee_exp.ir.metrics import standing_below_first_stage
 from lychee_exp.ir.pipeline import open_split
 from lychee_exp.ir.trec import write_run
-from lychee_exp.model.card import card_ranking, check_trained_head
+from lychee_exp.model.files import card_ranking, check_trained_head
 from lychee_exp.parallel.devices import DevicePlan, plan_devices
 
 log = logging.getLogger("lychee_exp.rerank")

@@ -12,8 +12,7 @@ from conftest import TINY_OVERRIDES, compose_config
 from test_levers import draw_lora_b
 
 from lychee_exp.config.schema import OptimizerConfig, to_run_config
-from lychee_exp.model.levers import apply_levers
-from lychee_exp.model.reranker import load_reranker
+from lychee_exp.model.reranker import apply_levers, load_reranker
 from lychee_exp.parallel.memory_plan import resolve_checkpointing
 from lychee_exp.parallel.seeding import seed_everything
 from lychee_exp.train.inputs import load_inputs

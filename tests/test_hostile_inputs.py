@@ -19,7 +19,7 @@ from test_user_files import _command, _no_temporaries, _run, _user_files
 
 from lychee_exp.config.auto import parse_gpus
 from lychee_exp.errors import UserError
-from lychee_exp.model.card import CARD_FILE
+from lychee_exp.model.files import CARD_FILE
 from lychee_exp.model.reranker import save_reranker
 from lychee_exp.parallel.devices import plan_devices
 from lychee_exp.plan import main as plan_main
@@ -102,7 +102,7 @@ USES = {  # (command, the key naming the model directory, extra arguments)
 @pytest.mark.parametrize("use", USES)
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_model_directory_is_one_line(saved_model, tmp_path, ir_cache, capsys, caplog, damage, use):
-    """Each damaged file is checked before transformers reads it (model.files, model.card.read_card).
+    """Each damaged file is checked before transformers reads it (model.files, model.files.read_card).
     Wrong code that would still pass: a check of the first weights file only (the fixture has one); a tokenizer
     check that accepts tokenizer_config.json alone (the fixture removes every tokenizer* file)."""
     which, key, extra = USES[use]

@@ -1,5 +1,7 @@
-"""The package's import graph, read from the source (nothing is imported): no cycles, and no module reaches a
-higher layer, directly or through others, so each layer can be read and tested alone."""
+"""The package's import graph, read from the source (nothing is imported): packages by concern in one dependency
+order, no cycles between modules or between packages, no module reaching a higher package directly or through
+others, entry points that never import each other, and a product that never imports the repository's benchmarks,
+tools or tests, so each package can be read and tested alone."""
 
 from __future__ import annotations
 
@@ -9,32 +11,54 @@ from pathlib import Path
 import lychee_exp
 
 PACKAGE = Path(lychee_exp.__file__).resolve().parent
-# Lower to higher: a module may import its own layer and lower ones (lychee_exp/__init__.py and each
-# subpackage's docstring say the same). The entry points are the top-level modules users run.
-LAYERS = ["core", "tracking", "recipe", "launch", "job", "sweep", "entry", "testing", "bench"]
+# The packages by concern, lower to higher: a module may import its own package and lower ones only
+# (lychee_exp/__init__.py and docs/architecture.md say the same). errors and cli are top-level modules: the
+# exceptions every package raises, and the helpers the entry points share. The entry points are the top-level
+# modules users run; none imports another.
+PACKAGES = [
+    "assets",  # shipped files (sample data, tiny models): no code
+    "errors",
+    "io",
+    "config",
+    "data",
+    "model",
+    "parallel",
+    "ir",
+    "tracking",
+    "train",
+    "launch",
+    "job",
+    "sweep",
+    "cli",
+    "entry",
+]
 ENTRY_POINTS = {"run", "report", "dashboard", "mine", "rerank", "plan"}
 SUBPACKAGE_DOCS = [
-    "core",
+    "io",
+    "config",
     "data",
+    "model",
+    "parallel",
     "ir",
     "tracking",
     "tracking.report",
-    "sweep",
-    "recipe",
+    "train",
     "launch",
     "job",
-    "testing",
-    "bench",
+    "sweep",
 ]
+# What lives outside the installed package and the product never imports: the repository's benchmarks and tools,
+# and the tests with their support modules (the fault injector is named by LYCHEE_STEP_HOOK, never imported)
+NOT_PRODUCT = {"benchmarks", "tools", "tests", "conftest", "faults", "equivalence", "baselines"}
+
+
+def package_of(module: str) -> str:
+    part = module.split(".")[1] if "." in module else ""
+    return "entry" if part in ENTRY_POINTS else part
 
 
 def layer_of(module: str) -> int:
-    part = module.split(".")[1] if "." in module else ""
-    if part in ENTRY_POINTS:
-        return LAYERS.index("entry")
-    if part in ("assets",):  # data-building scripts and shipped files: library level
-        return LAYERS.index("core")
-    return LAYERS.index(part)
+    return PACKAGES.index(package_of(module))
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -109,14 +133,28 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     )
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph collapsed to packages (an entry point is a package of its own here)."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        own = _package_node(module)
+        packages.setdefault(own, set()).update(_package_node(t) for t in targets if _package_node(t) != own)
+    return packages
+
+
+def _package_node(module: str) -> str:
+    part = module.split(".")[1] if "." in module else ""
+    return part if part else module
+
+
 def test_the_graph_sees_the_package():
     graph = import_graph()
     assert {"lychee_exp.train.trainer", "lychee_exp.config.schema", "lychee_exp.sweep.sweeper"} <= set(graph)
-    assert "lychee_exp.tracking.trial" in graph["lychee_exp.train.rank_training"]  # pruning, below the recipe
+    assert "lychee_exp.tracking.trial" in graph["lychee_exp.train.trainer"]  # pruning, below the recipe
     assert "lychee_exp.launch.processes" in graph["lychee_exp.sweep.slots"]  # the sweeper starts processes
     assert "lychee_exp.launch.launcher" in reachable(graph, "lychee_exp.run")
-    assert "lychee_exp.train.rank_training" in graph["lychee_exp.launch.launcher"]
-    assert "lychee_exp.ir.evaluate" in graph["lychee_exp.train.trainer"]  # `from lychee_exp import evaluate`
+    assert "lychee_exp.train.trainer" in graph["lychee_exp.launch.launcher"]
+    assert "lychee_exp.ir.evaluate" in graph["lychee_exp.train.trainer"]  # `from lychee_exp.ir import evaluate`
 
 
 def test_no_import_cycles():
@@ -124,41 +162,96 @@ def test_no_import_cycles():
     assert cycle is None, " -> ".join(cycle)
 
 
-def test_no_module_reaches_a_higher_layer():
+def test_no_cycle_between_packages():
+    cycle = find_cycle(package_graph(import_graph()))
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_no_module_reaches_a_higher_package():
     wrong = upward_imports(import_graph())
     assert not wrong, wrong
 
 
-def test_at_most_eight_modules_at_the_top_and_every_subpackage_says_what_it_may_import():
-    top = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert len(top) <= 8, top
+def test_every_module_is_in_a_named_package_and_the_old_layers_are_gone():
+    graph = import_graph()
+    unplaced = sorted(m for m in graph if m != "lychee_exp" and package_of(m) not in PACKAGES)
+    assert not unplaced, unplaced
+    for gone in ("core", "recipe", "bench", "testing"):
+        assert not (PACKAGE / gone).exists(), gone
+
+
+def test_no_entry_point_imports_another():
+    graph = import_graph()
+    entries = {f"lychee_exp.{name}" for name in ENTRY_POINTS}
+    wrong = sorted(f"{e} reaches {t}" for e in entries for t in reachable(graph, e) if t in entries)
+    assert not wrong, wrong
+
+
+def test_the_product_never_imports_benchmarks_tools_or_tests():
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            wrong += [f"{path.relative_to(PACKAGE)}: {n}" for n in names if n.split(".")[0] in NOT_PRODUCT]
+    assert not wrong, wrong
+
+
+def test_autocast_is_entered_in_one_module():
+    """Precision has one home (model.precision): its dtype maps, and every autocast region of the product."""
+    entered = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "autocast" and getattr(node.value, "id", "") == "torch":
+                entered.add(str(path.relative_to(PACKAGE)))
+    assert entered == {"model/precision.py"}, entered
+
+
+def test_only_the_entry_points_and_the_shared_modules_sit_at_the_top_and_every_package_says_what_it_may_import():
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    assert top == {"__init__", "errors", "cli"} | ENTRY_POINTS, top
     for name in SUBPACKAGE_DOCS:
         doc = (PACKAGE / name.replace(".", "/") / "__init__.py").read_text()
         assert doc.startswith('"""') and ("May import" in doc or "may import" in doc), name
 
 
 def test_the_checks_catch_what_they_are_for(tmp_path):
-    """The same walk over a made-up package: a cycle hidden in a function-level import is found, and a library
-    module that reaches the recipe only through another module is caught (a direct-import check would pass)."""
+    """The same walk over a made-up package: a cycle hidden in a function-level import is found, a module that
+    reaches a higher package only through another module is caught (a direct-import check would pass), and a cycle
+    between two packages is found even where no two modules import each other."""
     pkg = tmp_path / "lychee_exp"
-    for sub in ("core", "tracking", "recipe"):
+    for sub in ("data", "tracking", "train", "model"):
         (pkg / sub).mkdir(parents=True)
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "core" / "speedup.py").write_text("def calibrate():\n    from lychee_exp.timing import clock\n")
-    (pkg / "core" / "timing.py").write_text("from lychee_exp.tracking.lines import say\n")
+    (pkg / "data" / "speedup.py").write_text("def calibrate():\n    from lychee_exp.data.timing import clock\n")
+    (pkg / "data" / "timing.py").write_text("from lychee_exp.tracking.lines import say\n")
     (pkg / "tracking" / "lines.py").write_text("from lychee_exp.train.train import run\n")
-    (pkg / "recipe" / "train.py").write_text("from lychee_exp.speedup import calibrate\n")
+    (pkg / "train" / "train.py").write_text("from lychee_exp.data.speedup import calibrate\n")
+    (pkg / "model" / "a.py").write_text("from lychee_exp.train.b import x\n")
+    (pkg / "train" / "b.py").write_text("x = 1\n")
+    (pkg / "train" / "c.py").write_text("from lychee_exp.model.d import y\n")
+    (pkg / "model" / "d.py").write_text("y = 1\n")
     graph = import_graph(pkg)
-    assert graph["lychee_exp.speedup"] == {"lychee_exp.timing"}  # no direct upward import
+    assert graph["lychee_exp.data.speedup"] == {"lychee_exp.data.timing"}  # no direct upward import
     assert find_cycle(graph) == [
-        "lychee_exp.speedup",
-        "lychee_exp.timing",
+        "lychee_exp.data.speedup",
+        "lychee_exp.data.timing",
         "lychee_exp.tracking.lines",
         "lychee_exp.train.train",
-        "lychee_exp.speedup",
+        "lychee_exp.data.speedup",
     ]
     wrong = upward_imports(graph)
-    assert "lychee_exp.speedup reaches lychee_exp.train.train" in wrong
-    assert "lychee_exp.speedup reaches lychee_exp.tracking.lines" in wrong
+    assert "lychee_exp.data.speedup reaches lychee_exp.train.train" in wrong
+    assert "lychee_exp.data.speedup reaches lychee_exp.tracking.lines" in wrong
+    assert "lychee_exp.model.a reaches lychee_exp.train.b" in wrong
     assert not any(line.startswith("lychee_exp.train.train reaches") for line in wrong)  # downward is fine
+    # model.a -> train.b and train.c -> model.d: no module cycle, but the packages import each other
+    acyclic = {k: v for k, v in graph.items() if not k.startswith(("lychee_exp.data", "lychee_exp.tracking"))}
+    acyclic["lychee_exp.train.train"] = set()
+    assert find_cycle(acyclic) is None
+    assert find_cycle(package_graph(acyclic)) in (["model", "train", "model"], ["train", "model", "train"])

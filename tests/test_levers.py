@@ -17,8 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lychee_exp.config.schema import OptimizerConfig, to_run_config
 from lychee_exp.errors import UserError
-from lychee_exp.model.levers import apply_levers
-from lychee_exp.model.reranker import load_reranker
+from lychee_exp.model.reranker import apply_levers, load_reranker
 from lychee_exp.parallel.devices import plan_devices
 from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.parallel.memory_plan import activation_bytes, resolve_checkpointing
@@ -219,7 +218,7 @@ def test_bad_lever_values_are_one_line_errors(tmp_path):
 def test_every_training_process_gets_the_cublas_workspace_setting():
     """Set on import of the recipe every training process runs (train_on_rank), before any GEMM; a user's value wins."""
     env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
-    code = "import os, lychee_exp.train.rank_training; print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'))"
+    code = "import os, lychee_exp.train.trainer; print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True)
     assert out.stdout.strip() == ":4096:8", out.stderr[-2000:]
     env["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"

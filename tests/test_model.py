@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lychee_exp.config.schema import to_run_config
 from lychee_exp.errors import UserError
-from lychee_exp.model.card import CARD_FILE
+from lychee_exp.model.files import CARD_FILE
 from lychee_exp.model.reranker import (
     Reranker,
     build_encoder,

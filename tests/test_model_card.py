@@ -20,7 +20,7 @@ from lychee_exp.config.schema import ModelConfig, to_run_config
 from lychee_exp.errors import UserError
 from lychee_exp.job.in_process import compose_job, run_job
 from lychee_exp.job.training_job import with_model_resolved
-from lychee_exp.model.card import CARD_FILE, model_choice, write_card
+from lychee_exp.model.files import CARD_FILE, model_choice, write_card
 from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer, save_reranker
 from lychee_exp.rerank import main as rerank_main
 from lychee_exp.rerank import rerank_command

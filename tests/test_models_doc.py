@@ -16,7 +16,7 @@ from lychee_exp.cli import command_config
 from lychee_exp.config.commands import RerankConfig, register_ir_schemas
 from lychee_exp.ir.evaluate import score_token_ids
 from lychee_exp.job.in_process import compose_job
-from lychee_exp.model.card import ADAPTER_DIR
+from lychee_exp.model.files import ADAPTER_DIR
 from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer, save_reranker
 
 BLOCK = re.compile(r"<!-- docs-test: (\S+) -->\n```python\n(.*?)```", re.S)

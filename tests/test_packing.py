@@ -23,8 +23,8 @@ from lychee_exp.parallel.devices import plan_devices
 from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.train.losses import RankingLoss
 from lychee_exp.train.progress import NO_HOOKS, StepHooks
-from lychee_exp.train.rank_training import train_on_rank
 from lychee_exp.train.step import WindowStep
+from lychee_exp.train.trainer import train_on_rank
 
 LORA = ("model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0.0")
 TEXT = "the lychee fruit grows in warm regions and has a rough red skin with sweet white flesh inside"

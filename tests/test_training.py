@@ -357,7 +357,7 @@ def test_throughput_counts_what_runs_between_steps(tmp_path):
     from lychee_exp.parallel.devices import plan_devices
     from lychee_exp.parallel.distributed import DistEnv
     from lychee_exp.train.progress import StepHooks
-    from lychee_exp.train.rank_training import train_on_rank
+    from lychee_exp.train.trainer import train_on_rank
 
     def slow_stop_request() -> bool:
         time.sleep(0.2)

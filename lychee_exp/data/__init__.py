@@ -1,2 +1,3 @@
-"""Ranking data: JSONL queries (queries), training groups and dev pairs (groups), samplers with length
-bucketing (sampling), and one rank's DataLoader (loader). May import: lychee_exp."""
+"""Ranking data and how it becomes batches: JSONL queries (queries), prompts (prompt, pair_prompt), training groups
+and dev pairs (groups), length-bucketed samplers (sampling), token budgets (budget), padded chunks and packed rows
+(packing), the tokenized train set (token_cache) and one rank's DataLoader (loader). May import: config, io, errors."""

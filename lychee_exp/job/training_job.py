@@ -22,7 +22,7 @@ from lychee_exp.job.context import in_sweep, trials_run_here
 from lychee_exp.job.results import nothing_left, write_results
 from lychee_exp.job.run_dir import check_resumed_model, commit_run_dir
 from lychee_exp.launch.cluster import is_main_process, job_devices, local_ranks, under_torchrun
-from lychee_exp.model.card import model_choice, resolve_model
+from lychee_exp.model.files import model_choice, resolve_model
 from lychee_exp.parallel.devices import plan_devices
 from lychee_exp.train.inputs import RunInputs, load_inputs
 from lychee_exp.train.losses import LOSSES
@@ -96,7 +96,7 @@ def train_job(cfg: DictConfig) -> float:
 
 
 def with_model_resolved(cfg: DictConfig) -> DictConfig | dict:
-    """The job's config with its model as model.card.resolve_model reads it: the card of a model.path given
+    """The job's config with its model as model.files.resolve_model reads it: the card of a model.path given
     on the command line wins over the default preset, unless a preset was chosen (model=, or an experiment's)."""
     if not HydraConfig.initialized():
         return cfg

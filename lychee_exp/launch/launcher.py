@@ -43,7 +43,7 @@ from lychee_exp.parallel.devices import RANK_STRATEGIES, DevicePlan, torch_devic
 from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.tracking.trial import trial_number
 from lychee_exp.train.inputs import RunInputs
-from lychee_exp.train.rank_training import train_on_rank
+from lychee_exp.train.trainer import train_on_rank
 
 log = logging.getLogger(__name__)
 QUIET_CTRL_C_ENV = "LYCHEE_RANK_QUIET_CTRL_C"  # ranks started with it end silently on Ctrl-C (lychee_exp/__init__)

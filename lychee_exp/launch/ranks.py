@@ -32,7 +32,7 @@ from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.tracking.throughput import reset_peak_memory
 from lychee_exp.tracking.trial import trial_number
 from lychee_exp.train.inputs import RunInputs
-from lychee_exp.train.rank_training import train_on_rank
+from lychee_exp.train.trainer import train_on_rank
 
 WARM_LOGS = "logs/warm"
 

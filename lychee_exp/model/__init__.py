@@ -1,3 +1,4 @@
-"""The reranker and its files: the transformers backbone with its yes/no head (reranker, answer_head), the bi-encoder
-and the packed cross-encoder kinds, precision (dtype maps and autocast, in one module), speed levers, and a model
-directory's card and files."""
+"""The reranker and its files: the transformers backbone with its speed levers (reranker), the yes/no head
+(answer_head), the bi-encoder kind (bi_encoder), packed rows through the model (packed), precision: resolution,
+dtypes and every autocast region (precision), and a model directory's card and files (files). May import: data,
+config, io, errors."""

@@ -5,6 +5,11 @@ left-padded batch, so sigmoid(logit) = softmax over (yes, no) = p(yes); with `mo
 yes logit, as FlagEmbedding's decoder-only rerankers score. Only the LM head's yes/no rows are computed
 (model.answer_head), not the whole vocabulary's logits. A sequence classifier (the MiniLM cross-encoder) has
 one logit that plays the same role. Losses and rankings use this logit; `probability` gives sigmoid of it.
+
+Speed levers of the model on its device (apply_levers): the LoRA adapters' dtype path, Liger kernels and
+torch.compile of the decoder layers (the last two off unless asked for); they run after the model is on its device
+and the precision is known, before DDP wraps it (`auto` checkpointing is decided before the model is built, from
+parallel.memory_plan's estimate).
 """
 
 from __future__ import annotations
@@ -33,8 +38,16 @@ from lychee_exp.model.bi_encoder import (
     freeze_pooler,
     write_sentence_transformers_files,
 )
-from lychee_exp.model.card import ADAPTER_DIR, has_weights, new_head_allowed, write_card
-from lychee_exp.model.files import check_config_json, check_tokenizer_files, check_weights, match_umask
+from lychee_exp.model.files import (
+    ADAPTER_DIR,
+    check_config_json,
+    check_tokenizer_files,
+    check_weights,
+    has_weights,
+    match_umask,
+    new_head_allowed,
+    write_card,
+)
 from lychee_exp.model.packed import packed_attention, score_packed_encoder
 from lychee_exp.model.precision import weight_dtype
 
@@ -220,7 +233,7 @@ def load_reranker(
     """Loads (or, with random_init, freshly initialises) the backbone and wraps it; LoRA when enabled.
     `packing`: attention that also takes packed rows (data.packing); padded batches score as before.
     Weights the directory lacks are an error, unless `training` starts from a base model that is not a
-    reranker of this kind (model.card.new_head_allowed): then its new head is trained."""
+    reranker of this kind (model.files.new_head_allowed): then its new head is trained."""
     import transformers
 
     transformers.logging.set_verbosity_error()  # the loading report is read below instead of printed
@@ -304,7 +317,7 @@ def _check_loaded(cfg: ModelConfig, report: dict, training: bool) -> None:
 
 
 def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path, ranking: dict | None = None) -> None:
-    """Saves a plain transformers model (LoRA merged in) plus tokenizer and the model card (model.card),
+    """Saves a plain transformers model (LoRA merged in) plus tokenizer and the model card (model.files),
     loadable with model.path=out_dir; a LoRA run also keeps its peft adapter in out_dir/adapter, whose
     base_model_name_or_path is the directory training started from. `ranking`: how the run ranked its dev set
     beyond the model's own scores (a teacher mix, ir.fusion), recorded for rerank.
@@ -352,3 +365,47 @@ def _write_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Pa
         hidden = backbone.config.hidden_size
         write_sentence_transformers_files(out_dir, hidden, cfg.pooling, pair_max_len(tokenizer, cfg.prompt))
     write_card(cfg, out_dir, base, adapter, ranking)
+
+
+log = logging.getLogger(__name__)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def apply_levers(model: nn.Module, cfg: ModelConfig, precision: str, device: torch.device) -> nn.Module:
+    """The LoRA dtype path, Liger kernels and compiled decoder layers, in place; returns the model."""
+    if cfg.lora.enabled:
+        lora_dtype(model, cfg.lora.dtype, precision)
+    if cfg.liger_kernel:
+        _liger(model, device)
+    if cfg.compile_layers:
+        for layer in decoder_layers(model):
+            layer.compile()  # in place: parameter names (checkpoints, saving) stay as they are
+    return model
+
+
+def lora_dtype(model: nn.Module, mode: str, precision: str) -> None:
+    adapters = [m for m in model.modules() if hasattr(m, "lora_A")]
+    if mode == "model":
+        dtype = next(p.dtype for n, p in model.named_parameters() if "lora_" not in n)
+        for module in adapters:
+            module.lora_A.to(dtype), module.lora_B.to(dtype)
+    elif mode == "auto" and precision in ("bf16", "fp16"):
+        # Under autocast the adapter matmuls run in bf16/fp16 whatever their input's dtype: peft's cast of each
+        # input up to float32 (a copy per adapter, kept for the backward) buys nothing there.
+        for module in adapters:
+            module.cast_input_dtype_enabled = False
+
+
+def _liger(model: nn.Module, device: torch.device) -> None:
+    if device.type != "cuda":
+        raise UserError("model.liger_kernel=true needs a CUDA device (Liger's kernels are Triton kernels)")
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        raise UserError("model.liger_kernel=true needs the liger-kernel package (pip install liger-kernel)") from None
+    base = model.backbone.get_base_model() if hasattr(model.backbone, "get_base_model") else model.backbone
+    # the LM head's loss kernels are not used: the score reads the head's yes/no rows only (model.answer_head)
+    _apply_liger_kernel_to_instance(model=base, cross_entropy=False, fused_linear_cross_entropy=False)

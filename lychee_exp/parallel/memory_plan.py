@@ -24,9 +24,8 @@ from lychee_exp.config.schema import ModelConfig, RunConfig
 from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.errors import UserError
 from lychee_exp.io.resources import resolve_path
-from lychee_exp.model.levers import lora_dtype
 from lychee_exp.model.precision import planned_precision
-from lychee_exp.model.reranker import KINDS, add_lora, model_dir
+from lychee_exp.model.reranker import KINDS, add_lora, lora_dtype, model_dir
 from lychee_exp.parallel.sharding import transformer_blocks
 
 MARGIN = 1.3  # the estimate leaves out allocator fragmentation, the CUDA context and the backward's transients

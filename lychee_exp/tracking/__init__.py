@@ -1,4 +1,4 @@
-"""What a run records and shows: metric names (keys, the one source), logging backends (metrics.csv, W&B), console
-lines, throughput and speedup, W&B record reading, the dashboard and the local report; a sweep trial's identity and
-rank 0's pruning callback (trial).
-May import: lychee_exp."""
+"""What a run records and shows: metric names (keys, the one source), logging backends (metrics.csv, W&B,
+TensorBoard), console lines, throughput and speedup, W&B record reading, the dashboard and the local report; a sweep
+trial's identity and rank 0's pruning callback (trial). May import: parallel, model, config, io, errors (never the
+recipe: the recipe calls it)."""

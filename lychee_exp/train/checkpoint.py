@@ -1,15 +1,20 @@
-"""Periodic training checkpoints, written atomically and loaded without unpickling arbitrary objects.
+"""What training writes: periodic checkpoints (written atomically, loaded without unpickling arbitrary objects) and
+the trained model as one Hugging Face directory (<run>/model, from any strategy's model).
 
-Layout: <run>/checkpoints/step_000120/{model.safetensors, state.pt} and <run>/checkpoints/latest (a file naming
-the newest complete checkpoint); a sharded run (fsdp) has shards/ (train.sharded_checkpoint) instead of
-model.safetensors and the optimizer's state. A checkpoint is written into a temporary directory and renamed into place,
-then `latest` is replaced atomically: a crash mid-write leaves the previous checkpoint as the latest.
+Layout: <run>/checkpoints/step_000120/{model.safetensors, state.pt} and <run>/checkpoints/latest (a file naming the
+newest complete checkpoint); a sharded run (fsdp) has shards/ instead of model.safetensors and the optimizer's state:
+every rank writes and reads its own shards with torch.distributed.checkpoint (DCP), so no rank ever holds the full
+state, and frozen weights (LoRA's base) are not saved: they come from model.path again. A checkpoint is written into a
+temporary directory and renamed into place, then `latest` is replaced atomically: a crash mid-write leaves the previous
+checkpoint as the latest.
 model.safetensors holds the trainable parameters (all of them, or just LoRA's); state.pt holds optimizer,
 scheduler, scaler, progress and RNG states as tensors and plain containers, read with weights_only=True.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import os
@@ -22,12 +27,16 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
+from lychee_exp.config.schema import ModelConfig, RunConfig
+from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.io.atomic import write_text_atomic
 from lychee_exp.model.files import match_umask
-from lychee_exp.parallel.sharding import is_sharded
+from lychee_exp.model.reranker import load_reranker, save_reranker
+from lychee_exp.parallel.distributed import DistEnv
+from lychee_exp.parallel.sharding import is_sharded, unsharded_copy
 from lychee_exp.train.progress import Progress
-from lychee_exp.train.sharded_checkpoint import has_shards, load_shards, save_shards
 
 log = logging.getLogger(__name__)
 
@@ -234,3 +243,63 @@ def restore_training_state(path: Path, training: TrainingState) -> Progress:
         at = progress
         log.info("resumed from %s at step %d (epoch %d, batch %d)", at.source, at.step, at.epoch, at.batch)
     return progress
+
+
+def save_model(
+    model: nn.Module,
+    out_dir: Path,
+    model_cfg: ModelConfig,
+    encoder: PromptEncoder,
+    tokenizer,
+    cfg: RunConfig,
+    env: DistEnv,
+) -> None:
+    """Called on every rank; the main rank writes. A sharded model (fsdp) is gathered once into an unsharded copy
+    on the main rank (collective), so model/ loads exactly as a DDP run's does. `model_cfg`: the model config the
+    run resolved (parallel.memory_plan.resolved_model_config)."""
+    if is_sharded(model):
+        build = functools.partial(load_reranker, model_cfg, encoder, cfg.seed, training=True)
+        model = unsharded_copy(model, build, env.is_main)
+    if env.is_main:
+        mix = {
+            "teacher_weight": cfg.data.teacher_weight,
+            "first_stage_weight": cfg.data.first_stage_weight,
+            "teacher": dataclasses.asdict(cfg.data.dense),
+        }
+        save_reranker(model, tokenizer, cfg.model, out_dir, mix)
+
+
+SHARDS = "shards"
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True)
+
+
+def has_shards(path: Path) -> bool:
+    return (path / SHARDS / ".metadata").is_file()  # DCP writes its metadata last, on rank 0
+
+
+def save_shards(directory: Path, model: nn.Module, optimizer) -> None:
+    """Collective: every rank's shards of the trainable weights and optimizer state into directory/shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options())
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory / SHARDS))
+
+
+def load_shards(path: Path, model: nn.Module, optimizer) -> None:
+    """Collective: each rank reads its shards of path/shards into the model and optimizer (DCP raises on every
+    rank when a file cannot be read, so all ranks fall back together)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options())
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(path / SHARDS))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=_options()
+    )

@@ -1,4 +1,6 @@
-"""The training recipe: setup -> fit (train with periodic dev evaluation) -> save -> cleanup, on one rank of a run.
+"""The training recipe: setup -> fit (train with periodic dev evaluation) -> save -> cleanup, on one rank of a run
+(train_on_rank: what a rank calls, with a sweep trial's pruning callback), and what that rank trains on and for how
+long (TrainData: the training groups, the dev pairs, the DataLoader and its schedule).
 
 Every rank runs this same code; only the main rank logs, shows progress and saves. A step is one optimizer
 update over `grad_accum_steps` micro-batches of `data.batch_size` queries on each of `num_devices` devices.
@@ -10,21 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from lychee_exp.config.auto import forward_chunk_count, packing_on, scaled_lr
 from lychee_exp.config.schema import RunConfig
+from lychee_exp.data.groups import DevPairs, TrainGroups
+from lychee_exp.data.loader import train_loader
+from lychee_exp.data.token_cache import pretokenized
 from lychee_exp.ir import evaluate as ev
-from lychee_exp.model.levers import apply_levers
 from lychee_exp.model.packed import packed_attention_path_of
 from lychee_exp.model.precision import resolve_precision
-from lychee_exp.model.reranker import count_parameters, load_reranker
+from lychee_exp.model.reranker import apply_levers, count_parameters, load_reranker
 from lychee_exp.parallel.devices import DevicePlan
 from lychee_exp.parallel.distributed import DistEnv, wrap_for_training
 from lychee_exp.parallel.memory_plan import resolved_model_config
@@ -32,16 +38,20 @@ from lychee_exp.parallel.seeding import seed_everything
 from lychee_exp.tracking.backends import NullLogger, run_logger
 from lychee_exp.tracking.console import log_eval, log_setup, log_train_step
 from lychee_exp.tracking.throughput import StepTimer, gpu_memory, log_hints, setup_facts, summarize
+from lychee_exp.tracking.trial import current_trial, pruning_callback
 from lychee_exp.train.baseline_phase import one_device_baseline, run_speedup
-from lychee_exp.train.checkpoint import TrainingState, restore_training_state, resume_path, save_training_state
+from lychee_exp.train.checkpoint import (
+    TrainingState,
+    restore_training_state,
+    resume_path,
+    save_model,
+    save_training_state,
+)
 from lychee_exp.train.inputs import RunInputs, load_inputs
 from lychee_exp.train.losses import build_loss
 from lychee_exp.train.optim import build_optimizer, optimizer_step
-from lychee_exp.train.pending import PendingSteps
-from lychee_exp.train.progress import NO_HOOKS, NOTHING_LEFT, Progress, StepFigures, StepHooks
-from lychee_exp.train.saving import save_model
+from lychee_exp.train.progress import NO_HOOKS, NOTHING_LEFT, PendingSteps, Progress, StepFigures, StepHooks
 from lychee_exp.train.step import WindowStep
-from lychee_exp.train.train_data import TrainData, build_train_data
 
 log = logging.getLogger(__name__)
 
@@ -318,3 +328,66 @@ class Trainer:
 
     def cleanup(self) -> None:
         self.logger.finish()
+
+
+def train_on_rank(
+    cfg: RunConfig,
+    env: DistEnv,
+    plan: DevicePlan,
+    output_dir: Path,
+    inputs: RunInputs | None = None,
+    hooks: StepHooks = NO_HOOKS,
+) -> dict:
+    """setup -> fit -> save -> cleanup on this rank; every rank returns the same metrics."""
+    callbacks, trial = [], current_trial()
+    if trial is not None and trial.storage and env.is_main:
+        callbacks.append(pruning_callback(trial, cfg.optimized_metric))
+    trainer = Trainer(cfg, env, plan, output_dir, callbacks, inputs, hooks)
+    try:
+        trainer.setup()
+        metrics = trainer.fit()
+        if "preempted_at_step" not in metrics and NOTHING_LEFT not in metrics:
+            trainer.save()
+    finally:
+        trainer.cleanup()
+    return metrics
+
+
+class TrainData:
+    train_set: TrainGroups
+    dev_pairs: DevPairs
+    sampler: object  # a data sampler: set_epoch / the resumable start
+    loader: DataLoader
+    schedule: object  # data.loader.FixedBatches or the token budget's sampler: batches per epoch, seek
+    steps_per_epoch: int  # of the first epoch (a token budget's epochs can differ)
+    total_steps: int
+
+
+def build_train_data(cfg: RunConfig, env: DistEnv, plan: DevicePlan, inputs: RunInputs) -> TrainData:
+    data, trainer = cfg.data, cfg.trainer
+    instruction = data.instruction or cfg.model.prompt.default_instruction
+    train_set = TrainGroups(inputs.train_queries, data.train_group_size, instruction, cfg.seed, data.random_negatives)
+    dev_pairs = inputs.dev_pairs(instruction, cfg.seed)  # built once per process
+    # DataParallel splits one process's batch over its GPUs, so that process loads all of their batches.
+    loader_batch = data.batch_size * (plan.num_devices if plan.strategy == "dp" else 1)
+    window = loader_batch * env.world_size * trainer.grad_accum_steps
+    # data.pretokenize: the train prompts' token ids are read once per process, off the step
+    encoder = pretokenized(inputs.encoder, train_set, inputs.token_ids) if data.pretokenize else inputs.encoder
+    sampler, loader, schedule = train_loader(
+        train_set,
+        encoder,
+        data,
+        loader_batch,
+        window,
+        world_size=env.world_size,
+        rank=env.rank,
+        seed=cfg.seed,
+        device=env.device,
+        accum=trainer.grad_accum_steps,
+    )
+    steps_per_epoch = math.ceil(schedule.num_batches(0) / trainer.grad_accum_steps)
+    total_steps = trainer.max_steps
+    if trainer.max_steps <= 0:  # a token budget's epochs can differ in length (resampled negatives)
+        epochs = range(trainer.max_epochs)
+        total_steps = sum(math.ceil(schedule.num_batches(e) / trainer.grad_accum_steps) for e in epochs)
+    return TrainData(train_set, dev_pairs, sampler, loader, schedule, steps_per_epoch, total_steps)

@@ -1,2 +1,2 @@
-"""The local HTML report over run and sweep directories: data (reading runs), plots, html (the page and its CLI).
-May import: lychee_exp, lychee_exp.tracking."""
+"""The local HTML report over run and sweep directories: data (reading runs), plots, html (the page and its CLI),
+output (where the page goes). May import: tracking and below."""
