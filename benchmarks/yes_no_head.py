@@ -6,7 +6,7 @@ A step: hidden states (rows, hidden) that need a gradient -> the relevance logit
 fixed gradient of the loss with respect to the logit (the head alone, no loss). The full path is F.linear onto the
 whole LM head, then the two columns (model.answer_head.full_answer: what `logits_to_keep` gave); the two-row path is
 answer_row_logit. Shapes: the tiny Qwen2's (lychee_exp/assets/tiny_qwen2: hidden 64, vocab 4097) and
-Qwen2.5-1.5B's (bench/gpu/flops.py QWEN25_1P5B: hidden 1536, vocab 151936), the weight random (no download). The
+Qwen2.5-1.5B's (benchmarks/gpu/flops.py QWEN25_1P5B: hidden 1536, vocab 151936), the weight random (no download). The
 head frozen (as under LoRA) or trainable (full fine-tuning: its dense weight gradient is set to None between steps,
 as zero_grad does). fp32, or bf16: weight and hidden states in bf16 under bf16 autocast (the 1.5B check's
 loading); the two-row path computes its one row in fp32 either way.

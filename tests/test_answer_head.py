@@ -148,7 +148,7 @@ def test_heads_it_was_not_written_for_keep_the_full_path(tmp_path):
 
 
 def test_bench_counts_the_full_logits_and_not_the_weight():
-    """bench/yes_no_head.py's peak: the full path holds at least its (rows, vocab) logits, the two-row path a
+    """benchmarks/yes_no_head.py's peak: the full path holds at least its (rows, vocab) logits, the two-row path a
     small fraction of them (the weight and hidden states, which exist before the step, are not counted)."""
     from benchmarks.yes_no_head import measure, shapes
 

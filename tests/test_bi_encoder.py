@@ -1,5 +1,5 @@
-"""model.kind=bi_encoder (core/bi_encoder.py): pair rows split into each text's own encoding, an untrained student
-scores exactly as its bi-encoder teacher (core/ir/dense.py), gradients equal those of encoding the texts apart,
+"""model.kind=bi_encoder (model/bi_encoder.py): pair rows split into each text's own encoding, an untrained student
+scores exactly as its bi-encoder teacher (ir/dense.py), gradients equal those of encoding the texts apart,
 and a saved student loads in sentence-transformers with the same scores."""
 
 from __future__ import annotations

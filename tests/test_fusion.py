@@ -1,4 +1,4 @@
-"""The model's scores mixed with its teacher's (core/ir/fusion.py): per-query standardisation, the mix in the dev
+"""The model's scores mixed with its teacher's (ir/fusion.py): per-query standardisation, the mix in the dev
 evaluation (data.teacher_weight) and in rerank (teacher_weight, or the weight the model's card records), with the
 model alone and the teacher alone reported beside it."""
 

@@ -1,4 +1,4 @@
-"""Self-describing model directories (core/model_card.py): the card save_reranker writes is what rerank, mine and
+"""Self-describing model directories (model/files.py): the card save_reranker writes is what rerank, mine and
 training read without model=; explicit model.<key>= still applies; a contradicting preset, a new head at
 inference and a preset's random_init over model.path's weights are refused or undone; a directory from elsewhere
 is read by its architectures."""

@@ -1,4 +1,4 @@
-"""Cross-encoders read (query side, document) as their tokenizer's text pair (core/pair_prompt.py): the same ids
+"""Cross-encoders read (query side, document) as their tokenizer's text pair (data/pair_prompt.py): the same ids
 and token_type_ids as the tokenizer's own pairs, truncated or not, and a cross-encoder saved by
 sentence-transformers (no lychee card) is reranked with the scores its CrossEncoder.predict gives."""
 

@@ -75,7 +75,7 @@ def test_a_bad_rerank_command_is_one_line_before_any_rank_starts(tmp_path, ir_ca
 
 
 def test_a_training_checkpoint_as_model_path_says_where_the_model_is(tmp_path, ir_cache, capsys, caplog):
-    """recipe/checkpoint.py's step_N holds trainable weights and optimizer state, not a model to score with."""
+    """train/checkpoint.py's step_N holds trainable weights and optimizer state, not a model to score with."""
     root, step = fruit_dataset(tmp_path / "fruit"), tmp_path / "run" / "checkpoints" / "step_000004"
     step.mkdir(parents=True)
     (step / "model.safetensors").write_bytes(b"")

@@ -1,7 +1,7 @@
 """Tokenize once per run: every (instruction, query, document) prompt of the train set encoded before training,
 so that drawing a batch only looks token ids up (the step no longer runs the tokenizer).
 
-The ids live with the process's RunInputs (core/inputs.py), so a process that runs several jobs on the same inputs
+The ids live with the process's RunInputs (train/inputs.py), so a process that runs several jobs on the same inputs
 (a sweep worker, a warm rank) tokenizes once; they are keyed by the prompt's texts, so another instruction or a
 prompt never seen before (an easy negative borrowed from another query) is encoded on first use and kept.
 Stored as int32 arrays (a Python list of ids costs ~9x the memory); `encode` returns a list, as PromptEncoder's.

@@ -13,7 +13,7 @@ the full path: architectures whose forward does more than lm_head(decoder(...)) 
 head that is not a plain nn.Linear (LoRA on lm_head, a quantised layer: its own forward is the truth), and a head
 whose weight is still a sharded DTensor (FSDP2 gathers the root's parameters, the head's included, before
 Reranker.forward runs: a DTensor there means a layout this path was not written for). It lives apart from
-core/model.py, which keeps the Reranker's batching; this module only knows how one logit is read.
+model/reranker.py, which keeps the Reranker's batching; this module only knows how one logit is read.
 """
 
 from __future__ import annotations

@@ -189,7 +189,7 @@ def load_tokenizer(cfg: ModelConfig):
 
 def model_dir(cfg: ModelConfig) -> Path:
     path = resolve_path(cfg.path, "model.path")
-    if (path / "state.pt").is_file() and not (path / "config.json").is_file():  # recipe/checkpoint.py's layout
+    if (path / "state.pt").is_file() and not (path / "config.json").is_file():  # train/checkpoint.py's layout
         raise UserError(
             f"model.path={cfg.path}: a training checkpoint (trainable weights and optimizer state only): use the "
             "run's model/ directory, written when training ends (continue the run with trainer.resume=auto)"

@@ -16,7 +16,7 @@ HISTORY = {
     "dev_ndcg": "dev/ndcg@10",
     "dev_mrr": "dev/mrr@10",
     # data.teacher_weight or data.first_stage_weight > 0: dev/ndcg@10 is of the mix; the model alone beside it
-    # (core/ir/fusion.py)
+    # (ir/fusion.py)
     "dev_model_ndcg": "dev/model_ndcg@10",
     "dev_model_mrr": "dev/model_mrr@10",
     # rank 0's GPU at each logged step (CUDA only; utilisation where NVML, the nvidia-ml-py package, is available)
