@@ -78,7 +78,7 @@ def build_spec(out: Path, steps: int, threads: int, device: str, overrides: list
     """What every system shares, read from lychee_exp's composed config."""
     from lychee_exp.config.auto import scaled_lr
     from lychee_exp.config.schema import to_run_config
-    from lychee_exp.io.resources import resolve_path
+    from lychee_exp.io.user_files import resolve_path
     from lychee_exp.job.in_process import compose_job
     from lychee_exp.model.reranker import model_dir
     from lychee_exp.tracking.throughput import WARMUP_STEPS

@@ -14,7 +14,7 @@ pytest.importorskip("sentence_transformers")
 pytest.importorskip("datasets")
 
 from benchmarks import harness, own_batching, own_batching_loops  # noqa: E402
-from lychee_exp.io.resources import resolve_path  # noqa: E402
+from lychee_exp.io.user_files import resolve_path  # noqa: E402
 
 SAMPLE = "pkg://lychee_exp.assets/sample/train.jsonl"
 

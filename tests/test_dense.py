@@ -10,7 +10,7 @@ import torch
 from beir_helpers import fruit_dataset, write_beir
 
 from lychee_exp.config.schema import DenseConfig
-from lychee_exp.io.resources import resolve_path
+from lychee_exp.io.user_files import resolve_path
 from lychee_exp.ir import dense as dense_module
 from lychee_exp.ir.dense import corpus_embeddings, embed, top_k_by_blocks
 from lychee_exp.ir.first_stage import retrieve

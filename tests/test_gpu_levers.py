@@ -13,8 +13,8 @@ from test_levers import draw_lora_b
 
 from lychee_exp.config.schema import OptimizerConfig, to_run_config
 from lychee_exp.model.reranker import apply_levers, load_reranker
+from lychee_exp.parallel.distributed import seed_everything
 from lychee_exp.parallel.memory_plan import resolve_checkpointing
-from lychee_exp.parallel.seeding import seed_everything
 from lychee_exp.train.inputs import load_inputs
 from lychee_exp.train.optim import adamw
 

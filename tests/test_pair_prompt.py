@@ -11,7 +11,7 @@ from beir_helpers import WORDS, write_beir
 from lychee_exp.config.schema import PromptConfig
 from lychee_exp.data.pair_prompt import PairEncoder, token_types
 from lychee_exp.errors import UserError
-from lychee_exp.io.resources import resolve_path
+from lychee_exp.io.user_files import resolve_path
 from lychee_exp.ir.pipeline import open_split
 from lychee_exp.rerank import main as rerank_main
 

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from lychee_exp.config.schema import LYCHEE_PREFIX, ModelConfig, PromptConfig
 from lychee_exp.data.prompt import PromptEncoder
-from lychee_exp.io.resources import resolve_path
+from lychee_exp.io.user_files import resolve_path
 from lychee_exp.model.reranker import build_encoder, padding_side
 
 TEMPLATE_WITH_TAIL = "Instruct: {instruction} Query: {query} Document: {document} Relevant:"

@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 from warm_rank_jobs import form_group, never_forms, stuck_forming, summed
 
 from lychee_exp.config.schema import to_run_config
-from lychee_exp.io.resources import resolve_path
+from lychee_exp.io.user_files import resolve_path
 from lychee_exp.launch.warm_ranks import RankSetup, RanksFailed, WarmRanks, close_warm_ranks, warm_ranks
 from lychee_exp.train.inputs import load_inputs
 

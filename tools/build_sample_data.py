@@ -108,7 +108,7 @@ def teacher_embeddings(texts: list[str], batch_size: int = 32):
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from lychee_exp.io.resources import resolve_path
+    from lychee_exp.io.user_files import resolve_path
 
     path = str(resolve_path(TEACHER, "teacher"))
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()

@@ -16,7 +16,7 @@ import json
 import math
 
 from lychee_exp.errors import UserError
-from lychee_exp.io.resources import resolve_path
+from lychee_exp.io.user_files import resolve_path
 
 # Encoder cross-encoders whose sequence-classification head reads each prompt's first token through a pooler and
 # one linear layer (model.reranker scores packed rows of these): BERT and the models built on its code (MiniLM)

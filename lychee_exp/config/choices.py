@@ -1,10 +1,14 @@
-"""The closed choices of the run configuration: each Enum lists the values its key allows, so that composing a
-config with any other value fails naming the key and the allowed values (lychee_exp.config.schema types its fields
-with them). Open choices, extended by registering a function, live in registries (lychee_exp.config.registry)."""
+"""The choices of the run configuration. Closed ones: each Enum lists the values its key allows, so that composing a
+config with any other value fails naming the key and the allowed values (config.schema types its fields with them).
+Open ones (losses, optimizers), extended by registering a function plus one YAML file in its config group, live in
+a Registry, which lists the allowed names when a config names another."""
 
 from __future__ import annotations
 
 from enum import Enum
+from typing import Callable, TypeVar
+
+from lychee_exp.errors import UserError
 
 
 class Choice(str, Enum):
@@ -112,3 +116,26 @@ class Stemmer(Choice):
     porter = "porter"
     english = "english"  # Snowball's English (Porter 2) stemmer
     none = "none"  # words as they are, lowercased
+
+
+F = TypeVar("F", bound=Callable)
+
+
+class Registry(dict):
+    def __init__(self, key: str):
+        super().__init__()
+        self.key = key  # the config key that names a part, for error messages
+
+    def register(self, name: str) -> Callable[[F], F]:
+        def add(part: F) -> F:
+            if name in self:
+                raise ValueError(f"{self.key}: {name!r} is registered twice")
+            self[name] = part
+            return part
+
+        return add
+
+    def lookup(self, name: str) -> Callable:
+        if name not in self:
+            raise UserError(f"{self.key}={name!r} is not one of {', '.join(sorted(self))}")
+        return self[name]

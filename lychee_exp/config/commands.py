@@ -16,7 +16,7 @@ from lychee_exp.config.choices import Precision, RankBy, Sampling, Stemmer
 from lychee_exp.config.rules import RUN_PREFIX, SEED_RANGE, at_least, check_bounds, check_stage, within
 from lychee_exp.config.schema import DEFAULT_ENCODER, DenseConfig, ModelConfig, ParallelConfig
 from lychee_exp.errors import UserError
-from lychee_exp.io.resources import resolve_path
+from lychee_exp.io.user_files import resolve_path
 
 pass
 

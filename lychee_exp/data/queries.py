@@ -17,8 +17,7 @@ import sys
 from dataclasses import dataclass, field
 
 from lychee_exp.errors import UserError
-from lychee_exp.io.resources import resolve_path
-from lychee_exp.io.textlines import numbered_lines
+from lychee_exp.io.user_files import numbered_lines, resolve_path
 
 log = logging.getLogger(__name__)
 

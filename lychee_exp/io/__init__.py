@@ -1,4 +1,4 @@
-"""Files users give and files lychee_exp writes: a user's path resolved (resources) and their text files read line by
-line (textlines); every write of every command under the output policy (outputs: where results go and what may be
+"""Files users give and files lychee_exp writes: a user's path resolved and their text files read line by line
+(user_files); every write of every command under the output policy (outputs: where results go and what may be
 replaced; atomic: whole or nothing; lock: one writer per output). A write elsewhere in the package is listed, with
 its reason, in tests/test_writes.py. May import: errors."""

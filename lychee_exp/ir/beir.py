@@ -18,8 +18,7 @@ from pathlib import Path
 from lychee_exp.data.queries import json_object
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_bytes_atomic
-from lychee_exp.io.resources import resolve_path
-from lychee_exp.io.textlines import numbered_lines
+from lychee_exp.io.user_files import numbered_lines, resolve_path
 from lychee_exp.ir.cache import cache_path, file_key
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import numpy as np
 from lychee_exp.config.schema import DenseConfig
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_bytes_atomic
-from lychee_exp.io.resources import resolve_path
+from lychee_exp.io.user_files import resolve_path
 from lychee_exp.ir.beir import Corpus
 from lychee_exp.ir.cache import cache_path, file_key
 from lychee_exp.model.bi_encoder import pool

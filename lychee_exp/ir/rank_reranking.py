@@ -20,8 +20,7 @@ from lychee_exp.ir.metrics import mean_metrics, per_query_metrics, per_query_tsv
 from lychee_exp.ir.pipeline import dense_teacher, open_split
 from lychee_exp.model.precision import autocast, resolve_precision
 from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer
-from lychee_exp.parallel.distributed import DistEnv
-from lychee_exp.parallel.seeding import seed_everything
+from lychee_exp.parallel.distributed import DistEnv, seed_everything
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from lychee_exp.errors import UserError
-from lychee_exp.io.resources import resolve_path
+from lychee_exp.io.user_files import resolve_path
 from lychee_exp.ir.beir import Corpus, Split
 from lychee_exp.ir.cache import file_key
 from lychee_exp.ir.first_stage import retrieve, stage_key, stage_name

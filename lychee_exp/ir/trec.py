@@ -7,7 +7,7 @@ from pathlib import Path
 
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_text_atomic
-from lychee_exp.io.textlines import numbered_lines
+from lychee_exp.io.user_files import numbered_lines
 
 Run = dict[str, dict[str, float]]  # query id -> document id -> score (higher = more relevant)
 SCORE_FORMAT = "{:.6f}"  # what a run file keeps of a score; metrics are computed on the scores as written

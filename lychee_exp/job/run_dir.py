@@ -66,7 +66,7 @@ from lychee_exp.io.outputs import (
     refuse_protected,
     writable_parent,
 )
-from lychee_exp.io.resources import resolve_path
+from lychee_exp.io.user_files import resolve_path
 from lychee_exp.launch.cluster import is_main_process
 
 log = logging.getLogger("lychee_exp")

@@ -46,7 +46,7 @@ from typing import Sequence
 
 from lychee_exp.config.schema import LoraConfig, ModelConfig, PromptConfig
 from lychee_exp.errors import UserError
-from lychee_exp.io.resources import resolve_path
+from lychee_exp.io.user_files import resolve_path
 
 # one of these holds the vocabulary a transformers tokenizer is built from (tokenizer_config.json alone does not)
 TOKENIZER_FILES = (

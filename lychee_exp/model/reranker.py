@@ -29,7 +29,7 @@ from lychee_exp.data.pair_prompt import PairEncoder, pair_max_len, token_types
 from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.errors import RunFailed, UserError
 from lychee_exp.io.outputs import STAGING, clean_leftovers, companion, move_into_place, no_interrupts
-from lychee_exp.io.resources import resolve_path
+from lychee_exp.io.user_files import resolve_path
 from lychee_exp.model.answer_head import answer_logits
 from lychee_exp.model.bi_encoder import (
     bi_encoder_logits,

@@ -23,7 +23,7 @@ from lychee_exp.config.choices import Strategy
 from lychee_exp.config.schema import ModelConfig, RunConfig
 from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.errors import UserError
-from lychee_exp.io.resources import resolve_path
+from lychee_exp.io.user_files import resolve_path
 from lychee_exp.model.precision import planned_precision
 from lychee_exp.model.reranker import KINDS, add_lora, lora_dtype, model_dir
 from lychee_exp.parallel.sharding import transformer_blocks

@@ -19,7 +19,7 @@ from lychee_exp.data.groups import DevPairs, build_dev_pairs
 from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.data.queries import RankingQuery, check_negatives, check_teacher_scores, load_queries
 from lychee_exp.errors import UserError
-from lychee_exp.io.resources import resolve_path
+from lychee_exp.io.user_files import resolve_path
 from lychee_exp.ir.training import BeirDev, beir_dev, beir_train_file, dataset_files, dev_rerank_pairs
 from lychee_exp.model.reranker import answer_token_ids, build_encoder, check_model_weights, load_tokenizer
 

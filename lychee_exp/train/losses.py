@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lychee_exp.config.registry import Registry
+from lychee_exp.config.choices import Registry
 
 LOSSES = Registry("loss.name")
 DISTILL = Registry("loss.name (with loss.distill_weight > 0)")

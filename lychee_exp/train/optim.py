@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lychee_exp.config.auto import uses_fused
-from lychee_exp.config.registry import Registry
+from lychee_exp.config.choices import Registry
 from lychee_exp.config.schema import OptimizerConfig
 
 OPTIMIZERS = Registry("optimizer.name")

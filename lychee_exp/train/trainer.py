@@ -32,9 +32,8 @@ from lychee_exp.model.packed import packed_attention_path_of
 from lychee_exp.model.precision import resolve_precision
 from lychee_exp.model.reranker import apply_levers, count_parameters, load_reranker
 from lychee_exp.parallel.devices import DevicePlan
-from lychee_exp.parallel.distributed import DistEnv, wrap_for_training
+from lychee_exp.parallel.distributed import DistEnv, seed_everything, wrap_for_training
 from lychee_exp.parallel.memory_plan import resolved_model_config
-from lychee_exp.parallel.seeding import seed_everything
 from lychee_exp.tracking.backends import NullLogger, run_logger
 from lychee_exp.tracking.console import log_eval, log_setup, log_train_step
 from lychee_exp.tracking.throughput import StepTimer, gpu_memory, log_hints, setup_facts, summarize
