@@ -352,6 +352,7 @@ def train_on_rank(
     return metrics
 
 
+@dataclasses.dataclass
 class TrainData:
     train_set: TrainGroups
     dev_pairs: DevPairs
