@@ -255,3 +255,17 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     acyclic["lychee_exp.train.train"] = set()
     assert find_cycle(acyclic) is None
     assert find_cycle(package_graph(acyclic)) in (["model", "train", "model"], ["train", "model", "train"])
+
+
+def test_the_wheel_holds_the_product_only():
+    """setuptools packages lychee_exp and the Hydra plugins; the repository's benchmarks, tools and tests stay out
+    (and no folder of theirs hides inside the package)."""
+    import tomllib
+    from setuptools import find_namespace_packages
+
+    repo = PACKAGE.parent
+    find = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = find_namespace_packages(str(repo), include=find["include"])
+    assert shipped and all(p.split(".")[0] in ("lychee_exp", "hydra_plugins") for p in shipped), shipped
+    assert {"benchmarks", "tools", "tests"}.isdisjoint(p.split(".")[0] for p in shipped)
+    assert not {p for p in shipped if p.split(".")[-1] in ("bench", "testing", "core", "recipe", "tests")}, shipped
