@@ -33,20 +33,8 @@ PACKAGES = [
     "entry",
 ]
 ENTRY_POINTS = {"run", "report", "dashboard", "mine", "rerank", "plan"}
-SUBPACKAGE_DOCS = [
-    "io",
-    "config",
-    "data",
-    "model",
-    "parallel",
-    "ir",
-    "tracking",
-    "tracking.report",
-    "train",
-    "launch",
-    "job",
-    "sweep",
-]
+# every package (a folder) opens with what it does and what it may import
+SUBPACKAGE_DOCS = [p for p in PACKAGES if (PACKAGE / p).is_dir() and p != "assets"] + ["tracking.report"]
 # What lives outside the installed package and the product never imports: the repository's benchmarks and tools,
 # and the tests with their support modules (the fault injector is named by LYCHEE_STEP_HOOK, never imported)
 NOT_PRODUCT = {"benchmarks", "tools", "tests", "conftest", "faults", "equivalence", "baselines"}
