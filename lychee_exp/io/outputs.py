@@ -62,7 +62,18 @@ RUN_MARKER = ".lychee_run.json"
 # every name a run writes into its directory (the job, the ranks, the loggers): overwrite=true replaces a run that
 # holds nothing else, and no other command's output replaces one of them
 RUN_NAMES = frozenset(
-    {RUN_MARKER, ".hydra", "config.yaml", "metrics.json", "model", "checkpoints", "logs", "wandb", "tensorboard"}
+    {
+        RUN_MARKER,
+        ".hydra",
+        "config.yaml",
+        "metrics.json",
+        "metrics.csv",
+        "model",
+        "checkpoints",
+        "logs",
+        "wandb",
+        "tensorboard",
+    }
 )
 SWEEP_FILES = ("multirun.yaml", "optimization_results.yaml")  # what a sweep (Hydra's or lychee's) writes first
 STAGING, SET_ASIDE = "tmp", "old"  # the hidden companions of an output: `.<short name>.<kind>-<pid>-<random>`
@@ -76,6 +87,7 @@ __all__ = [
     "refuse_inputs",
     "refuse_protected",
     "staged_output",
+    "staged_directory",
     "interrupted_line",
 ]
 
@@ -354,6 +366,26 @@ def _check_existing(
     foreign = [name for name in held if name not in results] if directory else []
     if foreign:
         raise UserError(f"{key}={spec} holds files this command does not write ({listed(foreign)}): not replaced")
+
+
+@contextlib.contextmanager
+def staged_directory(target: Path) -> Iterator[Path]:
+    """A fresh hidden directory beside `target` to write into (the permissions of the user's umask), which replaces
+    target whole when the block ends (move_into_place: an earlier target stays until then) and is removed when the
+    block raises. For a directory written inside an output the command already holds (a run's model/, under the run
+    directory's lock): no checks and no lock of its own. What a writer killed before it could left is cleaned
+    first."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(target)
+    staging = companion(target, STAGING)
+    try:
+        staging.mkdir(mode=0o777)  # minus the umask, as target would have been made
+        yield staging
+        with no_interrupts():  # a half-done swap is the one state that could lose the earlier target
+            move_into_place(staging, target, directory=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def move_into_place(staging: Path, target: Path, directory: bool) -> None:

@@ -15,7 +15,6 @@ parallel.memory_plan's estimate).
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from lychee_exp.data.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFI
 from lychee_exp.data.pair_prompt import PairEncoder, pair_max_len, token_types
 from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.errors import RunFailed, UserError
-from lychee_exp.io.outputs import STAGING, clean_leftovers, companion, move_into_place, no_interrupts
+from lychee_exp.io.outputs import staged_directory
 from lychee_exp.io.user_files import resolve_path
 from lychee_exp.model.answer_head import answer_logits
 from lychee_exp.model.bi_encoder import (
@@ -323,24 +322,19 @@ def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path
     beyond the model's own scores (a teacher mix, ir.fusion), recorded for rerank.
 
     Written whole or not at all: into a hidden directory beside out_dir, moved into place once complete
-    (io.outputs.move_into_place: an earlier out_dir, a resumed run's, stays until then). Every file gets the
+    (io.outputs.staged_directory: an earlier out_dir, a resumed run's, stays until then). Every file gets the
     permissions of the user's umask. A write that fails (a full disk) removes the hidden directory and is one line
     (RunFailed)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    clean_leftovers(out_dir)  # a save killed before it could (SIGKILL): its hidden directory, or the set-aside model
-    staging = companion(out_dir, STAGING)
-    kept = f"{out_dir} left as it was" if out_dir.exists() else "nothing written there"
     try:
-        staging.mkdir(mode=0o777)  # minus the umask, as out_dir would have been made
-        _write_reranker(reranker, tokenizer, cfg, staging, ranking)
-        match_umask(staging)
-        with no_interrupts():  # a half-done swap is the one state that could lose the earlier model/
-            move_into_place(staging, out_dir, directory=True)
+        with staged_directory(out_dir) as staging:
+            _write_reranker(reranker, tokenizer, cfg, staging, ranking)
+            match_umask(staging)
     except BaseException as err:
-        shutil.rmtree(staging, ignore_errors=True)
         # the Rust writers (safetensors, tokenizers) put the OS error in their text: "... (os error 28)"
         if isinstance(err, OSError) or (isinstance(err, Exception) and "(os error " in str(err)):
             reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+            # read after the failure: a failed move has put an earlier model/ back
+            kept = f"{out_dir} left as it was" if out_dir.exists() else "nothing written there"
             raise RunFailed(f"saving the model to {out_dir} failed: {reason}; {kept}", "crashed") from err
         raise
 
