@@ -189,3 +189,33 @@ def test_a_resumed_run_replaces_the_steps_it_logs_again(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars(HISTORY["loss"])] == [(1, 1), (2, 2), (3, 30), (4, 40)]
+
+
+def test_metrics_csv_is_replaced_whole_and_a_failed_write_keeps_the_last_table(tmp_path, monkeypatch):
+    """metrics.csv is rewritten at every logged step (its columns grow): each version whole (io.atomic), so a run
+    killed or out of disk mid-write keeps the previous table, which its resume reads back."""
+    import os
+
+    from lychee_exp.tracking.backends import CSVLogger
+
+    logger = CSVLogger(tmp_path)
+    logger.log_metrics({HISTORY["loss"]: 1.0}, 1)
+    logger.log_metrics({HISTORY["loss"]: 0.5, HISTORY["dev_ndcg"]: 0.3}, 2)
+    table = (tmp_path / "metrics.csv").read_bytes()
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        logger.log_metrics({HISTORY["loss"]: 0.25}, 3)
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.csv").read_bytes() == table and sorted(p.name for p in tmp_path.iterdir()) == [
+        "metrics.csv"
+    ]
+    resumed = CSVLogger(tmp_path)
+    resumed.truncate(1)
+    resumed.log_metrics({HISTORY["loss"]: 0.75}, 2)
+    with (tmp_path / "metrics.csv").open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["step"], r[HISTORY["loss"]]) for r in rows] == [("1", "1.0"), ("2", "0.75")]

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
 from lychee_exp.errors import UserError
+from lychee_exp.io.atomic import write_text_atomic
 from lychee_exp.sweep import device_slots, lychee_trials
 from lychee_exp.sweep import storage as st
 from lychee_exp.sweep.dispatch import Placement, SlotsFailed, launcher_placement
@@ -224,7 +225,8 @@ class LycheeOptunaSweeperImpl(Sweeper):
         shift = len(self.study.get_trials(deepcopy=False)) + 7919 * int(os.environ.get("LYCHEE_SWEEP_WORKER", 0))
         if shift and self.sampler_spec.get("seed") is not None:
             self.study.sampler = build_sampler(self.sampler_spec, self.space.grid, seed_shift=shift)
-        OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
+        # whole: a second worker of the study writes the same file as it starts
+        write_text_atomic(self.sweep_dir / "multirun.yaml", OmegaConf.to_yaml(self.config))
         log.info(
             "study %s in %s (%s): %d of %d trials finished",
             name,

@@ -10,10 +10,12 @@ import math
 import netrc
 import os
 import shutil
+from io import StringIO
 from pathlib import Path
 from urllib.parse import urlparse
 
 from lychee_exp.config.schema import LoggerConfig, RunConfig, plain_dict
+from lychee_exp.io.atomic import write_text_atomic
 from lychee_exp.tracking.keys import HISTORY
 from lychee_exp.tracking.trial import current_trial
 
@@ -53,10 +55,12 @@ class CSVLogger(NullLogger):
         self.rows.append({"step": step, **metrics})
         # Columns grow as new metrics appear (eval rows), so the small file is rewritten whole.
         columns = list(dict.fromkeys(key for row in self.rows for key in row))
-        with self.path.open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows(self.rows)
+        table = StringIO()
+        writer = csv.DictWriter(table, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(self.rows)
+        # whole or not at all: a run killed mid-write keeps the previous table, which its resume reads back
+        write_text_atomic(self.path, table.getvalue())
 
 
 def has_wandb_api_key() -> bool:
