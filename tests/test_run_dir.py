@@ -141,6 +141,17 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_finished(tmp_path):
     assert sorted(p.name for p in tmp_path.glob(".*")) == [failed.name]
 
 
+def test_overwrite_replaces_a_run_holding_what_its_loggers_and_ranks_write(tmp_path):
+    """A run with logger=csv, wandb or tensorboard holds metrics.csv (and wandb/, tensorboard/, logs/): all the run's
+    own, so overwrite=true replaces it (metrics.csv once made every such run irreplaceable)."""
+    run = _finished_run(tmp_path / "run")
+    (run / "metrics.csv").write_text("step,train/loss\n1,0.5\n")
+    for name in ("wandb", "tensorboard", "logs", "checkpoints"):
+        (run / name).mkdir()
+    claim_run_dir(str(run), resume="never", overwrite=True, inputs=[])
+    assert not run.exists()  # set aside until the new run finishes
+
+
 def test_a_run_that_overwrite_set_aside_is_put_back_after_a_kill(tmp_path):
     """A SIGKILLed overwrite=true run leaves the old run aside: the next claim puts it back in place."""
     old = _files(_finished_run(tmp_path / "old"))
@@ -245,9 +256,9 @@ def test_a_sweep_directory_in_or_around_an_input_is_refused(tmp_path):
     RunDirGuard().on_multirun_start(config)  # not a dataset (nor a model directory): a wrong path, named elsewhere
 
 
-@pytest.mark.parametrize("command", ["run", "mine", "rerank", "plan", "report", "benchmarks.gpu_check"])
+@pytest.mark.parametrize(
+    "command", [*(f"lychee_exp.{name}" for name in ("run", "mine", "rerank", "plan", "report")), "benchmarks.gpu_check"]
+)
 def test_every_commands_help_points_to_the_output_policy(command):
-    proc = subprocess.run(
-        [sys.executable, "-m", f"lychee_exp.{command}", "--help"], capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, "-m", command, "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "docs/outputs.md" in proc.stdout, proc.stdout + proc.stderr
