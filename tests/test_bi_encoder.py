@@ -10,11 +10,11 @@ from omegaconf import OmegaConf
 from test_packed_encoder import PACKED_KEYS, assert_gradients_match
 from test_packing import _grads, _groups
 
-from lychee_exp.config.schema import DenseConfig, ModelConfig
+from lychee_exp.config.schema import SCALE, DenseConfig, ModelConfig
 from lychee_exp.data.groups import GroupCollator
 from lychee_exp.errors import UserError
 from lychee_exp.ir.dense import embed
-from lychee_exp.model.bi_encoder import SCALE, pool, split_pair
+from lychee_exp.model.bi_encoder import pool, split_pair
 from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer, save_reranker
 from lychee_exp.train.losses import RankingLoss
 

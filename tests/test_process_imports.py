@@ -22,7 +22,7 @@ TRAINING_STACK = {
     "transformers.trainer_utils",
     "lychee_exp.launch.launcher",
     "lychee_exp.launch.ranks",
-    "lychee_exp.train",
+    "lychee_exp.train.trainer",  # the recipe (train.inputs, what preflight reads, is not)
     "lychee_exp.ir.evaluate",
 }
 # One process answers the mistakes in turn (each an exit 2), reporting after each which of the watched modules it

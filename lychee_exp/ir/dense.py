@@ -15,7 +15,6 @@ from lychee_exp.io.atomic import write_bytes_atomic
 from lychee_exp.io.user_files import resolve_path
 from lychee_exp.ir.beir import Corpus
 from lychee_exp.ir.cache import cache_path, file_key
-from lychee_exp.model.bi_encoder import pool
 from lychee_exp.model.files import check_config_json, check_tokenizer_files, check_weights
 
 BLOCK_ROWS = 32768  # corpus embeddings scored at a time: queries x block_rows floats per step
@@ -52,6 +51,8 @@ def embed(texts: list[str], dense: DenseConfig, prompt: str = "", key: str = "de
     import torch
     import transformers
     from transformers import AutoModel, AutoTokenizer
+
+    from lychee_exp.model.bi_encoder import pool  # the student's pooling; here, not at import: it loads torch
 
     transformers.logging.disable_progress_bar()
     path = str(resolve_path(dense.model, key))

@@ -9,7 +9,7 @@ from typing import Callable, Iterable
 
 from lychee_exp.config.choices import Stemmer
 from lychee_exp.config.commands import MineConfig, MineSettings, mine_settings
-from lychee_exp.config.schema import DenseConfig
+from lychee_exp.config.schema import SCALE, DenseConfig
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_text_atomic
 from lychee_exp.ir.beir import Corpus, Split, dataset_dir, load_corpus, load_split
@@ -17,7 +17,6 @@ from lychee_exp.ir.cache import cache_path
 from lychee_exp.ir.dense import corpus_embeddings, embed
 from lychee_exp.ir.first_stage import retrieve, stage_key
 from lychee_exp.ir.mining import MineSummary, Teacher, mine
-from lychee_exp.model.bi_encoder import SCALE
 
 
 def open_split(

@@ -1,6 +1,6 @@
 """A bi-encoder as a reranker (model.kind=bi_encoder): the query and the document are encoded apart, each pooled
 to one unit vector, and the relevance logit is their cosine times the similarity scale the shipped bi-encoder was
-trained with (ir.dense.SCALE), so an untrained student scores exactly as its bi-encoder teacher does and its
+trained with (config.schema.SCALE), so an untrained student scores exactly as its bi-encoder teacher does and its
 logits sit on the teacher scores' scale for distillation.
 
 Batches stay the text pairs every encoder kind reads (`[CLS] q [SEP] d [SEP]`, data.pair_prompt): `split_pair`
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lychee_exp.config.choices import Pooling
+from lychee_exp.config.schema import SCALE
 from lychee_exp.data.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, pack
 from lychee_exp.errors import UserError
 
@@ -153,9 +154,6 @@ def write_sentence_transformers_files(out_dir: Path, hidden_size: int, pooling: 
     (out_dir / "2_Normalize").mkdir(exist_ok=True)
     # cosine x SCALE is this reranker's logit: the same order as sentence-transformers' cosine similarity
     (out_dir / "config_sentence_transformers.json").write_text(json.dumps({"similarity_fn_name": "cosine"}) + "\n")
-
-
-SCALE = 20.0  # the similarity scale all-MiniLM-L6-v2 was trained with: teacher scores are cosine x 20
 
 
 def pool(hidden, mask, pooling: Pooling):
