@@ -10,7 +10,7 @@ Prints a table, writes bench.csv and bench.png into the output directory, and lo
 --overwrite, and only when it holds nothing but this benchmark's results.
 Timings are measured side by side in one invocation; nothing is asserted. Each device count's figure also goes
 to the scaling cache that `hydra.sweeper.devices_per_trial=auto` reads (`scaling.json` next to
-the speedup baselines, lychee_exp.tracking.speedup.scaling_file), so a sweep with the same settings calibrates nothing.
+the speedup baselines, lychee_exp.sweep.placement.cache_path), so a sweep with the same settings calibrates nothing.
 """
 
 from __future__ import annotations

@@ -16,9 +16,17 @@ import pytest
 from optuna.trial import TrialState
 
 from lychee_exp.errors import UserError
-from lychee_exp.sweep.device_slots import parse
-from lychee_exp.sweep.placement import candidates, decide, wall_time
-from lychee_exp.sweep.slots import Devices, machine_devices, plan_slots, run_slots, slot_env
+from lychee_exp.sweep.placement import (
+    Devices,
+    candidates,
+    decide,
+    machine_devices,
+    parse,
+    plan_slots,
+    run_slots,
+    slot_env,
+    wall_time,
+)
 
 APPS = Path(__file__).resolve().parent / "sweep_apps"
 TWO_CORES = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2

@@ -139,7 +139,7 @@ def test_the_graph_sees_the_package():
     graph = import_graph()
     assert {"lychee_exp.train.trainer", "lychee_exp.config.schema", "lychee_exp.sweep.sweeper"} <= set(graph)
     assert "lychee_exp.tracking.trial" in graph["lychee_exp.train.trainer"]  # pruning, below the recipe
-    assert "lychee_exp.launch.processes" in graph["lychee_exp.sweep.slots"]  # the sweeper starts processes
+    assert "lychee_exp.launch.processes" in graph["lychee_exp.sweep.placement"]  # the sweeper starts processes
     assert "lychee_exp.launch.launcher" in reachable(graph, "lychee_exp.run")
     assert "lychee_exp.train.trainer" in graph["lychee_exp.launch.launcher"]
     assert "lychee_exp.ir.evaluate" in graph["lychee_exp.train.trainer"]  # `from lychee_exp.ir import evaluate`

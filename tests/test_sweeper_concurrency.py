@@ -19,7 +19,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra_in_process import run_in_process
 from optuna.trial import TrialState
 
-from lychee_exp.sweep.dispatch import launch_mode
+from lychee_exp.sweep.placement import launch_mode
 from lychee_exp.sweep.trials import Pending, TrialRunner, TrialSettings
 
 APPS = Path(__file__).resolve().parent / "sweep_apps"

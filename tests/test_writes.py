@@ -165,9 +165,6 @@ LISTED = {
     "lychee_exp/ir/pipeline.py": {
         ("mine_to_file", ".mkdir"): "the mined file's directory: mine's staging directory, or a cache entry's",
     },
-    "lychee_exp/sweep/placement.py": {
-        ("store_rate", ".mkdir"): "the measured-throughput cache's directory (its table is written by io.atomic)",
-    },
     # commands' outputs, written into the path io.outputs.staged_output yields
     "lychee_exp/tracking/report/html.py": {
         ("build", ".write_text"): "report's page, into staged_output's staging file",

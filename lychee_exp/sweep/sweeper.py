@@ -1,6 +1,6 @@
 """The lychee_optuna sweeper: one worker of an Optuna study whose trials are jobs of any Hydra app.
 
-The worker's loop: ask the study for trials while places are left, place them (lychee_exp.sweep.dispatch: in
+The worker's loop: ask the study for trials while places are left, place them (lychee_exp.sweep.placement: in
 this process, through Hydra's launcher in batches or slots, or in device-slot workers), take back those that
 ended, tell the study each task function's return value (one number, or one per direction) and rewrite the
 results. More workers (processes or machines) sharing the storage add more trials in flight. When the trials are
@@ -29,9 +29,9 @@ from optuna.trial import TrialState
 
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_text_atomic
-from lychee_exp.sweep import device_slots, lychee_trials
+from lychee_exp.sweep import lychee_trials
 from lychee_exp.sweep import storage as st
-from lychee_exp.sweep.dispatch import Placement, SlotsFailed, launcher_placement
+from lychee_exp.sweep.placement import WORKER_ENV, Placement, SlotsFailed, choose, parse
 from lychee_exp.sweep.samplers import GRID, build_pruner, build_sampler
 from lychee_exp.sweep.space import build_space, legacy_as_params
 from lychee_exp.sweep.sweep_results import write_sweep_results
@@ -222,7 +222,7 @@ class LycheeOptunaSweeperImpl(Sweeper):
         self.recover = st.Recovery(self.study, storage, me)
         # A resumed study, or a second worker, must not replay the first worker's random draws with the same
         # seed (same params again); a fresh single worker keeps the configured seed, for reproducibility.
-        shift = len(self.study.get_trials(deepcopy=False)) + 7919 * int(os.environ.get("LYCHEE_SWEEP_WORKER", 0))
+        shift = len(self.study.get_trials(deepcopy=False)) + 7919 * int(os.environ.get(WORKER_ENV, 0))
         if shift and self.sampler_spec.get("seed") is not None:
             self.study.sampler = build_sampler(self.sampler_spec, self.space.grid, seed_shift=shift)
         # whole: a second worker of the study writes the same file as it starts
@@ -255,18 +255,10 @@ class LycheeOptunaSweeperImpl(Sweeper):
                 self.tell,
             )
         )
-        slots = device_slots.device_slots(
-            device_slots.parse(self.devices_per_trial),
-            job_cfg if self.lychee else None,
-            self.study,
-            self.n_trials,
-            self.space.sample_overrides(),
-            self.sweep_dir,
-            self.url,
-        )
         if not self.space.distributions and self.space.custom is None:
             log.info("nothing to search (no params or sweep overrides): %d trial(s) of the fixed config", self.n_trials)
-        return slots or launcher_placement(self.runner, self.n_jobs)
+        sample = self.space.sample_overrides()
+        return choose(self.runner, self.n_jobs, self.devices_per_trial, job_cfg, self.n_trials, sample)
 
     def _check_settings(self) -> None:
         if self.legacy_search_space:
@@ -281,7 +273,7 @@ class LycheeOptunaSweeperImpl(Sweeper):
         for key in ("n_trials", "n_jobs", "heartbeat_interval"):
             if getattr(self, key) < 1:
                 raise UserError(f"hydra.sweeper.{key} must be >= 1, got {getattr(self, key)}")
-        device_slots.parse(self.devices_per_trial)
+        parse(self.devices_per_trial)
 
     def _compose_sample(self) -> DictConfig:
         """One job config with a value from every distribution, composed as a trial would be: a wrong type

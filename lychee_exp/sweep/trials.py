@@ -1,6 +1,6 @@
 """One trial's life: asked (main thread) -> its overrides and heartbeat -> launched as a Hydra job (main thread,
 or a slot thread) -> its Outcome, an OOM retry if asked for -> told to the study (main thread).
-Where trials run (one at a time, in batches, in slots) is lychee_exp.sweep.dispatch's concern.
+Where trials run (one at a time, in batches, in slots) is lychee_exp.sweep.placement's concern.
 """
 
 from __future__ import annotations

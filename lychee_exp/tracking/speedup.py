@@ -43,11 +43,6 @@ def baseline_file() -> Path:
     return Path(os.environ.get(BASELINE_FILE_ENV) or DEFAULT_BASELINE_FILE)
 
 
-def scaling_file() -> Path:
-    """The sweeper's per-device-count throughput cache (devices_per_trial=auto), beside the baselines."""
-    return baseline_file().with_name("scaling.json")
-
-
 def throughput_settings(cfg: RunConfig, device_type: str) -> dict:
     """Every setting that changes the speed of a training step, less the parallelism, with `auto`/null resolved
     for the device type (so that a default whose meaning changes does not reuse old figures): a baseline measured
