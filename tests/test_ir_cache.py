@@ -17,7 +17,7 @@ from lychee_exp.config.schema import DenseConfig
 from lychee_exp.ir import first_stage
 from lychee_exp.ir.first_stage import retrieve
 from lychee_exp.ir.pipeline import mined_train_file, open_split
-from lychee_exp.ir.training import beir_dev
+from lychee_exp.ir.training import score_dev_split
 from lychee_exp.ir.trec import write_run
 from lychee_exp.mine import mine_command
 from lychee_exp.rerank import rerank_command
@@ -110,7 +110,7 @@ def test_a_cut_dev_run_cached_by_training_does_not_stand_in_for_the_whole_split(
         bm25_stemmer=Stemmer.porter,
         teacher_weight=0.0,
     )
-    dev = beir_dev(data)
+    dev = score_dev_split(data)
     assert list(dev.run) == dev.split.query_ids and len(dev.run) == 2
     warm = _rerank(root, tmp_path / "warm")  # the 2-query run is in the cache
     monkeypatch.setenv("LYCHEE_CACHE_DIR", str(tmp_path / "fresh_cache"))
@@ -134,7 +134,7 @@ def test_a_mined_train_file_is_mined_again_when_its_run_file_changes(tmp_path, i
     run_file = tmp_path / "first.trec"
     docs = sorted(corpus.ids)
     write_run(run_file, {q: {d: float(i) for i, d in enumerate(docs)} for q in split.query_ids}, "user")
-    first = mined_train_file(corpus, split, f"run:{run_file}", DenseConfig())
+    first, _ = mined_train_file(corpus, split, f"run:{run_file}", DenseConfig())
     write_run(run_file, {q: {d: float(-i) for i, d in enumerate(docs)} for q in split.query_ids}, "user")
-    second = mined_train_file(corpus, split, f"run:{run_file}", DenseConfig())
+    second, _ = mined_train_file(corpus, split, f"run:{run_file}", DenseConfig())
     assert first != second and first.read_text() != second.read_text()

@@ -21,7 +21,7 @@ from lychee_exp.ir.candidates import build_rerank_pairs
 from lychee_exp.ir.metrics import trec_metrics
 from lychee_exp.ir.mining import mine
 from lychee_exp.ir.pipeline import open_split
-from lychee_exp.ir.training import beir_dev
+from lychee_exp.ir.training import score_dev_split
 from lychee_exp.ir.trec import write_run
 from lychee_exp.mine import main as mine_main
 from lychee_exp.rerank import rerank_command
@@ -127,7 +127,7 @@ def test_zero_only_queries_are_evaluated_in_training_and_skipped_by_mining(tmp_p
     root = _dataset(tmp_path)
     data = SimpleNamespace(dataset=str(root), dev_split="test", max_dev_queries=0, first_stage="bm25", rerank_top_k=4)
     data.dense, data.bm25_stemmer, data.teacher_weight = DenseConfig(), Stemmer.porter, 0.0
-    dev = beir_dev(data)
+    dev = score_dev_split(data)
     assert ZERO_ONLY in dev.split.query_ids and len(dev.split.query_ids) == 7
     encoder = SimpleNamespace(encode_many=lambda prompts: [[1]] * len(prompts))
     pairs = build_rerank_pairs(dev.corpus, dev.split, dev.run, encoder, "", "bm25", 4)

@@ -156,8 +156,9 @@ class DataConfig:
     # tokens per device per micro-batch: whole query groups until the budget is full (batch_size is then unused);
     # packed: one row of exactly this width (one shape); padded: rows x longest prompt within it. null = off
     max_tokens_per_batch: Optional[int] = None
-    # data=beir: a BEIR directory; training reads train_file, or (empty) train_split mined on first use, and
-    # dev evaluation reranks dev_split's first-stage top-k (trec_eval metrics) instead of reading dev_file
+    # data=beir: a BEIR directory; training reads train_file, or (empty) train_split, mined by the job's first
+    # step (ir.training), and dev evaluation reranks dev_split's first-stage top-k (trec_eval metrics) instead of
+    # reading dev_file
     dataset: str = ""
     train_split: str = "train"
     dev_split: str = "dev"

@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Callable
 
 from lychee_exp.errors import UserError
 
@@ -36,20 +37,28 @@ def lock_path(target: Path) -> Path:
 
 class OutputLock:
     """Held by the process that writes `target`; a second process is refused at once, in one line, or, with
-    `wait_s`, waits that long for it (a table several processes update in turn) before it is refused."""
+    `wait_s`, waits that long for it (a table several processes update in turn) before it is refused.
+    `waiting(holder)` is told once when a wait begins ("pid <pid> on <host>", or "" when unknown)."""
 
-    def __init__(self, target: Path, what: str, wait_s: float = 0.0):
+    def __init__(
+        self, target: Path, what: str, wait_s: float = 0.0, waiting: Callable[[str], None] | None = None
+    ):
         self.target, self.what, self.path, self.wait_s = target, what, lock_path(target), wait_s
+        self.waiting = waiting
         self._fd: int | None = None
 
     def acquire(self) -> OutputLock:
         deadline = time.monotonic() + self.wait_s
+        told = False
         while True:
             try:
                 return self._try_acquire()
             except _Busy as busy:
                 if time.monotonic() >= deadline:
                     raise UserError(str(busy)) from None
+                if self.waiting is not None and not told:
+                    self.waiting(busy.holder)
+                    told = True
                 time.sleep(0.05)
 
     def _try_acquire(self) -> OutputLock:
@@ -65,9 +74,10 @@ class OutputLock:
                 os.close(fd)
                 if err.errno not in (errno.EAGAIN, errno.EACCES):
                     raise UserError(f"{self.what}: cannot lock {self.path} ({err.strerror})") from None
+                held = f" ({holder})" if holder else ""
                 waited = f" (waited {self.wait_s:.0f} s)" if self.wait_s else ""
                 raise _Busy(
-                    f"{self.what} is in use by another command{holder}{waited}: wait for it, or write elsewhere"
+                    f"{self.what} is in use by another command{held}{waited}: wait for it, or write elsewhere", holder
                 ) from None
             if _same_file(fd, self.path):
                 break
@@ -98,7 +108,11 @@ class OutputLock:
 
 
 class _Busy(Exception):
-    """Another process holds the lock (its one line)."""
+    """Another process holds the lock (its one line, and who holds it)."""
+
+    def __init__(self, line: str, holder: str):
+        super().__init__(line)
+        self.holder = holder
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -113,4 +127,4 @@ def _read_holder(fd: int) -> str:
         pid, _, host = os.pread(fd, 200, 0).decode(errors="replace").strip().partition(" ")
     except OSError:
         return ""
-    return f" (pid {pid} on {host})" if pid.isdigit() else ""
+    return f"pid {pid} on {host}" if pid.isdigit() else ""

@@ -7,6 +7,7 @@ back every query asked: one without candidates stays in the run with none (it sc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -61,8 +62,7 @@ def retrieve(
     all-MiniLM-L6-v2); stemmer: `bm25`'s."""
     check_stage(spec, key)
     dense = dense or DenseConfig()
-    asked = [[qid, split.queries[qid]] for qid in split.query_ids]
-    cached = cache_path("runs", corpus.key, asked, stage_key(spec, dense, stemmer, key), top_k).with_suffix(".json")
+    cached = run_path(spec, corpus, split, top_k, dense, key, stemmer)
     run = _read_cached(cached, split.query_ids)
     if run is not None:
         return run
@@ -77,6 +77,37 @@ def retrieve(
     run = {qid: run.get(qid, {}) for qid in split.query_ids}
     write_text_atomic(cached, json.dumps({"queries": split.query_ids, "run": run}))
     return run
+
+
+def run_path(
+    spec: str,
+    corpus: Corpus,
+    split: Split,
+    top_k: int,
+    dense: DenseConfig | None = None,
+    key: str = "first_stage",
+    stemmer: Stemmer = Stemmer.porter,
+    create: bool = True,
+) -> Path:
+    """Where the cache keeps this run (ir.cache.cache_path; create=False for a lookup that only reads)."""
+    asked = [[qid, split.queries[qid]] for qid in split.query_ids]
+    parts = (corpus.key, asked, stage_key(spec, dense or DenseConfig(), stemmer, key), top_k)
+    return cache_path("runs", *parts, create=create).with_suffix(".json")
+
+
+def cached_run(
+    spec: str,
+    corpus: Corpus,
+    split: Split,
+    top_k: int,
+    dense: DenseConfig | None = None,
+    key: str = "first_stage",
+    stemmer: Stemmer = Stemmer.porter,
+) -> Run | None:
+    """The run `retrieve` would give, when an earlier one left it in the cache; else None. Retrieves nothing and
+    writes nothing (a check's read)."""
+    check_stage(spec, key)
+    return _read_cached(run_path(spec, corpus, split, top_k, dense, key, stemmer, create=False), split.query_ids)
 
 
 def _read_cached(path: Path, query_ids: list[str]) -> Run | None:
@@ -107,10 +138,11 @@ def _bm25(corpus: Corpus, split: Split, top_k: int, stemmer: Stemmer) -> Run:
         tokens = bm25s.tokenize(corpus.texts, stopwords="en", stemmer=stem, show_progress=False)
         retriever.index(tokens, show_progress=False)
         tmp = index_dir.with_name(f".{index_dir.name}.{os.getpid()}.tmp")
-        retriever.save(str(tmp))
         try:
-            tmp.rename(index_dir)  # whole or not at all
-        except OSError:  # another process saved it first
+            retriever.save(str(tmp))
+            with contextlib.suppress(OSError):  # another process saved it first
+                tmp.rename(index_dir)  # whole or not at all
+        finally:  # what is left of it: a save that failed or was stopped (Ctrl-C), or one another process beat
             shutil.rmtree(tmp, ignore_errors=True)
     texts = [split.queries[qid] for qid in split.query_ids]
     tokens = bm25s.tokenize(texts, stopwords="en", stemmer=stem, return_ids=False, show_progress=False)

@@ -1,5 +1,5 @@
-"""The steps a command chains: open a dataset's split, mine it to a JSONL file (cached for training's first use),
-and the bi-encoder teacher."""
+"""The steps a command chains: open a dataset's split, mine it to a JSONL file (cached for training's mining
+step, ir.training), and the bi-encoder teacher."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from lychee_exp.config.schema import SCALE, DenseConfig
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_text_atomic
 from lychee_exp.ir.beir import Corpus, Split, dataset_dir, load_corpus, load_split
-from lychee_exp.ir.cache import cache_path
+from lychee_exp.ir.cache import cache_path, computing
 from lychee_exp.ir.dense import corpus_embeddings, embed
 from lychee_exp.ir.first_stage import retrieve, stage_key
 from lychee_exp.ir.mining import MineSummary, Teacher, mine
@@ -88,15 +88,42 @@ def mine_to_file(
     return summary
 
 
-def mined_train_file(
-    corpus: Corpus, split: Split, first_stage: str, dense: DenseConfig, stemmer: Stemmer = Stemmer.porter
+def mined_train_path(
+    corpus: Corpus,
+    split: Split,
+    first_stage: str,
+    dense: DenseConfig,
+    stemmer: Stemmer = Stemmer.porter,
+    create: bool = True,
 ) -> Path:
-    """Training's first use of a split without data.train_file: mined with mine's defaults (the bi-encoder as
-    teacher) once, then reused."""
+    """Where training keeps a split mined without data.train_file: the cache entry of mine's defaults (the
+    bi-encoder as teacher) on this split and first stage (create=False: a lookup that only reads)."""
     settings = mine_settings(MineConfig(teacher="dense"))
     first = stage_key(first_stage, dense, stemmer, "data.first_stage")
     teacher = stage_key("dense", dense, key="data.first_stage")  # the bi-encoder teacher's settings and files
-    path = cache_path("mined", corpus.key, split.key, first, teacher, vars(settings)).with_suffix(".jsonl")
-    if not path.exists():
-        mine_to_file(corpus, split, first_stage, settings, path, "dense", dense, stemmer=stemmer, key_prefix="data.")
-    return path
+    parts = (corpus.key, split.key, first, teacher, vars(settings))
+    return cache_path("mined", *parts, create=create).with_suffix(".jsonl")
+
+
+def mined_train_file(
+    corpus: Corpus,
+    split: Split,
+    first_stage: str,
+    dense: DenseConfig,
+    stemmer: Stemmer = Stemmer.porter,
+    progress: Callable[[Iterable], Iterable] = lambda items: items,
+    waiting: Callable[[str], None] = lambda holder: None,
+) -> tuple[Path, MineSummary | None]:
+    """Training's mining step (ir.training): the split mined with mine's defaults into mined_train_path, once;
+    its summary, or None when the file was there already (mined earlier, or by the process this one waited for)."""
+    path = mined_train_path(corpus, split, first_stage, dense, stemmer)
+    if path.exists():
+        return path, None
+    with computing(path, waiting):
+        if path.exists():
+            return path, None
+        settings = mine_settings(MineConfig(teacher="dense"))
+        summary = mine_to_file(
+            corpus, split, first_stage, settings, path, "dense", dense, progress, stemmer=stemmer, key_prefix="data."
+        )
+    return path, summary

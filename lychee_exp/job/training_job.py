@@ -1,4 +1,5 @@
-"""One training job in the Hydra process: check the config and the inputs, plan the devices, launch the ranks
+"""One training job in the Hydra process: check the config, plan the devices, run the data's steps (data=beir:
+mine the train split and score the dev split's candidates, into the cache), check the inputs, launch the ranks
 (which measure their own speedup baseline, lychee_exp.train.baseline_phase), write metrics.json from rank 0's
 results, and return the optimized metric."""
 
@@ -20,11 +21,12 @@ from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_text_atomic
 from lychee_exp.job.context import in_sweep, trials_run_here
 from lychee_exp.job.results import nothing_left, write_results
+from lychee_exp.ir.training import prepare_beir
 from lychee_exp.job.run_dir import check_resumed_model, commit_run_dir
 from lychee_exp.launch.cluster import is_main_process, job_devices, local_ranks, under_torchrun
 from lychee_exp.model.files import model_choice, resolve_model
 from lychee_exp.parallel.devices import plan_devices
-from lychee_exp.train.inputs import RunInputs, load_inputs
+from lychee_exp.train.inputs import RunInputs, load_inputs, model_inputs
 from lychee_exp.train.losses import LOSSES
 from lychee_exp.train.optim import OPTIMIZERS
 
@@ -34,15 +36,36 @@ log = logging.getLogger("lychee_exp")
 def preflight(cfg: RunConfig, device_type: str = "cpu", strategy: str = "single") -> RunInputs:
     """Everything a user can get wrong, checked before any training process starts; returns the inputs read,
     which the ranks that train in this process reuse. The token budget is checked packed or padded as the ranks
-    on `device_type` will batch (data.packing=auto decides per device)."""
+    on `device_type` will batch (data.packing=auto decides per device). A check only reads: with data=beir it reads
+    what prepare_data's steps cached, and without them refuses in one line (it never mines or scores)."""
+    check_settings(cfg)
+    inputs = load_inputs(cfg)
+    check_token_budget(cfg, inputs, packing_on(cfg, device_type, strategy))
+    return inputs
+
+
+def check_settings(cfg: RunConfig) -> None:
+    """The checks that read no data: the loss and optimizer names, the logger's package."""
     LOSSES.lookup(cfg.loss.name)
     OPTIMIZERS.lookup(cfg.optimizer.name)
     tensorboard = cfg.logger.name == "tensorboard" or (cfg.logger.tensorboard and cfg.logger.name != "none")
     if tensorboard and importlib.util.find_spec("tensorboard") is None:  # else rank 0 would fail at its first log
         raise UserError("logger: TensorBoard's event files need the tensorboard package (pip install tensorboard)")
-    inputs = load_inputs(cfg)
-    check_token_budget(cfg, inputs, packing_on(cfg, device_type, strategy))
-    return inputs
+
+
+def prepare_data(cfg: RunConfig) -> RunConfig:
+    """data=beir's steps (ir.training.prepare_beir: the train split mined when data.train_file is empty, the dev
+    split's candidates retrieved and scored by the teacher, each into the cache, each said in the log), once the
+    checks that need none of it have passed: a wrong setting or model path is one line before minutes of mining.
+    Returns the run's config with the mined file as data.train_file, which preflight, config.yaml and the ranks
+    read. Every process that runs a job runs them (each torchrun rank, each SLURM node): one computes each entry,
+    the others wait for it and read it. Other data: cfg as it is."""
+    if not cfg.data.dataset:
+        return cfg
+    check_settings(cfg)
+    model_inputs(cfg)
+    train_file = prepare_beir(cfg.data, cfg.trainer.progress_bar)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_file=train_file))
 
 
 def job_log_file() -> str | None:
@@ -75,6 +98,7 @@ def train_job(cfg: DictConfig) -> float:
         cpu_threads_per_rank=run_cfg.parallel.cpu_threads_per_rank,
         cpu_offload=run_cfg.parallel.cpu_offload,
     )
+    run_cfg = prepare_data(run_cfg)
     inputs = preflight(run_cfg, plan.device_type, plan.strategy)
     # the searched (effective) batch stays the same on whatever devices a sweep slot gives the trial; counted over
     # every node's devices (the plan is this node's until the ranks have joined)

@@ -1,4 +1,6 @@
 """What a run reads before it trains: the train and dev queries, and the tokenizer with its prompt encoder.
+With data=beir, the train file the job's mining step wrote (handed down as data.train_file) and the dev split's
+candidates and teacher scores its next step cached (ir.training): read here, never mined, retrieved or scored.
 
 Read once per process: `job.training_job.preflight` loads and checks them in the Hydra process before any rank
 starts, and the paths that train in that same process (single, dp, the speedup calibration, a torchrun rank) hand that
@@ -56,8 +58,9 @@ def load_inputs(cfg: RunConfig, warn_unknown: bool = True) -> RunInputs:
     if _last is not None and _last[0] == key:
         return _last[1]
     data = cfg.data
-    dev_rerank = beir_dev(data) if data.dataset else None
+    # data=beir: what the training job's steps left in the cache (ir.training); read here, never computed
     train_file = data.train_file or (beir_train_file(data) if data.dataset else data.train_file)
+    dev_rerank = beir_dev(data) if data.dataset else None
     train = load_queries(train_file, "data.train_file", data.max_train_queries, warn_unknown)
     check_negatives(train, data.train_group_size, data.random_negatives)
     if cfg.loss.distill_weight > 0:
@@ -69,13 +72,19 @@ def load_inputs(cfg: RunConfig, warn_unknown: bool = True) -> RunInputs:
             f"data.teacher_weight={data.teacher_weight} mixes the dev file's teacher scores into its ranking, but "
             f"{data.dev_file} query {unscored.qid!r} has no pos_scores/neg_scores (add them, or data.teacher_weight=0)"
         )
+    tokenizer, encoder = model_inputs(cfg)
+    _last = (key, RunInputs(train, dev, tokenizer, encoder, dev_rerank=dev_rerank))
+    return _last[1]
+
+
+def model_inputs(cfg: RunConfig) -> tuple[Any, PromptEncoder]:
+    """The tokenizer and its prompt encoder, the model's files checked: any problem is one line naming the key."""
     tokenizer = load_tokenizer(cfg.model)
     if not cfg.model.random_init:  # the ranks load the weights: missing or damaged ones are one line here, first
         check_model_weights(cfg.model)
     encoder = build_encoder(cfg.model, tokenizer)
     answer_token_ids(cfg.model, encoder)  # yes/no must each be one token: one line naming the key, else
-    _last = (key, RunInputs(train, dev, tokenizer, encoder, dev_rerank=dev_rerank))
-    return _last[1]
+    return tokenizer, encoder
 
 
 _last: tuple[str, RunInputs] | None = None  # this process's last inputs, by what they were read from
