@@ -16,8 +16,8 @@ from lychee_exp.config.commands import MineConfig, RerankConfig, register_ir_sch
 from lychee_exp.config.schema import DenseConfig
 from lychee_exp.ir import first_stage
 from lychee_exp.ir.first_stage import retrieve
-from lychee_exp.ir.pipeline import mined_train_file, open_split
-from lychee_exp.ir.training import score_dev_split
+from lychee_exp.ir.pipeline import open_split
+from lychee_exp.ir.training import mine_train_split, score_dev_split
 from lychee_exp.ir.trec import write_run
 from lychee_exp.mine import mine_command
 from lychee_exp.rerank import rerank_command
@@ -130,11 +130,19 @@ def test_the_run_cache_is_keyed_by_the_query_texts(tmp_path, ir_cache):
 
 
 def test_a_mined_train_file_is_mined_again_when_its_run_file_changes(tmp_path, ir_cache):
-    corpus, split = open_split(str(fruit_dataset(tmp_path / "fruit")), "train")
+    root = fruit_dataset(tmp_path / "fruit")
+    corpus, split = open_split(str(root), "train")
     run_file = tmp_path / "first.trec"
     docs = sorted(corpus.ids)
     write_run(run_file, {q: {d: float(i) for i, d in enumerate(docs)} for q in split.query_ids}, "user")
-    first, _ = mined_train_file(corpus, split, f"run:{run_file}", DenseConfig())
+    data = SimpleNamespace(
+        dataset=str(root),
+        train_split="train",
+        first_stage=f"run:{run_file}",
+        dense=DenseConfig(),
+        bm25_stemmer=Stemmer.porter,
+    )
+    first = mine_train_split(data)
     write_run(run_file, {q: {d: float(-i) for i, d in enumerate(docs)} for q in split.query_ids}, "user")
-    second, _ = mined_train_file(corpus, split, f"run:{run_file}", DenseConfig())
+    second = mine_train_split(data)
     assert first != second and first.read_text() != second.read_text()

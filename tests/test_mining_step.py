@@ -7,6 +7,7 @@ file handed down as data.train_file; a process that needs the file while another
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 from beir_helpers import fruit_dataset
-from conftest import TINY_OVERRIDES, TINY_RANKS, run_cli
+from conftest import TINY_OVERRIDES, TINY_RANKS, run_cli, run_metrics
 from omegaconf import OmegaConf
 
 from lychee_exp.config.choices import Stemmer
@@ -28,6 +29,7 @@ from lychee_exp.ir import training
 from lychee_exp.ir.pipeline import mined_train_path, open_split
 from lychee_exp.job.in_process import compose_job, run_job
 from lychee_exp.job.training_job import preflight
+from lychee_exp.mine import main as mine_main
 
 FRUIT = ["data=beir", "data.dev_split=test", "data.rerank_top_k=5"]  # + data.dataset=<the fruit set>
 
@@ -99,9 +101,25 @@ def test_the_log_names_the_mining_step_and_its_file_and_a_second_run_reuses_it(t
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
     out = second.stdout + second.stderr
     assert f"data step 1/2: reusing {mined}, mined earlier from split train of {root}" in out
-    assert f"data step 2/2: reusing split test's bm25 top-5 (3 queries) and its teacher scores" in out
+    assert "data step 2/2: reusing split test's bm25 top-5 (3 queries) and its teacher scores" in out
     assert "mining hard negatives" not in out and "retrieving split" not in out
     assert mined.stat().st_mtime_ns == stamp and _files(ir_cache).count(f"mined/{mined.name}") == 1
+
+
+def test_the_refusals_mine_command_writes_the_file_the_step_would(tmp_path, ir_cache):
+    """The command a check prints, run as printed (a stemmer and an encoder setting that are not the defaults
+    among its keys), writes byte for byte what the job's mining step caches."""
+    root = fruit_dataset(tmp_path / "fruit")
+    given = [*FRUIT, f"data.dataset={root}", "data.bm25_stemmer=english", "data.dense.max_len=64"]
+    cfg = to_run_config(compose_job([*given, *TINY_OVERRIDES], tmp_path / "run"))
+    with pytest.raises(UserError) as refused:
+        preflight(cfg)
+    command = shlex.split(str(refused.value).split("`")[1])
+    assert command[:3] == ["python", "-m", "lychee_exp.mine"] and command[-1] == "out=train.jsonl"
+    assert "bm25_stemmer=english" in command and "dense.max_len=64" in command
+    mine_main([*command[3:-1], f"out={tmp_path / 'train.jsonl'}", "progress_bar=false"])
+    stepped = training.mine_train_split(cfg.data)
+    assert stepped.read_bytes() == (tmp_path / "train.jsonl").read_bytes()
 
 
 @pytest.mark.slow
@@ -126,6 +144,34 @@ def test_the_ranks_train_on_the_mined_file_handed_to_them(tmp_path, ir_cache, mo
     assert OmegaConf.load(tmp_path / "run" / "config.yaml").data.train_file == str(mined)
     assert metrics["num_processes"] == 2 and metrics["strategy"] == "ddp"
     assert "ndcg@10" in metrics and not (copy / "mined").exists()  # nobody mined (or looked) in the swapped cache
+
+
+@pytest.mark.slow
+def test_under_torchrun_one_rank_mines_and_the_other_reuses_its_file(tmp_path, ir_cache):
+    """Under torchrun every rank is a Hydra process of its own and runs the job's steps: exactly one mines (and one
+    scores the dev split); the other waits for it, or finds the file, and reuses it."""
+    from lychee_exp.launch.processes import free_port
+
+    root = fruit_dataset(tmp_path / "fruit")
+    args = [*TINY_RANKS, *FRUIT, f"data.dataset={root}", "parallel=ddp", "trainer.max_steps=2", "logger=none"]
+    args += ["parallel.cpu_threads_per_rank=1", f"hydra.run.dir={tmp_path / 'run'}"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PYTHONWARNINGS"))}
+    done = subprocess.run(
+        [*torchrun, "-m", "lychee_exp.run", *args],
+        cwd=tmp_path,
+        env={**env, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert out.count("data step 1/2: mining hard negatives") == 1 and out.count("data step 1/2: mined in") == 1
+    assert out.count("data step 1/2: reusing") == 1 and out.count("data step 2/2: retrieving split test") == 1
+    assert len(list((ir_cache / "mined").glob("*.jsonl"))) == 1
+    assert run_metrics(tmp_path / "run")["num_processes"] == 2
 
 
 def _train_data(root) -> SimpleNamespace:
@@ -154,6 +200,7 @@ def test_a_process_that_needs_the_file_while_another_mines_it_waits_and_reuses_i
     worker.join(60)
     assert got["path"] == path and "written by the process it waited for" in path.read_text()  # not mined again
     assert "reusing" in caplog.text and "mined meanwhile by the process it waited for" in caplog.text
+    assert "mining hard negatives" not in caplog.text  # it never said it would mine
 
 
 @pytest.mark.parametrize("where", ["mining", "rename"])

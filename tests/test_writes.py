@@ -153,11 +153,12 @@ LISTED = {
     # the machine's cache (ir.cache, LYCHEE_CACHE_DIR): entries keyed by what decides them, written whole
     "lychee_exp/ir/cache.py": {
         ("cache_path", ".mkdir"): "the cache's directory for one kind of entry",
+        ("computing", ".mkdir"): "that directory, for the lock of an entry a training step computes (io.lock)",
     },
     "lychee_exp/ir/first_stage.py": {
         ("_bm25", ".save"): "a BM25 index entry, into a pid-named temporary directory",
         ("_bm25", ".rename"): "that index renamed into place whole (the first writer wins)",
-        ("_bm25", "shutil.rmtree"): "the temporary index of a writer that came second",
+        ("_bm25", "shutil.rmtree"): "the temporary index of a writer that came second, or of a save stopped midway",
     },
     "lychee_exp/ir/dense.py": {
         ("_npy_bytes", "numpy.save"): "embeddings into a bytes buffer, which io.atomic writes",

@@ -40,9 +40,7 @@ class OutputLock:
     `wait_s`, waits that long for it (a table several processes update in turn) before it is refused.
     `waiting(holder)` is told once when a wait begins ("pid <pid> on <host>", or "" when unknown)."""
 
-    def __init__(
-        self, target: Path, what: str, wait_s: float = 0.0, waiting: Callable[[str], None] | None = None
-    ):
+    def __init__(self, target: Path, what: str, wait_s: float = 0.0, waiting: Callable[[str], None] | None = None):
         self.target, self.what, self.path, self.wait_s = target, what, lock_path(target), wait_s
         self.waiting = waiting
         self._fd: int | None = None

@@ -13,7 +13,7 @@ from lychee_exp.config.schema import SCALE, DenseConfig
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_text_atomic
 from lychee_exp.ir.beir import Corpus, Split, dataset_dir, load_corpus, load_split
-from lychee_exp.ir.cache import cache_path, computing
+from lychee_exp.ir.cache import cache_path
 from lychee_exp.ir.dense import corpus_embeddings, embed
 from lychee_exp.ir.first_stage import retrieve, stage_key
 from lychee_exp.ir.mining import MineSummary, Teacher, mine
@@ -98,32 +98,27 @@ def mined_train_path(
 ) -> Path:
     """Where training keeps a split mined without data.train_file: the cache entry of mine's defaults (the
     bi-encoder as teacher) on this split and first stage (create=False: a lookup that only reads)."""
-    settings = mine_settings(MineConfig(teacher="dense"))
     first = stage_key(first_stage, dense, stemmer, "data.first_stage")
     teacher = stage_key("dense", dense, key="data.first_stage")  # the bi-encoder teacher's settings and files
-    parts = (corpus.key, split.key, first, teacher, vars(settings))
+    parts = (corpus.key, split.key, first, teacher, vars(_training_settings()))
     return cache_path("mined", *parts, create=create).with_suffix(".jsonl")
 
 
-def mined_train_file(
+def mine_train_file(
     corpus: Corpus,
     split: Split,
     first_stage: str,
     dense: DenseConfig,
-    stemmer: Stemmer = Stemmer.porter,
+    stemmer: Stemmer,
+    out: Path,
     progress: Callable[[Iterable], Iterable] = lambda items: items,
-    waiting: Callable[[str], None] = lambda holder: None,
-) -> tuple[Path, MineSummary | None]:
-    """Training's mining step (ir.training): the split mined with mine's defaults into mined_train_path, once;
-    its summary, or None when the file was there already (mined earlier, or by the process this one waited for)."""
-    path = mined_train_path(corpus, split, first_stage, dense, stemmer)
-    if path.exists():
-        return path, None
-    with computing(path, waiting):
-        if path.exists():
-            return path, None
-        settings = mine_settings(MineConfig(teacher="dense"))
-        summary = mine_to_file(
-            corpus, split, first_stage, settings, path, "dense", dense, progress, stemmer=stemmer, key_prefix="data."
-        )
-    return path, summary
+) -> MineSummary:
+    """Training's mining step (ir.training.mine_train_split): the split mined with mine's defaults into `out`."""
+    settings = _training_settings()
+    return mine_to_file(
+        corpus, split, first_stage, settings, out, "dense", dense, progress, stemmer=stemmer, key_prefix="data."
+    )
+
+
+def _training_settings() -> MineSettings:
+    return mine_settings(MineConfig(teacher="dense"))

@@ -34,7 +34,7 @@ from lychee_exp.ir.beir import Corpus, Split
 from lychee_exp.ir.cache import cache_path, computing, file_key
 from lychee_exp.ir.dense import dense_key
 from lychee_exp.ir.first_stage import cached_run, retrieve, run_path, stage_key, stage_name
-from lychee_exp.ir.pipeline import dense_teacher, mined_train_file, mined_train_path, open_split
+from lychee_exp.ir.pipeline import dense_teacher, mine_train_file, mined_train_path, open_split
 from lychee_exp.ir.trec import Run
 
 log = logging.getLogger(__name__)
@@ -71,26 +71,25 @@ def mine_train_split(data, step: str = "mining", progress_bar: bool = False) -> 
     if path.exists():
         log.info("%s: reusing %s, mined earlier from %s", step, path, what)
         return path
-    log.info(
-        "%s: mining hard negatives from %s with the dense teacher, as `mine` does by default, into %s "
-        "(cached: later runs reuse it)",
-        step,
-        what,
-        path,
-    )
-    show = progress_bar and sys.stderr.isatty()
+    with computing(path, _waiting(step, "mining", path)):
+        if path.exists():
+            log.info("%s: reusing %s, mined meanwhile by the process it waited for", step, path)
+            return path
+        log.info(
+            "%s: mining hard negatives from %s with the dense teacher, as `mine` does by default, into %s "
+            "(cached: later runs reuse it)",
+            step,
+            what,
+            path,
+        )
+        show = progress_bar and sys.stderr.isatty()
 
-    def progress(items):
-        return tqdm(items, desc=f"mine {split.name}", unit="query", disable=not show)
+        def progress(items):
+            return tqdm(items, desc=f"mine {split.name}", unit="query", disable=not show)
 
-    start = time.perf_counter()
-    path, summary = mined_train_file(
-        corpus, split, data.first_stage, data.dense, data.bm25_stemmer, progress, _waiting(step, "mining", path)
-    )
-    if summary is None:
-        log.info("%s: reusing %s, mined meanwhile by the process it waited for", step, path)
-    else:
-        log.info("%s: mined in %.1f s: %s", step, time.perf_counter() - start, summary.line())
+        start = time.perf_counter()
+        summary = mine_train_file(corpus, split, data.first_stage, data.dense, data.bm25_stemmer, path, progress)
+    log.info("%s: mined in %.1f s: %s", step, time.perf_counter() - start, summary.line())
     return path
 
 
@@ -100,24 +99,25 @@ def score_dev_split(data, step: str = "dev candidates") -> BeirDev:
     corpus, split = _dev_split(data)
     dev = _cached_dev(data, corpus, split)
     path = _teacher_path(data, corpus, split)
-    what = f"split {split.name}'s {stage_name(data.first_stage)} top-{data.rerank_top_k} ({len(split.query_ids)} queries)"
+    stage, queries = stage_name(data.first_stage), len(split.query_ids)
+    what = f"split {split.name}'s {stage} top-{data.rerank_top_k} ({queries} queries)"
     if dev is not None:
         log.info("%s: reusing %s and its teacher scores, computed earlier: %s", step, what, path)
         return dev
-    log.info(
-        "%s: retrieving %s and scoring it with the dense teacher (data.dense.model=%s) into %s "
-        "(cached: later runs reuse it)",
-        step,
-        what,
-        data.dense.model,
-        path,
-    )
-    start = time.perf_counter()
     with computing(path, _waiting(step, "scoring", path)):
-        dev = _cached_dev(data, corpus, split)  # another process scored it while this one waited
+        dev = _cached_dev(data, corpus, split)
         if dev is not None:
             log.info("%s: reusing %s, scored meanwhile by the process it waited for", step, path)
             return dev
+        log.info(
+            "%s: retrieving %s and scoring it with the dense teacher (data.dense.model=%s) into %s "
+            "(cached: later runs reuse it)",
+            step,
+            what,
+            data.dense.model,
+            path,
+        )
+        start = time.perf_counter()
         run = retrieve(
             data.first_stage, corpus, split, data.rerank_top_k, data.dense, "data.first_stage", data.bm25_stemmer
         )

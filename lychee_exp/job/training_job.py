@@ -19,9 +19,9 @@ from lychee_exp.config.schema import RunConfig, to_run_config
 from lychee_exp.data.budget import check_token_budget
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_text_atomic
+from lychee_exp.ir.training import prepare_beir
 from lychee_exp.job.context import in_sweep, trials_run_here
 from lychee_exp.job.results import nothing_left, write_results
-from lychee_exp.ir.training import prepare_beir
 from lychee_exp.job.run_dir import check_resumed_model, commit_run_dir
 from lychee_exp.launch.cluster import is_main_process, job_devices, local_ranks, under_torchrun
 from lychee_exp.model.files import model_choice, resolve_model
