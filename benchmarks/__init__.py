@@ -12,3 +12,7 @@ Each is run from the repository root as `python -m benchmarks.<name>` (the side-
 - `gpu_check` (+ `gpu/`): the GPU acceptance check, run as `bash benchmarks/gpu_check.sh`
   (`gpu_wheels.sh` gathers the wheels a GPU machine without network needs)
 """
+
+# first, before any benchmark imports numpy, torch or matplotlib: lychee_exp/__init__ makes Ctrl-C (and a stop
+# signal) while a benchmark still imports one line and exit 130, as for the package's own commands
+import lychee_exp  # noqa: E402, F401
