@@ -91,7 +91,7 @@ def raise_motpe_removed(*args: Any, **kwargs: Any) -> NoReturn:
 class MOTPESamplerConfig:
     """hydra-optuna-sweeper's name for the motpe sampler node (instantiating it raises)."""
 
-    _target_: str = f"{__name__}.raise_motpe_removed"
+    _target_: str = SAMPLERS["motpe"]["_target_"]
 
 
 @dataclass

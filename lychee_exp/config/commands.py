@@ -5,7 +5,7 @@ the key), and their checks."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -13,8 +13,16 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from lychee_exp.config.choices import Precision, RankBy, Sampling, Stemmer
-from lychee_exp.config.rules import RUN_PREFIX, SEED_RANGE, at_least, check_bounds, check_stage, within
-from lychee_exp.config.schema import DEFAULT_ENCODER, DenseConfig, ModelConfig, ParallelConfig
+from lychee_exp.config.rules import RUN_PREFIX, at_least, check_bounds, check_stage, declared_in, weight
+from lychee_exp.config.schema import (
+    DEFAULT_ENCODER,
+    DataConfig,
+    DenseConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainerConfig,
+)
 from lychee_exp.errors import UserError
 from lychee_exp.io.user_files import resolve_path
 
@@ -28,14 +36,17 @@ DENSE_RELATIVE_MARGIN = 0.05
 
 @dataclass
 class MineConfig:
+    """The keys shared with a run's config are declared there, once (declared_in): the first stage's (data.*),
+    the seed, overwrite, the model, the scoring batch (data.eval_batch_size) and the progress bar."""
+
     dataset: str = MISSING  # a BEIR directory (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)
     split: str = "train"
-    first_stage: str = "bm25"  # bm25 | dense | run:<TREC run file>
-    dense: DenseConfig = field(default_factory=DenseConfig)  # the encoder of first_stage=dense and teacher=dense
+    first_stage: str = declared_in(DataConfig, "first_stage")  # bm25 | dense | run:<TREC run file>
+    dense: DenseConfig = declared_in(DataConfig, "dense")  # the encoder of first_stage=dense and teacher=dense
     dense_model: Optional[str] = None  # alias of dense.model (older commands)
-    bm25_stemmer: Stemmer = Stemmer.porter  # first_stage=bm25's stemmer (porter = Lucene's English analyzer)
+    bm25_stemmer: Stemmer = declared_in(DataConfig, "bm25_stemmer")  # first_stage=bm25's stemmer
     out: str = MISSING  # the JSONL to write
-    overwrite: bool = False  # replace an existing out= (only once the new file is complete)
+    overwrite: bool = declared_in(RunConfig, "overwrite")  # replace an existing out= (once the new file is complete)
     # negatives from ranks [range_min, range_max) of rank_by's ranking, 0-based. The defaults with sampling=top and
     # the dense teacher's relative_margin are NV-Retriever's TopK-PercPos (docs/beir.md "Choosing the recipe";
     # FlagEmbedding's hn_mine samples 10-210 at random: range_min=10 range_max=210 sampling=random)
@@ -49,8 +60,8 @@ class MineConfig:
     # experiment's loss); none: no teacher scores (then train with loss=listwise or pointwise)
     # reranker: a trained reranker's relevance logits (model=<preset> model.path=<run dir>/model)
     teacher: str = "dense"
-    model: ModelConfig = field(default_factory=ModelConfig)  # teacher=reranker's model
-    batch_size: int = at_least(1, 64)  # teacher=reranker: pairs per forward pass
+    model: ModelConfig = declared_in(RunConfig, "model")  # teacher=reranker's model
+    batch_size: int = declared_in(DataConfig, "eval_batch_size")  # teacher=reranker: pairs per forward pass
     # with a teacher, against the query's lowest positive score p (sentence-transformers' definitions, in the
     # teacher's scores as written): keep a candidate scoring s <= p - absolute_margin, s <= p * (1 -
     # relative_margin), s <= max_score; null = no such guard, except relative_margin: null = 0.05 with
@@ -59,41 +70,44 @@ class MineConfig:
     margin: Optional[float] = None  # alias of absolute_margin (older commands)
     relative_margin: Optional[float] = None
     max_score: Optional[float] = None
-    seed: int = within(*SEED_RANGE, 42)
-    progress_bar: bool = True
+    seed: int = declared_in(RunConfig, "seed")
+    progress_bar: bool = declared_in(TrainerConfig, "progress_bar")
 
 
 @dataclass
 class RerankConfig:
+    """As MineConfig, the keys shared with a run's config (and mine's dense_model) are declared there, once; top_k
+    is data.rerank_top_k's."""
+
     dataset: str = MISSING
     split: str = "test"
-    first_stage: str = "bm25"
-    dense: DenseConfig = field(default_factory=DenseConfig)  # first_stage=dense's encoder
-    dense_model: Optional[str] = None  # alias of dense.model (older commands)
-    bm25_stemmer: Stemmer = Stemmer.porter  # first_stage=bm25's stemmer
-    top_k: int = at_least(1, 100)  # first-stage candidates reranked per query
+    first_stage: str = declared_in(DataConfig, "first_stage")
+    dense: DenseConfig = declared_in(DataConfig, "dense")  # first_stage=dense's encoder
+    dense_model: Optional[str] = declared_in(MineConfig, "dense_model")
+    bm25_stemmer: Stemmer = declared_in(DataConfig, "bm25_stemmer")
+    top_k: int = declared_in(DataConfig, "rerank_top_k")  # first-stage candidates reranked per query
     out: str = MISSING  # directory for run.trec and metrics.json
-    overwrite: bool = False  # replace the results in an existing out= (only once the new ones are complete)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    overwrite: bool = declared_in(RunConfig, "overwrite")  # replace the results in an existing out= (once complete)
+    model: ModelConfig = declared_in(RunConfig, "model")
+    parallel: ParallelConfig = declared_in(RunConfig, "parallel")
     gpus: Any = 1  # ranks (GPUs, or CPU processes without CUDA); parallel=ddp gpus=N
-    batch_size: int = at_least(1, 64)  # pairs per forward pass, batched by length
+    batch_size: int = declared_in(DataConfig, "eval_batch_size")  # pairs per forward pass, batched by length
     # auto: as a run's evaluation scores (trainer.precision=auto), so that its dev figures and rerank's agree: bf16
     # (or fp16) on GPUs, bf16 on CPUs that compute it natively, else fp32; fp32 for scores to the last digit
-    precision: Precision = Precision.auto
-    instruction: Optional[str] = None  # overrides model.prompt.default_instruction
-    seed: int = within(*SEED_RANGE, 42)
-    progress_bar: bool = True
+    precision: Precision = declared_in(TrainerConfig, "precision")
+    instruction: Optional[str] = declared_in(DataConfig, "instruction")  # overrides model.prompt.default_instruction
+    seed: int = declared_in(RunConfig, "seed")
+    progress_bar: bool = declared_in(TrainerConfig, "progress_bar")
     tag: str = "lychee_exp"  # the run file's tag column
     # run.trec ranks by the model's scores mixed with the teacher's (dense.model's bi-encoder), each standardised
     # per query (ir.fusion): 0 = the model alone; null = the weight the model directory was trained with
-    teacher_weight: Optional[float] = field(default=None, metadata={"min": 0, "max": 1})
+    teacher_weight: Optional[float] = weight(None)
     # teacher_* metrics (the bi-encoder teacher alone) beside the model's and the first stage's; null = whenever
     # the model's card names the teacher it was trained against, or teacher_weight > 0 (the mix needs its scores)
     teacher_figures: Optional[bool] = None
     # run.trec also mixes in the first stage's own scores (BM25's: the dense + BM25 hybrid), standardised the same
     # way; null = the weight the model directory was trained with (0 for a model from elsewhere)
-    first_stage_weight: Optional[float] = field(default=None, metadata={"min": 0, "max": 1})
+    first_stage_weight: Optional[float] = weight(None)
 
 
 def register_ir_schemas() -> None:

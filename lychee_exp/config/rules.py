@@ -45,6 +45,24 @@ def numbers(count: int, low: float, below: float, default: list) -> Any:
     return field(default_factory=lambda: list(default), metadata={"length": count, "min": low, "below": below})
 
 
+def weight(default: Any) -> Any:
+    """A field that is a mixing weight: in [0, 1]."""
+    return field(default=default, metadata={"min": 0, "max": 1})
+
+
+# the metadata key naming where a shared key is declared (tests/test_defaults.py reads it)
+DECLARED_IN = "declared_in"
+
+
+def declared_in(owner: Any, name: str) -> Any:
+    """The field `name` of the dataclass `owner` (its default and bounds), for a key that several schemas share
+    (the first stage's keys of data, mine and rerank; the seed): declared once, in owner, and placed here in this
+    schema's own key order, which inheriting it would change."""
+    source = next(f for f in dataclasses.fields(owner) if f.name == name)
+    where = {DECLARED_IN: f"{owner.__name__}.{name}", **source.metadata}  # a key owner shares itself keeps its home
+    return field(default=source.default, default_factory=source.default_factory, metadata=where)
+
+
 # what numpy's and Python's seeding accept (numpy: 0 .. 2**32 - 1)
 SEED_RANGE = (0, 2**32 - 1)
 

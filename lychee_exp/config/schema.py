@@ -37,7 +37,17 @@ from lychee_exp.config.choices import (  # noqa: F401  (Choice: re-exported, the
     Stemmer,
     Strategy,
 )
-from lychee_exp.config.rules import SEED_RANGE, above, at_least, check_run_config, numbers, probability, within
+from lychee_exp.config.rules import (
+    SEED_RANGE,
+    above,
+    at_least,
+    check_run_config,
+    declared_in,
+    numbers,
+    probability,
+    weight,
+    within,
+)
 
 pass
 
@@ -120,7 +130,7 @@ class DenseConfig:
     with data=beir)."""
 
     model: str = DEFAULT_ENCODER  # a Hugging Face directory or pkg:// path
-    pooling: Pooling = Pooling.mean
+    pooling: Pooling = declared_in(ModelConfig, "pooling")  # model.pooling's choice, for this encoder
     # prepended to each query / passage before encoding: BGE v1.5 "Represent this sentence for searching relevant
     # passages: " (queries only), E5 "query: " / "passage: ", Qwen3-Embedding "Instruct: <task>\nQuery:" (queries)
     query_prompt: str = ""
@@ -167,10 +177,10 @@ class DataConfig:
     bm25_stemmer: Stemmer = Stemmer.porter  # first_stage=bm25's stemmer (porter = Lucene's English analyzer)
     # the dev ranking mixes the model's scores with the teacher's, per query standardised (ir.fusion): the dev
     # file's pos_scores/neg_scores, or with data=beir data.dense's bi-encoder; 0 = the model alone (logged as model_*)
-    teacher_weight: float = field(default=0.0, metadata={"min": 0, "max": 1})
+    teacher_weight: float = weight(0.0)
     # data=beir: the dev ranking also mixes in the first stage's own scores (BM25's: the dense + BM25 hybrid), the
     # same way; teacher_weight + first_stage_weight <= 1, the rest is the model's
-    first_stage_weight: float = field(default=0.0, metadata={"min": 0, "max": 1})
+    first_stage_weight: float = weight(0.0)
     rerank_top_k: int = at_least(1, 100)
 
 
