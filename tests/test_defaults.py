@@ -424,3 +424,20 @@ def test_the_docs_check_catches_a_wrong_value_and_a_wrong_origin():
         "| `data.teacher_weight` | `0.7` | `conf/data/sample.yaml` |", "| `data.teacher_weight` | `0.7` | `schema` |"
     )
     assert [problem.split(":")[0] for problem in doc_problems(wrong)] == ["data.teacher_weight", "trainer.max_steps"]
+
+
+def test_docs_layering_example_names_each_layers_value():
+    """The paragraph above the table follows trainer.max_steps through the layers: its numbers are the files'."""
+    found = re.search(
+        r"`trainer\.max_steps` is (-?\d+) in the schema .*?, (\d+) in\s+`trainer=quick` .*? and (\d+) in\s+"
+        r"`experiment=quickstart`",
+        DOC.read_text(),
+        re.S,
+    )
+    conf = Conf(CONF)
+    layers = [
+        RunConfig().trainer.max_steps,
+        conf.load("trainer/quick")[0]["trainer.max_steps"],
+        conf.load("experiment/quickstart")[0]["trainer.max_steps"],
+    ]
+    assert found and [int(n) for n in found.groups()] == layers, layers
