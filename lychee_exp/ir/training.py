@@ -97,15 +97,15 @@ def score_dev_split(data, step: str = "dev candidates") -> BeirDev:
     """The dev split's first-stage top-k and the dense teacher's score of each candidate, computed into the cache,
     or found there."""
     corpus, split = _dev_split(data)
-    dev = _cached_dev(data, corpus, split)
     path = _teacher_path(data, corpus, split)
+    dev = _cached_dev(data, corpus, split, path)
     stage, queries = stage_name(data.first_stage), len(split.query_ids)
     what = f"split {split.name}'s {stage} top-{data.rerank_top_k} ({queries} queries)"
     if dev is not None:
         log.info("%s: reusing %s and its teacher scores, computed earlier: %s", step, what, path)
         return dev
     with computing(path, _waiting(step, "scoring", path)):
-        dev = _cached_dev(data, corpus, split)
+        dev = _cached_dev(data, corpus, split, path)
         if dev is not None:
             log.info("%s: reusing %s, scored meanwhile by the process it waited for", step, path)
             return dev
@@ -135,7 +135,7 @@ def beir_dev(data) -> BeirDev:
     """The dev split's candidates and teacher scores as score_dev_split left them in the cache. A check's read:
     nothing is retrieved or scored; without them, one line."""
     corpus, split = _dev_split(data)
-    dev = _cached_dev(data, corpus, split)
+    dev = _cached_dev(data, corpus, split, _teacher_path(data, corpus, split, create=False))
     if dev is None:
         raise UserError(
             f"data.dev_split={data.dev_split}: its {stage_name(data.first_stage)} top-{data.rerank_top_k} and the "
@@ -215,15 +215,16 @@ def _teacher_path(data, corpus: Corpus, split: Split, create: bool = True) -> Pa
     return cache_path("teacher", run.name, teacher, create=create).with_suffix(".json")
 
 
-def _cached_dev(data, corpus: Corpus, split: Split) -> BeirDev | None:
-    """The dev candidates and their teacher scores from the cache, when both are there whole; else None."""
+def _cached_dev(data, corpus: Corpus, split: Split, teacher_path: Path) -> BeirDev | None:
+    """The dev candidates and their teacher scores (at teacher_path, _teacher_path's) from the cache, when both
+    are there whole; else None."""
     run = cached_run(
         data.first_stage, corpus, split, data.rerank_top_k, data.dense, "data.first_stage", data.bm25_stemmer
     )
     if run is None:
         return None
     try:
-        stored = json.loads(_teacher_path(data, corpus, split, create=False).read_text())
+        stored = json.loads(teacher_path.read_text())
         teacher = {(qid, doc): float(stored["scores"][qid][doc]) for qid in split.query_ids for doc in run[qid]}
     except (OSError, ValueError, KeyError, TypeError):  # none, or not this run's: scored again
         return None
