@@ -122,17 +122,12 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 
 def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """The module graph collapsed to packages (an entry point is a package of its own here)."""
+    """The module graph collapsed to packages (the entry points are one: test_no_entry_point_imports_another)."""
     packages: dict[str, set[str]] = {}
     for module, targets in graph.items():
-        own = _package_node(module)
-        packages.setdefault(own, set()).update(_package_node(t) for t in targets if _package_node(t) != own)
+        own = package_of(module)
+        packages.setdefault(own, set()).update(package_of(t) for t in targets if package_of(t) != own)
     return packages
-
-
-def _package_node(module: str) -> str:
-    part = module.split(".")[1] if "." in module else ""
-    return part if part else module
 
 
 def test_the_graph_sees_the_package():
