@@ -145,7 +145,7 @@ def test_cli_bad_value_is_one_line_exit_2(tmp_path):
     ("override", "allowed"),
     [
         ("trainer.precision=fp8", "[auto, fp32, bf16, fp16]"),
-        ("optimized_metric=map", "[ndcg@10, mrr@10]"),
+        ("optimized_metric=map", "[model_ndcg@10, model_mrr@10, ndcg@10, mrr@10]"),
         ("parallel.strategy=zero3", "[single, dp, ddp, fsdp]"),
         ("optimizer.lr_scaling=cubic", "[none, linear, sqrt]"),
         ("model.kind=seq2seq", "[causal_lm, sequence_classification, bi_encoder]"),

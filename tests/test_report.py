@@ -86,7 +86,11 @@ def write_csv(path: Path, rows: list[list]) -> None:
         csv.writer(handle).writerows(rows)
 
 
-FULL = {
+FULL = {  # a run that mixes the teacher into its dev ranking: the model's own figures are model_*
+    "model_ndcg@10": 0.55,
+    "model_mrr@10": 0.5,
+    "initial_model_ndcg@10": 0.42,
+    "mix": "the teacher at 0.7",
     "ndcg@10": 0.65,
     "mrr@10": 0.6,
     "initial_ndcg@10": 0.5,
@@ -200,11 +204,14 @@ def test_report_tables_hold_the_runs(root, tmp_path):
     assert ddp["model / loss"] == "tiny_lychee / pointwise"
     assert ddp["world size"] == "2" and ddp["effective batch"] == "16"
     assert ddp["lr (base → scaled)"] == "1.00e-04 → 2.00e-04"
-    assert ddp["ndcg@10 (gain)"] == "0.650 (+0.150)" and ddp["mrr@10"] == "0.600"
+    # the model's own figures lead, the mix beside them, named
+    assert ddp["model ndcg@10 (gain)"] == "0.550 (+0.130)" and ddp["model mrr@10"] == "0.500"
+    assert ddp["mix ndcg@10"] == "0.650" and ddp["mixed with"] == "the teacher at 0.7"
     assert ddp["speedup"] == "1.85" and ddp["efficiency"] == "93%"
     assert ddp["samples/s"] == "41.50" and ddp["peak memory (MB)"] == "2,048"  # the busiest rank
     old = rows["runs/old"]
-    assert old["ndcg@10 (gain)"] == "0.400" and old["world size"] == "1"
+    # written before model_* was logged for every run: unmixed, so its ndcg@10 is the model's; no mix
+    assert old["model ndcg@10 (gain)"] == "0.400" and old["world size"] == "1" and old["mix ndcg@10"] == "—"
     assert {old[k] for k in ("model / loss", "speedup", "efficiency", "samples/s", "peak memory (MB)")} == {"—"}
 
     (sweep,) = page.find(cls="sweep")

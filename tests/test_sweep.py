@@ -129,15 +129,20 @@ def test_four_trial_ddp_sweep_and_its_results(tmp_path):
         metrics = json.loads((sweep / str(trial.number) / "metrics.json").read_text())
         assert metrics["num_devices"] == 2 and metrics["per_device_batch_size"] == trial.params["data.batch_size"]
         assert metrics["base_lr"] == pytest.approx(trial.params["optimizer.lr"])
-        if trial.state == TrialState.COMPLETE:
-            values[trial.number] = metrics["ndcg@10"]
+        if trial.state == TrialState.COMPLETE:  # the trained model's own figure, not the mix with the teacher
+            values[trial.number] = metrics["model_ndcg@10"]
+            assert metrics["mix"] == "the teacher at 0.7" and metrics["ndcg@10"] != metrics["model_ndcg@10"]
     summary = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
-    best = max(values, key=values.get)
+    best = max(values, key=values.get)  # the trial whose model alone is best
     assert summary["best_value"] == values[best] and summary["best_trial"] == best
     assert summary["best_params"] == study.trials[best].params
     assert summary["complete"] + summary["pruned"] + summary["failed"] == 4
     rows = _rows(sweep)
     assert len(rows) == 4 and [int(r["number"]) for r in rows] == [0, 1, 2, 3]
+    for row in rows:  # the model and the mix as separate, named columns
+        metrics = json.loads((sweep / row["number"] / "metrics.json").read_text())
+        assert float(row["model_ndcg@10"]) == metrics["model_ndcg@10"] and row["mix"] == "the teacher at 0.7"
+        assert float(row["mix_ndcg@10"]) == metrics["ndcg@10"]
     assert all(
         r["state"] in ("COMPLETE", "PRUNED")
         and int(r["effective_batch_size"]) == 2 * int(r["per_device_batch_size"])

@@ -90,8 +90,15 @@ class LoggerMode(Choice):
     disabled = "disabled"
 
 
-# the names hold "@", so the functional form; module and qualname let ranks unpickle its members
-Metric = Choice("Metric", {"ndcg@10": "ndcg@10", "mrr@10": "mrr@10"}, module=__name__, qualname="Metric")
+# the names hold "@", so the functional form; module and qualname let ranks unpickle its members. model_*: the
+# model's own dev figures; unprefixed: the run's ranking, which mixes in the teacher or first stage when
+# data.teacher_weight or data.first_stage_weight > 0 (lychee_exp.ir.metrics)
+Metric = Choice(
+    "Metric",
+    {name: name for name in ("model_ndcg@10", "model_mrr@10", "ndcg@10", "mrr@10")},
+    module=__name__,
+    qualname="Metric",
+)
 
 
 class Pooling(Choice):

@@ -25,7 +25,7 @@ from lychee_exp.data.groups import DevPairs
 from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.ir.candidates import RerankPairs
 from lychee_exp.ir.fusion import fuse
-from lychee_exp.ir.metrics import mean_metrics, per_query_metrics, trec_metrics
+from lychee_exp.ir.metrics import MODEL_PREFIX, mean_metrics, per_query_metrics, trec_metrics
 from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.parallel.sharding import is_sharded
 
@@ -167,9 +167,10 @@ def evaluate(
     first_stage_weight: float = 0.0,
 ) -> dict[str, float]:
     """Dev metrics of the model's scores, sharded across ranks (score_sharded): the fixed-candidate protocol's
-    NDCG@10/MRR@10, or, for a BEIR split's first-stage candidates (RerankPairs), trec_eval's metrics. With
-    teacher_weight > 0 (and teacher scores) or first_stage_weight > 0 (and first-stage scores): of the model's
-    scores mixed with those (ir.fusion), the model's own beside them as model_*."""
+    NDCG@10/MRR@10, or, for a BEIR split's first-stage candidates (RerankPairs), trec_eval's metrics. Each comes
+    twice: as model_* the model's own scores, always (what a sweep and the best checkpoint optimize by default), and
+    unprefixed the run's ranking: with teacher_weight > 0 (and teacher scores) or first_stage_weight > 0 (and
+    first-stage scores) the model's scores mixed with those (ir.fusion), else the model's own again."""
     env = env or DistEnv(device=device)
     scores = score_sharded(model, encoder, pairs.token_ids, batch_size, device, env, autocast)
     partners = [
@@ -180,10 +181,9 @@ def evaluate(
         )
         if weight > 0 and partner is not None
     ]
-    if partners:
-        mixed = fuse(scores, pairs.query_index, partners)
-        return {**metrics_of(pairs, mixed), **metrics_of(pairs, scores, prefix="model_")}
-    return metrics_of(pairs, scores)
+    own = metrics_of(pairs, scores)
+    ranking = metrics_of(pairs, fuse(scores, pairs.query_index, partners)) if partners else own
+    return {**{f"{MODEL_PREFIX}{key}": value for key, value in own.items()}, **ranking}  # the model's first
 
 
 def metrics_of(pairs: DevPairs, scores: Sequence[float], prefix: str = "") -> dict[str, float]:

@@ -46,3 +46,14 @@ def interpolate(
 ) -> list[float]:
     """(1 - weight) * standardised model scores + weight * standardised teacher scores, per group (query)."""
     return fuse(model, groups, [(teacher, weight)])
+
+
+def describe_mix(teacher_weight: float, first_stage_weight: float, first_stage: str) -> str:
+    """What a dev ranking mixes into the model's scores, as the summary line and reports name it ("the teacher at
+    0.7", "the first stage (bm25) at 0.3", both joined by "and"); "" for the model alone."""
+    parts = [
+        f"{name} at {weight:g}"
+        for name, weight in (("the teacher", teacher_weight), (f"the first stage ({first_stage})", first_stage_weight))
+        if weight > 0
+    ]
+    return " and ".join(parts)

@@ -12,6 +12,11 @@ from __future__ import annotations
 from lychee_exp.ir.trec import Run, ranked
 
 CUTOFFS = (1, 3, 5, 10, 100)  # FlagEmbedding's evaluation cut-offs
+# A training run's dev metrics name the model's own figures model_* (every evaluation) and the run's ranking
+# unprefixed: the model's scores mixed with the teacher's or the first stage's when a weight > 0 (ir.fusion), whose
+# description metrics.json keeps as `mix` ("" for the model alone), else the model's again.
+MODEL_PREFIX = "model_"
+MIX = "mix"
 PerQuery = dict[str, dict[str, float]]  # query id -> measure name (ndcg@10, ...) -> value
 
 
@@ -68,10 +73,23 @@ def _reciprocal_rank(scores: dict[str, float], judged: dict[str, int], k: int = 
     return 0.0
 
 
+def model_figure(metrics: dict, name: str = "ndcg@10") -> float | None:
+    """The model's own figure. Runs written before every run logged model_* hold it unprefixed (they logged
+    model_* only beside a mix)."""
+    return metrics.get(MODEL_PREFIX + name, metrics.get(name))
+
+
+def mix_figure(metrics: dict, name: str = "ndcg@10") -> float | None:
+    """The mix's figure; None for a run ranked by the model alone. Runs written before `mix` was recorded were
+    mixed exactly when they logged model_*."""
+    mixed = metrics[MIX] if MIX in metrics else MODEL_PREFIX + name in metrics
+    return metrics.get(name) if mixed else None
+
+
 def standing_below_first_stage(metrics: dict, stage: str, split: str = "dev") -> str | None:
     """One line when the trained model alone ranks `split` below the first stage it reranks (a reranker that a
     user would be better off without), with the teacher beside them; None otherwise."""
-    alone = metrics.get("model_ndcg@10", metrics.get("ndcg@10"))
+    alone = model_figure(metrics)
     first = metrics.get(f"{stage}_ndcg@10")
     if alone is None or first is None or alone >= first:
         return None

@@ -9,7 +9,7 @@ from pathlib import Path
 from lychee_exp.config.schema import RunConfig
 from lychee_exp.io.atomic import read_json, write_json_atomic
 from lychee_exp.ir.first_stage import stage_name
-from lychee_exp.ir.metrics import standing_below_first_stage
+from lychee_exp.ir.metrics import MIX, MODEL_PREFIX, model_figure, standing_below_first_stage
 from lychee_exp.tracking.speedup import speedup_note
 
 log = logging.getLogger("lychee_exp")
@@ -22,15 +22,7 @@ def write_results(run_cfg: RunConfig, metrics: dict, output_dir: Path, is_main: 
     if is_main:
         write_json_atomic(metrics_path, metrics)
         if "ndcg@10" in metrics:
-            # the references this run measured: untrained (eval_before_training), BM25, the dev file's teacher
-            names = {
-                "model_ndcg@10": "model alone",  # a teacher or first-stage weight > 0: ndcg@10 is of the mix
-                "initial_ndcg@10": "untrained",
-                "bm25_ndcg@10": "BM25",
-                "teacher_ndcg@10": "teacher",
-            }
-            refs = ", ".join(f"{name} {metrics[key]:.4f}" for key, name in names.items() if key in metrics)
-            log.info("dev ndcg@10 %.4f (%s), mrr@10 %.4f", metrics["ndcg@10"], refs, metrics["mrr@10"])
+            log.info("%s", summary_line(metrics, stage_name(run_cfg.data.first_stage)))
             below = standing_below_first_stage(metrics, stage_name(run_cfg.data.first_stage))
             if below:
                 log.warning("%s", below)
@@ -51,7 +43,37 @@ def write_results(run_cfg: RunConfig, metrics: dict, output_dir: Path, is_main: 
             )
         log.info("results in %s", output_dir)
 
-    return float(metrics.get(run_cfg.optimized_metric, float("nan")))  # nan: trainer.evaluate=false
+    return objective(metrics, str(run_cfg.optimized_metric))
+
+
+def objective(metrics: dict, name: str) -> float:
+    """The optimized metric's value (nan: trainer.evaluate=false). A run written before every run logged model_*
+    holds the model's own figure unprefixed."""
+    own = name.startswith(MODEL_PREFIX)
+    value = model_figure(metrics, name.removeprefix(MODEL_PREFIX)) if own else metrics.get(name)
+    return float("nan") if value is None else float(value)
+
+
+def summary_line(metrics: dict, first_stage: str) -> str:
+    """The run's dev figures, the model's own first, then any mix named with its weights, then the references this
+    run measured (untrained: eval_before_training; BM25 and the teacher: the dev file's or split's), e.g.
+    `dev ndcg@10: model 0.6308 (untrained 0.4310); mixed with the teacher at 0.7: 0.6731 (untrained 0.6458); BM25
+    0.5551; teacher 0.6678. mrr@10: model 0.5561, mix 0.5878`."""
+
+    def figure(name: str, key: str) -> str:
+        initial = metrics.get(f"initial_{key}")
+        return f"{name}{metrics[key]:.4f}" + (f" (untrained {initial:.4f})" if initial is not None else "")
+
+    parts = [figure("model ", MODEL_PREFIX + "ndcg@10")]
+    mix = metrics.get(MIX)
+    if mix:
+        parts.append(figure(f"mixed with {mix}: ", "ndcg@10"))
+    stages = dict.fromkeys(("bm25", first_stage))  # the first stage by its own name when not BM25 (dense, run)
+    references = {**{s: "BM25" if s == "bm25" else f"first stage ({s})" for s in stages}, "teacher": "teacher"}
+    measured = {name: metrics.get(f"{key}_ndcg@10") for key, name in references.items()}
+    parts += [f"{name} {value:.4f}" for name, value in measured.items() if value is not None]
+    mrr = f"model {metrics[MODEL_PREFIX + 'mrr@10']:.4f}" + (f", mix {metrics['mrr@10']:.4f}" if mix else "")
+    return f"dev ndcg@10: {'; '.join(parts)}. mrr@10: {mrr}"
 
 
 def nothing_left(run_cfg: RunConfig, output_dir: Path, step: int, is_main: bool) -> float:
@@ -65,4 +87,4 @@ def nothing_left(run_cfg: RunConfig, output_dir: Path, step: int, is_main: bool)
             output_dir,
             step,
         )
-    return float(earlier.get(run_cfg.optimized_metric, float("nan")))
+    return objective(earlier, str(run_cfg.optimized_metric))

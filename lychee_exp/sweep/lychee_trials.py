@@ -41,7 +41,7 @@ def check(
     if len(directions) > 1 and len(objectives or []) != len(directions):
         raise UserError(
             f"hydra.sweeper.objectives={list(objectives or [])}: a lychee_exp job returns one metric; "
-            f"{len(directions)} directions need as many metrics.json keys, e.g. [ndcg@10, train_time_s]"
+            f"{len(directions)} directions need as many metrics.json keys, e.g. [model_ndcg@10, train_time_s]"
         )
 
 

@@ -20,6 +20,7 @@ import yaml
 from optuna.trial import TrialState
 
 from lychee_exp.io.atomic import locked, write_bytes_atomic, write_text_atomic
+from lychee_exp.ir.metrics import MIX, mix_figure, model_figure
 from lychee_exp.sweep.storage import METRICS, REASON, RUN_DIR, SURPLUS, tally
 from lychee_exp.tracking.keys import TRIALS_CSV_COLUMNS
 
@@ -108,6 +109,9 @@ def _table(trials: list) -> str:
             "per_device_batch_size": m.get("per_device_batch_size", t.params.get(batch_key, "")),
             "effective_batch_size": m.get("effective_batch_size", ""),
             "metric": value,
+            "model_ndcg@10": _blank(model_figure(m)),
+            "mix_ndcg@10": _blank(mix_figure(m)),
+            "mix": m.get(MIX, ""),
             "duration_s": f"{duration:.1f}" if duration != "" else "",
             "reason": t.user_attrs.get(REASON, ""),
             "run_dir": t.user_attrs.get(RUN_DIR, ""),
@@ -117,6 +121,10 @@ def _table(trials: list) -> str:
         row["overhead_s"] = _overhead(duration, m)
         writer.writerow([*(row[c] for c in TRIALS_CSV_COLUMNS), *(t.params.get(k, "") for k in other)])
     return out.getvalue()
+
+
+def _blank(value: float | None) -> float | str:
+    return "" if value is None else value
 
 
 def _overhead(duration: float | str, metrics: dict) -> str:

@@ -13,12 +13,13 @@ HISTORY = {
     "queries_per_step": "train/queries_per_step",
     "tokens_per_step": "train/tokens_per_step",
     "epoch": "epoch",
-    "dev_ndcg": "dev/ndcg@10",
-    "dev_mrr": "dev/mrr@10",
-    # data.teacher_weight or data.first_stage_weight > 0: dev/ndcg@10 is of the mix; the model alone beside it
-    # (ir/fusion.py)
+    # the model's own dev figures, logged by every run (runs before they were: only beside a mix)
     "dev_model_ndcg": "dev/model_ndcg@10",
     "dev_model_mrr": "dev/model_mrr@10",
+    # the run's ranking: the model's scores mixed with the teacher's or the first stage's when data.teacher_weight
+    # or data.first_stage_weight > 0 (ir/fusion.py; the run's `mix` names it), else the model's figures again
+    "dev_ndcg": "dev/ndcg@10",
+    "dev_mrr": "dev/mrr@10",
     # rank 0's GPU at each logged step (CUDA only; utilisation where NVML, the nvidia-ml-py package, is available)
     "gpu_memory_allocated": "gpu/memory_allocated_mb",
     "gpu_memory_reserved": "gpu/memory_reserved_mb",
@@ -32,8 +33,11 @@ DEV_PREFIX = "dev/"  # every dev metric of an evaluation, e.g. dev/ndcg@10
 
 # metrics.json facts kept on the trial (trials.csv columns; speedup and scaling_efficiency once runs have them)
 TRIAL_METRICS = (
+    "model_ndcg@10",
+    "model_mrr@10",
     "ndcg@10",
     "mrr@10",
+    "mix",
     "steps",
     "effective_batch_size",
     "per_device_batch_size",
@@ -56,7 +60,10 @@ TRIALS_CSV_COLUMNS = [
     "lr",
     "per_device_batch_size",
     "effective_batch_size",
-    "metric",
+    "metric",  # the optimized metric's value (optimization_results.yaml names it)
+    "model_ndcg@10",  # the model's own dev figure
+    "mix_ndcg@10",  # the mix's, blank for a trial ranked by the model alone
+    "mix",  # what the mix mixes in ("the teacher at 0.7"), blank for none
     "duration_s",
     "reason",
     "steps",

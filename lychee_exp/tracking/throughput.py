@@ -14,6 +14,9 @@ import torch
 
 from lychee_exp.config.auto import effective_batch_size
 from lychee_exp.config.schema import RunConfig
+from lychee_exp.ir.first_stage import stage_name
+from lychee_exp.ir.fusion import describe_mix
+from lychee_exp.ir.metrics import MIX
 from lychee_exp.parallel.devices import DevicePlan
 from lychee_exp.parallel.distributed import DistEnv, device_name
 from lychee_exp.parallel.sharding import state_bytes
@@ -100,6 +103,8 @@ def setup_facts(
         "cpu_threads_per_rank": torch.get_num_threads(),
         "parameters": parameters[0],
         "trainable_parameters": parameters[1],
+        # what the dev ranking (the unprefixed dev metrics) mixes into the model's scores; "" = the model alone
+        MIX: describe_mix(cfg.data.teacher_weight, cfg.data.first_stage_weight, stage_name(cfg.data.first_stage)),
     }
 
 

@@ -5,10 +5,12 @@ local report (lychee_exp.tracking.report.html):
 
 - Scaling: observed speedup and scaling efficiency against the number of devices, and throughput per number of devices
   (scatter plots of summary values, one point per run).
-- Hyperparameters: dev ndcg@10 against the learning rate and the effective batch size (parallel coordinates
-  over the config, scatter plots) and a run comparer for the config differences.
-- Training: train/loss and dev/ndcg@10 over steps, one curve per run group (a sweep's trials share a group)
-  with its min-max band, and per run.
+- Hyperparameters: the model's own dev ndcg@10 (model_ndcg@10, what sweeps optimize) against the learning rate and
+  the effective batch size (parallel coordinates over the config, with the mix beside it; scatter plots) and a run
+  comparer for the config differences.
+- Training: train/loss and the model's dev/model_ndcg@10 over steps, one curve per run group (a sweep's trials share
+  a group) with its min-max band, and per run: the model alone, and the run's ranking (dev/ndcg@10: the mix that the
+  run's `mix` names, or the model again).
 - Throughput & memory: samples/s, tokens/s, data-wait share over steps; peak memory per run.
 
 --dry-run builds the definition offline and writes its JSON (what --save would upload), whole, over an earlier
@@ -75,7 +77,7 @@ def workspace(entity: str, project: str, name: str = DEFAULT_NAME) -> ws.Workspa
             is_open=True,
             panels=[
                 wr.ParallelCoordinatesPlot(
-                    title="lr / batch -> dev ndcg@10 (best)",
+                    title="lr / batch -> the model's dev ndcg@10 (best)",
                     columns=[
                         wr.ParallelCoordinatesPlotColumn(metric=c("optimizer.lr"), display_name="lr (base)", log=True),
                         wr.ParallelCoordinatesPlotColumn(metric=c("lr"), display_name="lr (scaled)", log=True),
@@ -84,12 +86,17 @@ def workspace(entity: str, project: str, name: str = DEFAULT_NAME) -> ws.Workspa
                         wr.ParallelCoordinatesPlotColumn(
                             metric=c("effective_batch_size"), display_name="effective batch"
                         ),
-                        wr.ParallelCoordinatesPlotColumn(metric=s(HISTORY["dev_ndcg"]), display_name="dev ndcg@10"),
+                        wr.ParallelCoordinatesPlotColumn(
+                            metric=s(HISTORY["dev_model_ndcg"]), display_name="model ndcg@10"
+                        ),
+                        wr.ParallelCoordinatesPlotColumn(metric=s(HISTORY["dev_ndcg"]), display_name="ranking (mix)"),
                     ],
                     layout=wr.Layout(w=24, h=8),
                 ),
-                _scatter(c("optimizer.lr"), s("ndcg@10"), "ndcg@10 vs lr", log_x=True),
-                _scatter(c("effective_batch_size"), s("ndcg@10"), "ndcg@10 vs effective batch size", log_x=True),
+                _scatter(c("optimizer.lr"), s("model_ndcg@10"), "model ndcg@10 vs lr", log_x=True),
+                _scatter(
+                    c("effective_batch_size"), s("model_ndcg@10"), "model ndcg@10 vs effective batch size", log_x=True
+                ),
                 wr.RunComparer(diff_only="split"),
             ],
         ),
@@ -98,10 +105,10 @@ def workspace(entity: str, project: str, name: str = DEFAULT_NAME) -> ws.Workspa
             is_open=True,
             panels=[
                 by_group(HISTORY["loss"], "train/loss by group (sweep)"),
-                by_group(HISTORY["dev_ndcg"], "dev/ndcg@10 by group (sweep)"),
+                by_group(HISTORY["dev_model_ndcg"], "the model's dev/model_ndcg@10 by group (sweep)"),
                 per_run([HISTORY["loss"]], "train/loss per run"),
-                per_run([HISTORY["dev_ndcg"], HISTORY["dev_mrr"]], "dev ndcg@10 / mrr@10 per run"),
-                per_run([HISTORY["dev_model_ndcg"], HISTORY["dev_model_mrr"]], "the model alone (mix on)"),
+                per_run([HISTORY["dev_model_ndcg"], HISTORY["dev_model_mrr"]], "the model alone: ndcg@10 / mrr@10"),
+                per_run([HISTORY["dev_ndcg"], HISTORY["dev_mrr"]], "the run's ranking (the mix, if any)"),
                 per_run([HISTORY["lr"]], "learning rate"),
                 per_run([HISTORY["grad_norm"]], "gradient norm"),
             ],
@@ -126,8 +133,10 @@ def workspace(entity: str, project: str, name: str = DEFAULT_NAME) -> ws.Workspa
         for key in (
             "num_devices",
             "effective_batch_size",
+            "model_ndcg@10",
+            "model_mrr@10",
+            "mix",
             "ndcg@10",
-            "mrr@10",
             "speedup",
             "scaling_efficiency",
             "peak_memory_mb",

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from lychee_exp.errors import UserError
+from lychee_exp.ir.metrics import model_figure
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,13 @@ class Run:
     def get(self, key: str) -> float | None:
         """A numeric metric, or None when absent or not a number (older runs lack keys)."""
         return number(self.metrics.get(key))
+
+    def model(self, name: str, initial: bool = False) -> float | None:
+        """The model's own figure (initial: the untrained model's), whichever lychee_exp wrote the run."""
+        metrics = self.metrics
+        if initial:
+            metrics = {k.removeprefix("initial_"): v for k, v in metrics.items() if k.startswith("initial_")}
+        return number(model_figure(metrics, name))
 
     @property
     def peak_memory_mb(self) -> float | None:

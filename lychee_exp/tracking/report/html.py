@@ -2,7 +2,8 @@
 
 One self-contained HTML page comparing every run below a directory (every directory holding a metrics.json),
 with the same comparisons as the W&B workspace (lychee_exp.tracking.wandb_workspace) for users without a W&B
-account: a runs table, speedup and scaling efficiency vs world size, ndcg@10 against lr and effective batch size,
+account: a runs table (the model's own ndcg@10 and any mix's side by side), speedup and scaling efficiency vs world
+size, the model's ndcg@10 against lr and effective batch size,
 loss curves grouped by sweep, throughput and memory; plus each Optuna sweep's trials (trials.csv) and each scaling
 benchmark (bench.csv) found there. Inline CSS and SVG only: it opens offline, from a mail attachment too.
 """
@@ -21,6 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from lychee_exp.errors import command_main
 from lychee_exp.io.outputs import POLICY_LINE, interrupted_line
+from lychee_exp.ir.metrics import MIX, mix_figure
 from lychee_exp.tracking.keys import num_devices
 from lychee_exp.tracking.report import plots
 from lychee_exp.tracking.report.data import (
@@ -33,6 +35,7 @@ from lychee_exp.tracking.report.data import (
     config_value,
     find,
     fmt,
+    number,
     report_root,
 )
 from lychee_exp.tracking.report.output import GENERATOR_TAG, page_output
@@ -61,8 +64,10 @@ RUN_COLUMNS = [
     "world size",
     "effective batch",
     "lr (base → scaled)",
-    "ndcg@10 (gain)",
-    "mrr@10",
+    "model ndcg@10 (gain)",
+    "model mrr@10",
+    "mix ndcg@10",
+    "mixed with",
     "speedup",
     "efficiency",
     "samples/s",
@@ -109,7 +114,8 @@ def _figure(svg: str, empty: str) -> str:
 
 
 def _ndcg_cell(run: Run) -> str:
-    ndcg, initial = run.get("ndcg@10"), run.get("initial_ndcg@10")
+    """The model's own ndcg@10 and its gain over the untrained model's."""
+    ndcg, initial = run.model("ndcg@10"), run.model("ndcg@10", initial=True)
     if ndcg is None or initial is None:
         return _esc(fmt(ndcg, "f3"))
     gain = ndcg - initial
@@ -132,7 +138,9 @@ def _run_row(run: Run) -> list[str]:
         lr,
     ]
     tail = [
-        fmt(m.get("mrr@10"), "f3"),
+        fmt(run.model("mrr@10"), "f3"),
+        fmt(number(mix_figure(m)), "f3"),
+        fmt(m.get(MIX) or None),
         fmt(m.get("speedup"), "f2"),
         fmt(m.get("scaling_efficiency"), "pct"),
         fmt(m.get("train_samples_per_s"), "f2"),
@@ -197,7 +205,7 @@ def _bench_section(table: Table) -> str:
 def render(found: Found, root: Path, title: str | None = None) -> str:
     runs = found.runs
     title = title or f"lychee_exp report: {root.name}"
-    best = argmax([r.get("ndcg@10") for r in runs])
+    best = argmax([r.model("ndcg@10") for r in runs])
     groups: dict[str, list[Run]] = {}
     for run in runs:
         groups.setdefault(run.group, []).append(run)
@@ -208,8 +216,10 @@ def render(found: Found, root: Path, title: str | None = None) -> str:
     sections = {
         "Runs": (
             _table(RUN_COLUMNS, (_run_row(r) for r in runs), "runs", highlight=best)
-            + '<p class="note">ndcg@10 in brackets: gain over the untrained model (initial_ndcg@10). '
-            "Highlighted: the best ndcg@10. Speedup = samples/s over one device's; efficiency = "
+            + '<p class="note">model: the trained model\'s own dev figures (model_ndcg@10, what sweeps optimize); '
+            "in brackets its gain over the untrained model. mix: the run's ranking when it mixes the model's scores "
+            "with the teacher's or the first stage's (ndcg@10), named in the next column. "
+            "Highlighted: the best model ndcg@10. Speedup = samples/s over one device's; efficiency = "
             "speedup / world size.</p>"
         )
         if runs
@@ -217,7 +227,7 @@ def render(found: Found, root: Path, title: str | None = None) -> str:
         "Scaling": _figure(plots.scaling(runs), "no run recorded a speedup")
         + "".join(_bench_section(b) for b in found.benches),
         "Sweeps": "".join(_sweep_section(s) for s in found.sweeps) or '<p class="note">no trials.csv found</p>',
-        "Hyperparameters": _figure(plots.hyperparameters(runs), "no run recorded ndcg@10"),
+        "Hyperparameters": _figure(plots.hyperparameters(runs), "no run recorded the model's ndcg@10"),
         "Training": "".join(curves) or '<p class="note">no runs</p>',
         "Throughput & memory": _figure(plots.bars(runs), "no throughput or memory figures recorded")
         + (_table(THROUGHPUT_COLUMNS, (_throughput_row(r) for r in runs), "throughput") if runs else ""),

@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter, NullLocator
 
-from lychee_exp.tracking.keys import num_devices
+from lychee_exp.tracking.keys import HISTORY, num_devices
 from lychee_exp.tracking.report.data import Run, Table, number
 
 _salt = itertools.count()
@@ -109,8 +109,8 @@ def bench(table: Table) -> str:
 
 
 def hyperparameters(runs: Sequence[Run]) -> str:
-    """ndcg@10 against the learning rate (log axis) and against the effective batch size."""
-    if not any(r.get("ndcg@10") is not None for r in runs):
+    """The model's own ndcg@10 against the learning rate (log axis) and against the effective batch size."""
+    if not any(r.model("ndcg@10") is not None for r in runs):
         return ""
     fig, (ax1, ax2) = _figure(2)
 
@@ -120,23 +120,30 @@ def hyperparameters(runs: Sequence[Run]) -> str:
     def batch(r: Run) -> float | None:
         return r.get("effective_batch_size")
 
-    if _scatter_by_group(ax1, runs, lr, lambda r: r.get("ndcg@10")):
+    def ndcg(r: Run) -> float | None:
+        return r.model("ndcg@10")
+
+    if _scatter_by_group(ax1, runs, lr, ndcg):
         _ticks_at_values(ax1, runs, lr, 10, ".0e")
-    ax1.set(xlabel="learning rate (at base batch)", ylabel="dev ndcg@10", title="ndcg@10 vs learning rate")
-    if _scatter_by_group(ax2, runs, batch, lambda r: r.get("ndcg@10")):
+    ylabel = "the model's dev ndcg@10"
+    ax1.set(xlabel="learning rate (at base batch)", ylabel=ylabel, title="model ndcg@10 vs learning rate")
+    if _scatter_by_group(ax2, runs, batch, ndcg):
         _ticks_at_values(ax2, runs, batch, 2, ".0f")
-    ax2.set(xlabel="effective batch size (queries / step)", ylabel="dev ndcg@10", title="ndcg@10 vs batch size")
+    ax2.set(xlabel="effective batch size (queries / step)", ylabel=ylabel, title="model ndcg@10 vs batch size")
     return _svg(fig)
 
 
 def curves(runs: Sequence[Run]) -> str:
-    """Training loss and dev ndcg@10 over steps for one group of runs (a sweep's trials side by side)."""
+    """Training loss and the model's dev ndcg@10 over steps for one group of runs (a sweep's trials side by side;
+    runs that logged no dev/model_ndcg@10, written before every run did, ranked by the model alone: dev/ndcg@10)."""
     fig, (ax1, ax2) = _figure(2)
     drawn = False
     for i, run in enumerate(runs):
         color = COLORS[i % len(COLORS)]
         label = run.name.rsplit("/", 1)[-1]
-        for ax, key in ((ax1, "train/loss"), (ax2, "dev/ndcg@10")):
+        logged_own = any(HISTORY["dev_model_ndcg"] in row for row in run.history)
+        own = HISTORY["dev_model_ndcg"] if logged_own else HISTORY["dev_ndcg"]
+        for ax, key in ((ax1, HISTORY["loss"]), (ax2, own)):
             pts = [(row["step"], row[key]) for row in run.history if key in row]
             if pts:
                 ax.plot(
@@ -147,7 +154,7 @@ def curves(runs: Sequence[Run]) -> str:
         plt.close(fig)
         return ""
     ax1.set(xlabel="step", ylabel="train/loss", title="Training loss")
-    ax2.set(xlabel="step", ylabel="dev/ndcg@10", title="Dev ndcg@10")
+    ax2.set(xlabel="step", ylabel="dev/model_ndcg@10", title="The model's dev ndcg@10")
     if len(runs) > 1:
         ax1.legend(fontsize=7, frameon=False, ncol=2)
     return _svg(fig)
