@@ -217,7 +217,7 @@ def test_an_oom_trial_is_retried_once_with_half_the_batch(sweep_here, tmp_path, 
 
 @pytest.mark.slow
 def test_pruning_stops_a_hopeless_trial_on_every_rank(tmp_path):
-    # ndcg@10 never reaches 2: the pruner condemns the trial at its first evaluation after warm-up (step 2)
+    # model_ndcg@10 never reaches 2: the pruner condemns the trial at its first evaluation after warm-up (step 2)
     searchpath = _write_search(
         tmp_path,
         "hopeless",
@@ -251,7 +251,9 @@ hydra:
     metrics = json.loads((tmp_path / "sweep" / "0" / "metrics.json").read_text())
     assert trial.state == TrialState.PRUNED and trial.user_attrs["pruned_at_step"] == 2
     assert metrics["stopped_early"] is True and metrics["steps"] == 2 < 6 and metrics["num_devices"] == 2
-    assert trial.value == pytest.approx(metrics["ndcg@10"]) == trial.intermediate_values[2]
+    # the pruner judged the model's own figure, not the mix with the teacher
+    assert trial.value == pytest.approx(metrics["model_ndcg@10"]) == trial.intermediate_values[2]
+    assert metrics["model_ndcg@10"] != metrics["ndcg@10"]
     assert sorted(trial.intermediate_values) == [0, 1, 2]
     assert _rows(tmp_path / "sweep")[0]["state"] == "PRUNED"
 
@@ -458,7 +460,7 @@ hydra:
         (
             "optimizer.lr: interval(1e-5, 1e-3)",
             ["hydra.sweeper.direction=minimize"],
-            "hydra.sweeper.direction=minimize would minimise optimized_metric=ndcg@10",
+            "hydra.sweeper.direction=minimize would minimise optimized_metric=model_ndcg@10",
         ),
         (
             "trial.number: choice(1, 2)",
