@@ -317,6 +317,6 @@ def test_an_oom_trial_retries_on_fresh_ranks_and_completes(faulty_sweep):
     assert "warm ranks, kept for the next trial" in (sweep / "0-oom-retry" / "run.log").read_text()  # new ranks
     retried = run_metrics(sweep / "0-oom-retry")
     assert (retried["per_device_batch_size"], retried["grad_accum_steps"], retried["steps"]) == (1, 2, 4)
-    assert study.trials[0].value == pytest.approx(retried["ndcg@10"])
+    assert study.trials[0].value == pytest.approx(retried["model_ndcg@10"])
     assert run_metrics(sweep / "1")["warm_ranks"] is True  # the retry ended well: its ranks serve the next trial
     assert [t.number for t in study.trials if "oom_retry" in t.user_attrs] == [0]  # only the batch-2 run ran out
