@@ -217,7 +217,7 @@ def _rows(sweep_dir: Path) -> list[dict]:
         return list(csv.DictReader(handle))
 
 
-OUTCOME = ("ndcg@10", "mrr@10", "train_loss", "initial_ndcg@10", "steps", "effective_batch_size")
+OUTCOME = ("model_ndcg@10", "ndcg@10", "mrr@10", "train_loss", "initial_ndcg@10", "steps", "effective_batch_size")
 
 
 @pytest.mark.slow
