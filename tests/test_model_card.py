@@ -190,7 +190,8 @@ def test_training_from_a_model_path_needs_no_preset(tiny_dir, tmp_path):
     _, metrics = run_job([*overrides, f"model.path={tiny_dir}", "trainer.max_steps=1"], tmp_path / "run")
     card = json.loads((tmp_path / "run" / "model" / CARD_FILE).read_text())
     assert card["preset"] == "tiny_lychee" and card["score"] == "yes_logit" and card["prompt"]["query_max_len"] == 17
-    assert card["base_model"] == str(tiny_dir.resolve())  # its weights, not a random init
+    # its weights, not a random init: named by what tiny_dir's card says it is (a random-init tiny_lychee), no path
+    assert card["base_model"] == "tiny_lychee"
     # a preset an experiment chooses counts as given: tiny_smoke's causal LM contradicts a cross-encoder's card
     minilm = fake_dir(tmp_path / "minilm", ["BertForSequenceClassification"], minilm_card())
     with pytest.raises(UserError, match="model=tiny_lychee contradicts"):

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 from conftest import REPO_ROOT
+from huggingface_hub import ModelCard
 from test_model import LORA, _spread_weights
 
 from lychee_exp.cli import command_config
@@ -126,7 +127,11 @@ def test_a_lora_runs_adapter_on_its_base_scores_as_the_merged_model(blocks, tmp_
     adapter_config = json.loads((merged / ADAPTER_DIR / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str(base.resolve())
     card = json.loads((merged / "lychee_reranker.json").read_text())
-    assert card["adapter"] == ADAPTER_DIR and card["base_model"] == str(base.resolve())
+    # the cards name the base (a random-init tiny_lychee: by its preset), never by a path
+    assert card["adapter"] == ADAPTER_DIR and card["base_model"] == "tiny_lychee"
+    peft_card = ModelCard.load(merged / ADAPTER_DIR / "README.md")  # peft's own card of the adapter
+    assert peft_card.data.base_model == "tiny_lychee" and "base_model:adapter:tiny_lychee" in peft_card.data.tags
+    assert str(tmp_path) not in (merged / "README.md").read_text() + str(peft_card)
 
     ours = project_scores(merged, PAIRS)
     assert max(abs(a - b) for a, b in zip(ours, project_scores(base, PAIRS))) > 1e-2  # the adapter matters

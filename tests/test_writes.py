@@ -91,6 +91,9 @@ LISTED = {
         ("save_checkpoint", "os.replace"): "the complete checkpoint renamed into place (`latest` then by io.atomic)",
         ("save_shards", ".save"): "every rank's DCP shards, into the checkpoint's temporary directory",
     },
+    "lychee_exp/train/trainer.py": {
+        ("train_on_rank", ".save"): "Trainer.save(metrics) (no path): model/ through save_reranker, listed below",
+    },
     "lychee_exp/model/reranker.py": {
         ("_write_reranker", ".save_pretrained"): "model/'s files, into io.outputs.staged_directory's staging directory",
     },

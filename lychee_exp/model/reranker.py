@@ -47,6 +47,7 @@ from lychee_exp.model.files import (
     new_head_allowed,
     write_card,
 )
+from lychee_exp.model.model_card import RunRecord, base_model_name, name_adapter_base, write_model_card
 from lychee_exp.model.packed import packed_attention, score_packed_encoder
 from lychee_exp.model.precision import weight_dtype
 
@@ -315,11 +316,19 @@ def _check_loaded(cfg: ModelConfig, report: dict, training: bool) -> None:
         )
 
 
-def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path, ranking: dict | None = None) -> None:
-    """Saves a plain transformers model (LoRA merged in) plus tokenizer and the model card (model.files),
-    loadable with model.path=out_dir; a LoRA run also keeps its peft adapter in out_dir/adapter, whose
-    base_model_name_or_path is the directory training started from. `ranking`: how the run ranked its dev set
-    beyond the model's own scores (a teacher mix, ir.fusion), recorded for rerank.
+def save_reranker(
+    reranker: Reranker,
+    tokenizer,
+    cfg: ModelConfig,
+    out_dir: Path,
+    ranking: dict | None = None,
+    run: RunRecord | None = None,
+) -> None:
+    """Saves a plain transformers model (LoRA merged in) plus tokenizer, the lychee_exp card (model.files) and the
+    Hugging Face model card README.md (model.model_card), loadable with model.path=out_dir; a LoRA run also keeps
+    its peft adapter in out_dir/adapter, whose base_model_name_or_path is the directory training started from.
+    `ranking`: how the run ranked its dev set beyond the model's own scores (a teacher mix, ir.fusion), recorded
+    for rerank; `run`: the run that trained the model (its config and final metrics), for README.md's figures.
 
     Written whole or not at all: into a hidden directory beside out_dir, moved into place once complete
     (io.outputs.staged_directory: an earlier out_dir, a resumed run's, stays until then). Every file gets the
@@ -327,7 +336,7 @@ def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path
     (RunFailed)."""
     try:
         with staged_directory(out_dir) as staging:
-            _write_reranker(reranker, tokenizer, cfg, staging, ranking)
+            _write_reranker(reranker, tokenizer, cfg, staging, ranking, run)
             match_umask(staging)
     except BaseException as err:
         # the Rust writers (safetensors, tokenizers) put the OS error in their text: "... (os error 28)"
@@ -339,16 +348,21 @@ def save_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path
         raise
 
 
-def _write_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path, ranking: dict | None) -> None:
+def _write_reranker(
+    reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path, ranking: dict | None, run: RunRecord | None
+) -> None:
     from peft import PeftModel
 
     backbone = reranker.backbone
-    base = None if cfg.random_init else str(model_dir(cfg).resolve())
+    # the cards name the start (a hub id, a package, a directory's name); peft loads it from its directory
+    base = None if cfg.random_init else base_model_name(cfg.path)
     adapter = isinstance(backbone, PeftModel)
     if adapter:
         for peft_config in backbone.peft_config.values():
-            peft_config.base_model_name_or_path = base or peft_config.base_model_name_or_path
+            if not cfg.random_init:
+                peft_config.base_model_name_or_path = str(model_dir(cfg).resolve())
         backbone.save_pretrained(str(out_dir / ADAPTER_DIR))
+        name_adapter_base(out_dir / ADAPTER_DIR, base)
         backbone = backbone.merge_and_unload()
         reranker.backbone = backbone
     backbone.save_pretrained(str(out_dir), safe_serialization=True)
@@ -359,6 +373,7 @@ def _write_reranker(reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Pa
         hidden = backbone.config.hidden_size
         write_sentence_transformers_files(out_dir, hidden, cfg.pooling, pair_max_len(tokenizer, cfg.prompt))
     write_card(cfg, out_dir, base, adapter, ranking)
+    write_model_card(out_dir, cfg, base, adapter, run)
 
 
 log = logging.getLogger(__name__)

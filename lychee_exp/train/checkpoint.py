@@ -33,6 +33,7 @@ from lychee_exp.config.schema import ModelConfig, RunConfig
 from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.io.atomic import write_text_atomic
 from lychee_exp.model.files import match_umask
+from lychee_exp.model.model_card import RunRecord
 from lychee_exp.model.reranker import load_reranker, save_reranker
 from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.parallel.sharding import is_sharded, unsharded_copy
@@ -253,10 +254,11 @@ def save_model(
     tokenizer,
     cfg: RunConfig,
     env: DistEnv,
+    metrics: dict,
 ) -> None:
     """Called on every rank; the main rank writes. A sharded model (fsdp) is gathered once into an unsharded copy
     on the main rank (collective), so model/ loads exactly as a DDP run's does. `model_cfg`: the model config the
-    run resolved (parallel.memory_plan.resolved_model_config)."""
+    run resolved (parallel.memory_plan.resolved_model_config); `metrics`: the run's final ones, for the model card."""
     if is_sharded(model):
         build = functools.partial(load_reranker, model_cfg, encoder, cfg.seed, training=True)
         model = unsharded_copy(model, build, env.is_main)
@@ -266,7 +268,7 @@ def save_model(
             "first_stage_weight": cfg.data.first_stage_weight,
             "teacher": dataclasses.asdict(cfg.data.dense),
         }
-        save_reranker(model, tokenizer, cfg.model, out_dir, mix)
+        save_reranker(model, tokenizer, cfg.model, out_dir, mix, RunRecord(cfg, metrics))
 
 
 SHARDS = "shards"

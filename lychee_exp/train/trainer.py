@@ -320,9 +320,9 @@ class Trainer:
         return TrainingState(self.model, self.optimizer, self.scheduler, self.scaler, self.env)
 
     # ----------------------------------------------------------------------------------------- save, cleanup
-    def save(self) -> None:  # every rank: under fsdp they gather the weights
+    def save(self, metrics: dict) -> None:  # every rank: under fsdp they gather the weights
         if self.cfg.trainer.save_model:
-            parts = (self.model_cfg, self.encoder, self.tokenizer, self.cfg, self.env)
+            parts = (self.model_cfg, self.encoder, self.tokenizer, self.cfg, self.env, metrics)
             save_model(self.model, self.output_dir / "model", *parts)
 
     def cleanup(self) -> None:
@@ -346,7 +346,7 @@ def train_on_rank(
         trainer.setup()
         metrics = trainer.fit()
         if "preempted_at_step" not in metrics and NOTHING_LEFT not in metrics:
-            trainer.save()
+            trainer.save(metrics)
     finally:
         trainer.cleanup()
     return metrics
