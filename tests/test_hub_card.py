@@ -161,8 +161,10 @@ def test_base_models_are_named_without_paths(tmp_path):
 
 
 def test_a_beir_runs_card_names_its_dataset_and_the_first_stage_mix(tmp_path):
-    cfg = to_run_config(compose_job(["data=beir", "data.dataset=/data/my_scifact", "data.train_file=/data/m.jsonl"]))
+    overrides = ["data=beir", "data.dataset=/data/my_scifact", "data.train_file=/data/m.jsonl"]
+    cfg = to_run_config(compose_job(overrides, tmp_path / "run"))
     metrics = {"ndcg@10": 0.61, "mrr@10": 0.5, "map": 0.4, "model_ndcg@10": 0.6, "model_mrr@10": 0.49}
+    metrics["mix"] = "the first stage (bm25) at 0.3"  # what the run's setup facts record (ir.fusion.describe_mix)
     metrics.update({"model_map": 0.39, "bm25_ndcg@10": 0.55, "bm25_mrr@10": 0.45, "bm25_map": 0.35, "steps": 3})
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
     write_model_card(tmp_path, cfg.model, MINILM_HUB_ID, adapter=False, run=RunRecord(cfg, metrics))

@@ -90,12 +90,16 @@ class LoggerMode(Choice):
     disabled = "disabled"
 
 
-# the names hold "@", so the functional form; module and qualname let ranks unpickle its members. model_*: the
-# model's own dev figures; unprefixed: the run's ranking, which mixes in the teacher or first stage when
-# data.teacher_weight or data.first_stage_weight > 0 (lychee_exp.ir.metrics)
+# A training run's dev metrics name the model's own figures model_* (every evaluation) and the run's ranking
+# unprefixed: the model's scores mixed with the teacher's or the first stage's when data.teacher_weight or
+# data.first_stage_weight > 0 (ir.fusion), which metrics.json's `mix` describes ("" for the model alone), else the
+# model's figures again (readers of older runs: lychee_exp.ir.metrics.model_figure / mix_figure)
+MODEL_PREFIX = "model_"
+MIX = "mix"
+# the names hold "@", so the functional form; module and qualname let ranks unpickle its members
 Metric = Choice(
     "Metric",
-    {name: name for name in ("model_ndcg@10", "model_mrr@10", "ndcg@10", "mrr@10")},
+    {name: name for name in (f"{MODEL_PREFIX}ndcg@10", f"{MODEL_PREFIX}mrr@10", "ndcg@10", "mrr@10")},
     module=__name__,
     qualname="Metric",
 )

@@ -21,11 +21,12 @@ from typing import Callable, Sequence
 
 import torch
 
+from lychee_exp.config.choices import MODEL_PREFIX
 from lychee_exp.data.groups import DevPairs
 from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.ir.candidates import RerankPairs
 from lychee_exp.ir.fusion import fuse
-from lychee_exp.ir.metrics import MODEL_PREFIX, mean_metrics, per_query_metrics, trec_metrics
+from lychee_exp.ir.metrics import mean_metrics, per_query_metrics, trec_metrics
 from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.parallel.sharding import is_sharded
 

@@ -9,14 +9,11 @@ a query with no candidates, or judged with no relevant document, scores 0, as tr
 
 from __future__ import annotations
 
+from lychee_exp.config.choices import MIX, MODEL_PREFIX
 from lychee_exp.ir.trec import Run, ranked
 
 CUTOFFS = (1, 3, 5, 10, 100)  # FlagEmbedding's evaluation cut-offs
-# A training run's dev metrics name the model's own figures model_* (every evaluation) and the run's ranking
-# unprefixed: the model's scores mixed with the teacher's or the first stage's when a weight > 0 (ir.fusion), whose
-# description metrics.json keeps as `mix` ("" for the model alone), else the model's again.
-MODEL_PREFIX = "model_"
-MIX = "mix"
+
 PerQuery = dict[str, dict[str, float]]  # query id -> measure name (ndcg@10, ...) -> value
 
 

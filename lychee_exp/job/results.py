@@ -6,10 +6,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from lychee_exp.config.choices import MIX, MODEL_PREFIX
 from lychee_exp.config.schema import RunConfig
 from lychee_exp.io.atomic import read_json, write_json_atomic
 from lychee_exp.ir.first_stage import stage_name
-from lychee_exp.ir.metrics import MIX, MODEL_PREFIX, model_figure, standing_below_first_stage
+from lychee_exp.ir.metrics import model_figure, standing_below_first_stage
 from lychee_exp.tracking.speedup import speedup_note
 
 log = logging.getLogger("lychee_exp")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from lychee_exp.config.choices import MIX, MODEL_PREFIX
 from lychee_exp.config.schema import ModelConfig, RunConfig
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_text_atomic
@@ -258,26 +259,13 @@ def _data_files(cfg: RunConfig) -> str:
 
 
 def _mix(run: RunRecord) -> str | None:
-    """How the run's own ranking (the unprefixed dev figures) mixed the model with other scores, or None."""
-    data, metrics = run.cfg.data, run.metrics
-    parts = []
-    if data.teacher_weight > 0 and "teacher_ndcg@10" in metrics:  # the teacher's scores the mix needs
-        parts.append(f"the teacher at {data.teacher_weight:g}")
-    stage = _stage(metrics)
-    if data.first_stage_weight > 0 and data.dataset and stage:
-        parts.append(f"the first stage ({stage}) at {data.first_stage_weight:g}")
-    return " and ".join(parts) or None
+    """What the run's own ranking (the unprefixed dev figures) mixed into the model's scores, or None."""
+    return run.metrics.get(MIX) or None
 
 
 def _stage(metrics: dict) -> str | None:
     """The first stage whose figures the run logged (bm25_*, dense_*, run_*)."""
     return next((s for s in ("bm25", "dense", "run") if f"{s}_ndcg@10" in metrics), None)
-
-
-def _alone(metrics: dict, prefix: str, mixed: bool) -> dict[str, float]:
-    """The model's own figures: model_* (initial_model_*), or the unprefixed ones of a run that mixed nothing."""
-    own = {k: metrics[f"{prefix}model_{k}"] for k in SHOWN if f"{prefix}model_{k}" in metrics}
-    return own or ({} if mixed else {k: metrics[f"{prefix}{k}"] for k in SHOWN if f"{prefix}{k}" in metrics})
 
 
 def _figures(metrics: dict, prefix: str) -> dict[str, float]:
@@ -289,9 +277,9 @@ def _dev_rows(run: RunRecord) -> list[tuple[str, dict[str, float]]]:
     stage = _stage(metrics)
     reference = f"first stage ({stage})" if run.cfg.data.dataset else "BM25 on the dev candidates"
     rows = [
-        ("this model alone", _alone(metrics, "", bool(mix))),
+        ("this model alone", _figures(metrics, MODEL_PREFIX)),
         (f"this model mixed with {mix} (the run's ranking)", _figures(metrics, "") if mix else {}),
-        ("untrained (step 0), alone", _alone(metrics, "initial_", bool(mix))),
+        ("untrained (step 0), alone", _figures(metrics, f"initial_{MODEL_PREFIX}")),
         (f"untrained (step 0), mixed with {mix}", _figures(metrics, "initial_") if mix else {}),
         (reference, _figures(metrics, f"{stage}_") if stage else {}),
         ("teacher", _figures(metrics, "teacher_")),
@@ -313,7 +301,7 @@ def _eval_results(run: RunRecord) -> list[EvalResult] | None:
             metric_name=key.upper(),
             metric_value=value,
         )
-        for key, value in _alone(run.metrics, "", bool(_mix(run))).items()
+        for key, value in _figures(run.metrics, MODEL_PREFIX).items()
     ]
     return results or None
 

@@ -19,8 +19,9 @@ from typing import Any, Sequence
 import yaml
 from optuna.trial import TrialState
 
+from lychee_exp.config.choices import MIX
 from lychee_exp.io.atomic import locked, write_bytes_atomic, write_text_atomic
-from lychee_exp.ir.metrics import MIX, mix_figure, model_figure
+from lychee_exp.ir.metrics import mix_figure, model_figure
 from lychee_exp.sweep.storage import METRICS, REASON, RUN_DIR, SURPLUS, tally
 from lychee_exp.tracking.keys import TRIALS_CSV_COLUMNS
 

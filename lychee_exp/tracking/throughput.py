@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from lychee_exp.config.auto import effective_batch_size
+from lychee_exp.config.choices import MIX
 from lychee_exp.config.schema import RunConfig
 from lychee_exp.ir.first_stage import stage_name
 from lychee_exp.ir.fusion import describe_mix
-from lychee_exp.ir.metrics import MIX
 from lychee_exp.parallel.devices import DevicePlan
 from lychee_exp.parallel.distributed import DistEnv, device_name
 from lychee_exp.parallel.sharding import state_bytes

@@ -20,9 +20,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from lychee_exp.config.choices import MIX
 from lychee_exp.errors import command_main
 from lychee_exp.io.outputs import POLICY_LINE, interrupted_line
-from lychee_exp.ir.metrics import MIX, mix_figure
+from lychee_exp.ir.metrics import mix_figure
 from lychee_exp.tracking.keys import num_devices
 from lychee_exp.tracking.report import plots
 from lychee_exp.tracking.report.data import (
