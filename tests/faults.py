@@ -1,11 +1,13 @@
 """Fault injection for the tests of failure handling:
-LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang|oom|wait>[:<trial>[:<batch>]] makes that rank fail right after that
-optimizer step (oom: as a CUDA out-of-memory error would; wait is no failure: the rank waits until the path in
+LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang|oom|wait|zero>[:<trial>[:<batch>]] makes that rank fail right after
+that optimizer step (oom: as a CUDA out-of-memory error would; wait is no failure: the rank waits until the path in
 LYCHEE_FAULT_WAIT_FOR exists, e.g. a trial held until another worker's trial began, and raises after WAIT_S
-seconds without it); with a trial number (-1: any), only in that sweep trial (the sweep's other trials run
-normally); with a batch, only while data.batch_size is at least that (so
-an OOM retry with half the batch completes, as it would on a real GPU). Several faults, comma-separated, fire
-each in its own rank/trial (one sweep then shows several failures); where two match, the first is the one.
+seconds without it; zero is no failure either: the trainable weights become 0, and the model then scores every
+pair alike, exactly, on any machine: a dev figure known in advance, the tie order's; name every rank for DDP).
+With a trial number (-1: any), only in that sweep trial (the sweep's other trials run normally); with a batch,
+only while data.batch_size is at least that (so an OOM retry with half the batch completes, as it would on a real
+GPU). Several faults, comma-separated, fire each in its own rank/trial (one sweep then shows several failures);
+where two match, the first is the one.
 
 The trainer asks `fault_hook` once at setup; without LYCHEE_FAULT (always, outside tests) it gets None and its
 loop calls nothing."""
@@ -23,7 +25,7 @@ import torch
 WAIT_S = 300
 
 
-def fault_hook(rank: int, trial_number: int = -1, batch_size: int = 0) -> Callable[[int], None] | None:
+def fault_hook(rank: int, trial_number: int = -1, batch_size: int = 0) -> Callable[[int, torch.nn.Module], None] | None:
     """A per-step callback that fires this rank's injected fault, or None when no fault targets this rank."""
     for spec in filter(None, os.environ.get("LYCHEE_FAULT", "").split(",")):
         fault_rank, fault_step, action, *rest = spec.split(":")
@@ -33,17 +35,23 @@ def fault_hook(rank: int, trial_number: int = -1, batch_size: int = 0) -> Callab
     return None
 
 
-def _after_step(fault_step: int, action: str, rank: int) -> Callable[[int], None]:
-    def after_step(step: int) -> None:
+def _after_step(fault_step: int, action: str, rank: int) -> Callable[[int, torch.nn.Module], None]:
+    def after_step(step: int, model: torch.nn.Module) -> None:
         if step == fault_step:
-            _fire(action, rank, step)
+            _fire(action, rank, step, model)
 
     return after_step
 
 
-def _fire(action: str, rank: int, step: int) -> None:
+def _fire(action: str, rank: int, step: int, model: torch.nn.Module) -> None:
     # the moment the fault fires, so that tests time the job's reaction from here, not from its start-up
     print(f"LYCHEE_FAULT {action} fired at {time.time():.3f}", file=sys.stderr, flush=True)
+    if action == "zero":
+        with torch.no_grad():  # a sharded (fsdp) parameter zeroes its own shard
+            for parameter in model.parameters():
+                if parameter.requires_grad:
+                    parameter.zero_()
+        return
     if action == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
     if action == "kill":

@@ -260,7 +260,7 @@ def test_non_finite_loss_stops_the_run_at_the_next_read(tmp_path):
     plan = plan_devices("single", 1, cuda_count=0, cpu_threads_per_rank=1)
     done: list[int] = []
     with pytest.raises(TrainingDiverged, match=r"loss is (nan|inf) at step (\d)") as err:
-        train_on_rank(cfg, DistEnv(), plan, tmp_path, hooks=StepHooks(after_step=done.append))
+        train_on_rank(cfg, DistEnv(), plan, tmp_path, hooks=StepHooks(after_step=lambda step, model: done.append(step)))
     diverged_at = int(err.value.args[0].split("at step ")[1].split()[0])
     assert 1 < diverged_at <= 4 and done == [1, 2, 3, 4]  # read at step 4, not at the diverged step
 
@@ -279,7 +279,8 @@ def test_packed_run_resumes_where_it_stopped(tmp_path, budget):
 
     whole = run("whole")
     steps: list[int] = []
-    cut = run("cut", hooks=StepHooks(after_step=steps.append, stop_requested=lambda: len(steps) == 3))
+    stop = StepHooks(after_step=lambda step, model: steps.append(step), stop_requested=lambda: len(steps) == 3)
+    cut = run("cut", hooks=stop)
     assert cut["preempted_at_step"] == 3
     resumed = run("cut", "trainer.resume=auto")
     assert resumed["steps"] == 6

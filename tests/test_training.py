@@ -274,9 +274,9 @@ def test_fault_injection_costs_the_loop_nothing_unless_asked(monkeypatch):
     monkeypatch.setenv("LYCHEE_FAULT", "1:3:raise")
     assert fault_hook(0) is None  # another rank's fault
     hook = fault_hook(1)
-    hook(2)  # not yet
+    hook(2, None)  # not yet
     with pytest.raises(RuntimeError, match="injected fault on rank 1 at step 3"):
-        hook(3)
+        hook(3, None)
     monkeypatch.setenv("LYCHEE_FAULT", "1:3:oom:-1:4")  # any trial, only at per-device batch 4 or more
     assert fault_hook(1, 5, batch_size=2) is None  # the OOM retry's half batch fits
     assert fault_hook(1, 5, batch_size=4) is not None and fault_hook(1, -1, batch_size=8) is not None

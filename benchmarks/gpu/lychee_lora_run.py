@@ -143,7 +143,7 @@ def run(spec: dict, out: Path) -> dict:
     clock = WindowClock(spec["warmup"], spec["timed"], device)
     profiler = StepProfiler(spec["warmup"] + spec["timed"], spec.get("profile_steps", 0), device)  # after the window
 
-    def after_step(step: int) -> None:
+    def after_step(step: int, model: torch.nn.Module) -> None:
         clock.step_done(step)
         profiler.step_done(step)
 

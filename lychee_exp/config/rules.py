@@ -105,6 +105,9 @@ def _check_trainer(trainer: Any) -> None:  # a config.schema.TrainerConfig
         raise UserError(f"trainer.max_steps must be -1 (train max_epochs) or >= 1, got {trainer.max_steps}")
     if trainer.max_steps == -1 and trainer.max_epochs < 1:
         raise UserError("trainer.max_epochs must be >= 1 when trainer.max_steps=-1")
+    for key in ("load_best_model_at_end", "early_stopping_patience"):
+        if getattr(trainer, key) and not trainer.evaluate:
+            raise UserError(f"trainer.{key} ranks dev evaluations, and trainer.evaluate=false makes none")
     resume = str(trainer.resume)
     if resume in ("never", "auto"):
         return

@@ -240,6 +240,17 @@ class TrainerConfig:
     checkpoint_every: int = at_least(0, 0)  # optimizer steps between checkpoints in <run>/checkpoints; 0 = none
     keep_checkpoints: int = at_least(0, 2)
     resume: str = "never"  # never | auto (latest checkpoint in the run directory, if any) | a checkpoint dir
+    # Hugging Face Trainer's best model and early stopping (lychee_exp.train.best); every metric here is better
+    # higher, so there is no greater_is_better. Only dev evaluations during training count, not step 0's.
+    # The dev metric that ranks evaluations, for both; null = optimized_metric:
+    metric_for_best_model: Optional[Metric] = None  # type: ignore[valid-type]
+    # model/ gets the best evaluation's weights, and metrics.json its dev figures (plus best_step and last_<metric>);
+    # each new best is checkpointed in <run>/checkpoints, kept beside the newest keep_checkpoints
+    load_best_model_at_end: bool = False
+    # stop after this many evaluations in a row that did not beat the best by more than early_stopping_threshold
+    # (EarlyStoppingCallback's patience); 0 = off
+    early_stopping_patience: int = at_least(0, 0)
+    early_stopping_threshold: float = at_least(0, 0.0)  # the gain in metric_for_best_model that counts as progress
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The per-step hooks a rank hands the recipe: the preemption stop (a collective, same answer on every rank) and,
 in tests only, a fault injector named by the environment.
 
-LYCHEE_STEP_HOOK=<module>:<factory> names a factory (rank, trial number, per-device batch size) -> callable(step)
-or None; the test suite points it at faults:fault_hook, so the library itself never imports
+LYCHEE_STEP_HOOK=<module>:<factory> names a factory (rank, trial number, per-device batch size) -> callable(step,
+model) or None; the test suite points it at faults:fault_hook, so the library itself never imports
 test support.
 """
 

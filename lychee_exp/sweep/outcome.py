@@ -67,7 +67,7 @@ def job_outcome(job_return: Any, run_dir: Path, n_objectives: int, objectives: S
         return _failed("config", f"the job returned {values!r}, not numbers", metrics)
     if not all(math.isfinite(v) for v in values):
         return _failed("nan", f"the metric is {values}", metrics)
-    if metrics.get("stopped_early"):
+    if metrics.get("stopped_early") and metrics.get("stop_reason") != "early_stopping":  # pruned
         return Outcome("PRUNED", None, None, None, metrics)  # optuna records the last reported value
     return Outcome("COMPLETE", values, None, None, metrics)
 

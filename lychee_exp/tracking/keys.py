@@ -48,6 +48,8 @@ TRIAL_METRICS = (
     "train_time_s",
     "eval_time_s",
     "stopped_early",
+    "stop_reason",  # pruned (the trial is PRUNED) or early_stopping (COMPLETE: trainer.early_stopping_patience)
+    "best_step",  # the best dev evaluation's step (trainer.metric_for_best_model)
     "warm_ranks",
     "speedup",
     "scaling_efficiency",

@@ -6,7 +6,8 @@ newest complete checkpoint); a sharded run (fsdp) has shards/ instead of model.s
 every rank writes and reads its own shards with torch.distributed.checkpoint (DCP), so no rank ever holds the full
 state, and frozen weights (LoRA's base) are not saved: they come from model.path again. A checkpoint is written into a
 temporary directory and renamed into place, then `latest` is replaced atomically: a crash mid-write leaves the previous
-checkpoint as the latest.
+checkpoint as the latest. With trainer.load_best_model_at_end each new best dev evaluation is checkpointed too, and
+pruning keeps its directory beside the newest `keep_checkpoints` (Hugging Face's save_total_limit does the same).
 model.safetensors holds the trainable parameters (all of them, or just LoRA's); state.pt holds optimizer,
 scheduler, scaler, progress and RNG states as tensors and plain containers, read with weights_only=True.
 """
@@ -37,6 +38,7 @@ from lychee_exp.model.model_card import RunRecord
 from lychee_exp.model.reranker import load_reranker, save_reranker
 from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.parallel.sharding import is_sharded, unsharded_copy
+from lychee_exp.train.best import Best
 from lychee_exp.train.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,11 @@ class TrainingState:
 
 def checkpoint_root(output_dir: Path) -> Path:
     return output_dir / CHECKPOINT_DIR
+
+
+def step_dir(output_dir: Path, step: int) -> Path:
+    """The checkpoint of a step of the run."""
+    return checkpoint_root(output_dir) / f"step_{step:06d}"
 
 
 def rng_state() -> dict:
@@ -96,11 +103,14 @@ def _empty_tmp_dir(output_dir: Path, step: int) -> Path:
     return tmp
 
 
-def save_checkpoint(output_dir: Path, step: int, model: torch.nn.Module | None, state: dict, keep: int) -> Path:
+def save_checkpoint(
+    output_dir: Path, step: int, model: torch.nn.Module | None, state: dict, keep: int, protect: int = -1
+) -> Path:
     """Called on the main rank only; `state` holds everything but the weights. model=None: the weights are in
-    the step's temporary directory already (shards written by every rank)."""
+    the step's temporary directory already (shards written by every rank). Older checkpoints beyond the newest
+    `keep` are deleted, except step `protect`'s (the best evaluation's, with trainer.load_best_model_at_end)."""
     root = checkpoint_root(output_dir)
-    final = root / f"step_{step:06d}"
+    final = step_dir(output_dir, step)
     tmp = _empty_tmp_dir(output_dir, step) if model is not None else _tmp_dir(output_dir, step)
     written = ["state.pt"]
     if model is not None:
@@ -115,7 +125,8 @@ def save_checkpoint(output_dir: Path, step: int, model: torch.nn.Module | None, 
     os.replace(tmp, final)
     write_text_atomic(root / LATEST, final.name + "\n")
     for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != step_dir(output_dir, protect):
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -164,9 +175,21 @@ def load_checkpoint(path: Path, training: TrainingState) -> dict:
     return state
 
 
-def save_training_state(output_dir: Path, training: TrainingState, progress: Progress, keep: int) -> Path | None:
+def load_step_weights(output_dir: Path, step: int, training: TrainingState) -> Path | None:
+    """Collective: the weights of the run's checkpoint of `step` into the model (a sharded run: and the optimizer
+    state, which nothing reads after); its path, or None when that checkpoint is not on disk."""
+    path = step_dir(output_dir, step)
+    if not _complete(path):
+        return None
+    load_checkpoint(path, training)
+    return path
+
+
+def save_training_state(
+    output_dir: Path, training: TrainingState, progress: Progress, keep: int, protect: int = -1
+) -> Path | None:
     """Collective (every rank's RNG state is gathered, so dropout continues as it would have); rank 0 writes
-    and logs the checkpoint's path."""
+    and logs the checkpoint's path. `protect`: a step whose checkpoint pruning keeps (save_checkpoint)."""
     env = training.env
     rngs = env.gather_objects(rng_state())
     sharded = is_sharded(training.model)
@@ -183,10 +206,11 @@ def save_training_state(output_dir: Path, training: TrainingState, progress: Pro
         "scaler": training.scaler.state_dict(),
         **{k: getattr(progress, k) for k in ("step", "epoch", "batch", "evaluated_at")},
         "summary": json.dumps(progress.summary),
+        "best": json.dumps(dataclasses.asdict(progress.best)),
         "rng": rngs,
         "world_size": env.world_size,
     }
-    path = save_checkpoint(output_dir, progress.step, None if sharded else training.model, state, keep)
+    path = save_checkpoint(output_dir, progress.step, None if sharded else training.model, state, keep, protect)
     log.info("checkpoint: %s", path)
     return path
 
@@ -239,7 +263,8 @@ def restore_training_state(path: Path, training: TrainingState) -> Progress:
     training.scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"][env.rank])
     fields = {k: state[k] for k in ("step", "epoch", "batch", "evaluated_at")}
-    progress = Progress(**fields, summary=json.loads(state["summary"]), source=path)
+    best = Best(**json.loads(state["best"])) if "best" in state else Best()  # checkpoints written before: none yet
+    progress = Progress(**fields, summary=json.loads(state["summary"]), best=best, source=path)
     if env.is_main:
         at = progress
         log.info("resumed from %s at step %d (epoch %d, batch %d)", at.source, at.step, at.epoch, at.batch)

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from lychee_exp.errors import TrainingDiverged
+from lychee_exp.train.best import Best
 
 # the metrics key of a finished run continued with nothing left to train: it holds the step the run had ended at,
 # and the run's metrics.json and model/ are left as they were
@@ -30,6 +31,7 @@ class Progress:
     batch: int = 0  # the next batch of that epoch (a checkpoint taken mid-epoch resumes there)
     evaluated_at: int = -1  # the step of the last dev evaluation (-1: none yet)
     summary: dict = field(default_factory=dict)  # metrics so far: references, last dev metrics, train loss
+    best: Best = field(default_factory=Best)  # the best dev evaluation so far and early stopping's count
     source: Path | None = None  # the checkpoint this progress was restored from
 
 
@@ -41,7 +43,8 @@ def _never() -> bool:
 class StepHooks:
     """What the caller runs around each optimizer step, on every rank."""
 
-    after_step: Callable[[int], None] | None = None  # called with the step just done (tests inject faults here)
+    # called with the step just done and the model it updated (tests inject faults here: errors, damaged weights)
+    after_step: Callable[[int, torch.nn.Module], None] | None = None
     stop_requested: Callable[[], bool] = _never  # collective: checkpoint now and stop (preemption)
 
 

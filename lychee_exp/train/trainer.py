@@ -39,12 +39,15 @@ from lychee_exp.tracking.console import log_eval, log_setup, log_train_step
 from lychee_exp.tracking.throughput import StepTimer, gpu_memory, log_hints, setup_facts, summarize
 from lychee_exp.tracking.trial import current_trial, pruning_callback
 from lychee_exp.train.baseline_phase import one_device_baseline, run_speedup
+from lychee_exp.train.best import Best, best_figures, metric_value, observe, patience_spent
 from lychee_exp.train.checkpoint import (
     TrainingState,
+    load_step_weights,
     restore_training_state,
     resume_path,
     save_model,
     save_training_state,
+    step_dir,
 )
 from lychee_exp.train.inputs import RunInputs, load_inputs
 from lychee_exp.train.losses import build_loss
@@ -57,8 +60,9 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     """One rank's training run: `setup()` builds the model, data, optimizer, loss and logger; `fit()` trains with
-    periodic dev evaluation, checkpoints and the caller's step hooks and returns the run's metrics (the same on
-    every rank); `save()` writes the model (main rank); `cleanup()` closes the logger.
+    periodic dev evaluation, checkpoints, early stopping and the caller's step hooks, ends with the best
+    evaluation's weights where trainer.load_best_model_at_end asks (train.best), and returns the run's metrics (the
+    same on every rank); `save()` writes the model (main rank); `cleanup()` closes the logger.
 
     Raises TrainingDiverged when a step's loss is not finite, torch.OutOfMemoryError when a batch does not fit,
     and whatever a step hook raises. A fit that a stop request ended returns with `preempted_at_step`."""
@@ -92,6 +96,9 @@ class Trainer:
         self.timer: StepTimer | None = None
         self.bar: tqdm | None = None
         self.stopped = False  # set when an evaluation callback (e.g. a sweep's pruner) ends the run early
+        self.stop_reason: str | None = None  # pruned (an evaluation callback) or early_stopping
+        self.best_metric = str(cfg.trainer.metric_for_best_model or cfg.optimized_metric)  # ranks evaluations
+        self.checkpointed_at = -1  # the step of this process's newest checkpoint
 
     # ----------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -169,7 +176,7 @@ class Trainer:
         if progress.step == 0 and cfg.trainer.evaluate:
             progress.summary.update(ev.reference_metrics(self.data.dev_pairs) if env.is_main else {})
             if cfg.trainer.eval_before_training:
-                initial = self._eval_and_log(0)
+                initial = self._eval_and_log(0, progress.best)
                 progress.summary.update({f"initial_{k}": v for k, v in initial.items()}, **initial)
                 progress.evaluated_at = 0
         timer = self.timer = StepTimer(progress.step, self.data.total_steps, *self._training_clock())
@@ -207,6 +214,8 @@ class Trainer:
         timer.stamp(progress.step, *self._training_clock())  # the last step's end, device drained
         self.bar.close()
         train_time = time.perf_counter() - train_start - (self.eval_time_s - eval_time_before)
+        model_is_best = self._best_at_end(progress)
+        progress.summary.update(best_figures(progress.best, self.best_metric, dict(progress.summary), model_is_best))
         return self._finish(progress, timer, train_time)
 
     def _finished_before(self) -> bool:
@@ -228,7 +237,7 @@ class Trainer:
         stats, wait, busy = self.step.accumulate(batches, micro_steps, divisor)
         grad_norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.scaler, self.cfg.optimizer)
         if self.hooks.after_step:
-            self.hooks.after_step(step)
+            self.hooks.after_step(step, self.model)
         seconds = time.perf_counter() - start
         self.pending.add(step, stats, grad_norm, seconds, wait, busy)
 
@@ -252,12 +261,13 @@ class Trainer:
         if log_due:
             self._log_train_row(progress)
         if eval_due:
-            self._evaluate_into(progress)
-        if checkpoint_due:
+            self._evaluate_into(progress, position)
+        if checkpoint_due and self.checkpointed_at != step:  # else the new best's checkpoint is this one
             self._checkpoint(progress, position)
         if self.hooks.stop_requested():
             self._read_steps()
-            self._checkpoint(progress, position)
+            if self.checkpointed_at != step:
+                self._checkpoint(progress, position)
             return True
         return False
 
@@ -273,9 +283,14 @@ class Trainer:
         log_train_step(self.logger, self.env.is_main, **at, loss=summary["train_loss"], lr=lr, figures=figures, gpu=gpu)
         logged.clear()
 
-    def _evaluate_into(self, progress: Progress) -> None:
-        progress.summary.update(self._eval_and_log(progress.step))
+    def _evaluate_into(self, progress: Progress, position: tuple[int, int] | None = None) -> None:
+        """An evaluation during training. With load_best_model_at_end a new best is checkpointed, unless the run
+        ends here with its weights in memory. `position`: where the run continues from (default: progress's)."""
+        progress.summary.update(self._eval_and_log(progress.step, progress.best))
         progress.evaluated_at = progress.step
+        new_best = progress.best.step == progress.step and self.cfg.trainer.load_best_model_at_end
+        if new_best and not self.stopped and progress.step < self.data.total_steps:
+            self._checkpoint(progress, position or (progress.epoch, progress.batch))
 
     def _finish(self, progress: Progress, timer: StepTimer, train_time: float) -> dict:
         """The run's metrics: its summary, setup facts, throughput over all ranks, times and speedup."""
@@ -285,6 +300,8 @@ class Trainer:
         # kernels (and cuDNN's attention plans) are chosen per input shape: fewer shapes, fewer plans
         summary["distinct_shapes"] = len(set().union(*env.gather_objects(self.step.shapes)))
         summary.update(self.facts, **throughput, steps=progress.step, epochs=progress.epoch, stopped_early=self.stopped)
+        if self.stop_reason:
+            summary["stop_reason"] = self.stop_reason
         summary.update(train_time_s=train_time, eval_time_s=self.eval_time_s)
         summary.update(run_speedup(self, summary["train_samples_per_s"], summary.get("train_cpu_share"), self.baseline))
         if env.is_main:
@@ -292,24 +309,77 @@ class Trainer:
         self.logger.log_summary({**summary, "peak_memory_mb": max(summary["peak_memory_mb_per_rank"])})
         return summary
 
-    def _eval_and_log(self, step: int) -> dict[str, float]:
+    def _eval_and_log(self, step: int, best: Best) -> dict[str, float]:
+        """Evaluates, logs, counts the evaluation into `best` (train.best: not step 0's) and decides whether the
+        run stops here: the evaluation callbacks (a sweep's pruner) and early stopping vote on the main rank,
+        which hands the decision and the best so far to every rank, so that all stop at the same step."""
         if not self.cfg.trainer.evaluate:
             return {}
         metrics = self.evaluate()
         log_eval(self.logger, self.env.is_main, metrics, step)
-        # Callbacks decide on the main rank; every rank must then stop at the same step, or DDP would hang.
-        votes = [callback(step, metrics) for callback in self.eval_callbacks] if self.env.is_main else []  # all run
-        stop = any(votes) and step < self.data.total_steps  # a run that trained to the end is complete, never pruned
-        self.stopped = self.env.gather_objects(stop)[0]
+        trainer, decision = self.cfg.trainer, None
+        if self.env.is_main:
+            if step > 0 and metrics:  # step 0 is the untrained reference; an evaluation without figures ranks nothing
+                observe(best, step, metrics, self.best_metric, trainer.early_stopping_threshold)
+            votes = [callback(step, metrics) for callback in self.eval_callbacks]  # all run: the pruner reports
+            spent = patience_spent(best, trainer.early_stopping_patience)
+            reason = "pruned" if any(votes) else "early_stopping" if spent else None
+            decision = (reason if step < self.data.total_steps else None, best)  # the last step is never cut short
+        self.stop_reason, shared = self.env.gather_objects(decision)[0]
+        vars(best).update(vars(shared))
+        self.stopped = self.stop_reason is not None
         if self.stopped and self.env.is_main:
-            log.info("stopping after the evaluation at step %d (an evaluation callback asked to)", step)
+            self._log_stop(step, best)
         return metrics
+
+    def _log_stop(self, step: int, best: Best) -> None:
+        if self.stop_reason == "pruned":
+            log.info("stopping after the evaluation at step %d (an evaluation callback asked to)", step)
+            return
+        log.info(
+            "early stopping after the evaluation at step %d: %d evaluation(s) without a gain in %s above %g over "
+            "the best, %.4f at step %d",
+            step,
+            best.stale,
+            self.best_metric,
+            self.cfg.trainer.early_stopping_threshold,
+            metric_value(best.metrics, self.best_metric),
+            best.step,
+        )
+
+    def _best_at_end(self, progress: Progress) -> bool:
+        """Collective. With load_best_model_at_end: the best evaluation's weights back into the model from its
+        checkpoint; whether the model holds them now. Without: a line when the best was not the last."""
+        best, step, name = progress.best, progress.step, self.best_metric
+        if best.step < 0:
+            return False
+        said = f"the best evaluation was step {best.step} ({name} {metric_value(best.metrics, name):.4f}), the last "
+        said += f"step {step} ({metric_value(progress.summary, name):.4f})"
+        if not self.cfg.trainer.load_best_model_at_end:
+            if self.env.is_main and best.step != step:
+                log.info("%s; model/ holds the last (trainer.load_best_model_at_end=true keeps the best)", said)
+            return False
+        path = None if best.step == step else load_step_weights(self.output_dir, best.step, self._training_state())
+        if self.env.is_main:
+            if best.step == step:
+                log.info("%s: model/ holds it", said)
+            elif path is None:
+                log.warning(
+                    "%s; its checkpoint %s is missing: model/ holds the last",
+                    said,
+                    step_dir(self.output_dir, best.step),
+                )
+            else:
+                log.info("%s; model/ holds the best, restored from %s", said, path)
+        return best.step == step or path is not None
 
     # ------------------------------------------------------------------------------------------ checkpoint
     def _checkpoint(self, progress: Progress, position: tuple[int, int]) -> None:
         """Collective; `position`: the epoch and batch the run continues from."""
         at = dataclasses.replace(progress, epoch=position[0], batch=position[1])
-        save_training_state(self.output_dir, self._training_state(), at, self.cfg.trainer.keep_checkpoints)
+        protect = progress.best.step if self.cfg.trainer.load_best_model_at_end else -1  # its weights come back
+        save_training_state(self.output_dir, self._training_state(), at, self.cfg.trainer.keep_checkpoints, protect)
+        self.checkpointed_at = progress.step
 
     def _restore(self) -> Progress:
         progress = restore_training_state(self.resume_from, self._training_state())
