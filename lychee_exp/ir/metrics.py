@@ -83,6 +83,15 @@ def mix_figure(metrics: dict, name: str = "ndcg@10") -> float | None:
     return metrics.get(name) if mixed else None
 
 
+def named_figure(metrics: dict, name: str) -> float | None:
+    """A dev figure by its metric name (optimized_metric, metric_for_best_model); a model_* name reads
+    model_figure, so runs written before every run logged model_* give their model's figure too."""
+    value = (
+        model_figure(metrics, name.removeprefix(MODEL_PREFIX)) if name.startswith(MODEL_PREFIX) else metrics.get(name)
+    )
+    return None if value is None else float(value)
+
+
 def standing_below_first_stage(metrics: dict, stage: str, split: str = "dev") -> str | None:
     """One line when the trained model alone ranks `split` below the first stage it reranks (a reranker that a
     user would be better off without), with the teacher beside them; None otherwise."""

@@ -10,7 +10,7 @@ from lychee_exp.config.choices import MIX, MODEL_PREFIX
 from lychee_exp.config.schema import RunConfig
 from lychee_exp.io.atomic import read_json, write_json_atomic
 from lychee_exp.ir.first_stage import stage_name
-from lychee_exp.ir.metrics import model_figure, standing_below_first_stage
+from lychee_exp.ir.metrics import named_figure, standing_below_first_stage
 from lychee_exp.tracking.speedup import speedup_note
 
 log = logging.getLogger("lychee_exp")
@@ -44,15 +44,13 @@ def write_results(run_cfg: RunConfig, metrics: dict, output_dir: Path, is_main: 
             )
         log.info("results in %s", output_dir)
 
-    return objective(metrics, str(run_cfg.optimized_metric))
+    return _objective(metrics, str(run_cfg.optimized_metric))
 
 
-def objective(metrics: dict, name: str) -> float:
-    """The optimized metric's value (nan: trainer.evaluate=false). A run written before every run logged model_*
-    holds the model's own figure unprefixed."""
-    own = name.startswith(MODEL_PREFIX)
-    value = model_figure(metrics, name.removeprefix(MODEL_PREFIX)) if own else metrics.get(name)
-    return float("nan") if value is None else float(value)
+def _objective(metrics: dict, name: str) -> float:
+    """The optimized metric's value for a sweeper (nan without an evaluation: trainer.evaluate=false)."""
+    value = named_figure(metrics, name)
+    return float("nan") if value is None else value
 
 
 def summary_line(metrics: dict, first_stage: str) -> str:
@@ -88,4 +86,4 @@ def nothing_left(run_cfg: RunConfig, output_dir: Path, step: int, is_main: bool)
             output_dir,
             step,
         )
-    return objective(earlier, str(run_cfg.optimized_metric))
+    return _objective(earlier, str(run_cfg.optimized_metric))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MODEL_PREFIX = "model_"  # the model's own scores, beside a mix with the teacher's or the first stage's
+from lychee_exp.ir.metrics import named_figure
 
 
 @dataclass
@@ -24,22 +24,12 @@ class Best:
     stale: int = 0  # evaluations since the last one that beat the best by more than the threshold
 
 
-def metric_value(metrics: dict, name: str) -> float | None:
-    """A dev metric by name; a model_* name falls back to the unprefixed one, which is the model's own figure
-    wherever no model_* key was written (runs whose dev ranking mixes in nothing else)."""
-    if name in metrics:
-        return float(metrics[name])
-    if name.startswith(MODEL_PREFIX) and name[len(MODEL_PREFIX) :] in metrics:
-        return float(metrics[name[len(MODEL_PREFIX) :]])
-    return None
-
-
 def observe(best: Best, step: int, metrics: dict, name: str, threshold: float) -> bool:
     """Counts one evaluation during training into `best`; True when it is the new best."""
-    value = metric_value(metrics, name)
+    value = named_figure(metrics, name)
     if value is None:
         raise KeyError(f"the dev evaluation has no {name} (it gave {sorted(metrics)})")
-    previous = metric_value(best.metrics, name) if best.step >= 0 else None
+    previous = named_figure(best.metrics, name) if best.step >= 0 else None
     best.stale = 0 if previous is None or value - previous > threshold else best.stale + 1
     if previous is not None and value <= previous:
         return False
@@ -58,7 +48,7 @@ def best_figures(best: Best, name: str, last: dict, model_is_best: bool) -> dict
     last_<name>."""
     if best.step < 0:
         return {}
-    figures = {"metric_for_best_model": name, "best_step": best.step, "best_metric": metric_value(best.metrics, name)}
+    figures = {"metric_for_best_model": name, "best_step": best.step, "best_metric": named_figure(best.metrics, name)}
     if model_is_best:
-        figures.update(best.metrics, **{f"last_{name}": metric_value(last, name)})
+        figures.update(best.metrics, **{f"last_{name}": named_figure(last, name)})
     return figures

@@ -28,6 +28,7 @@ from lychee_exp.data.groups import DevPairs, TrainGroups
 from lychee_exp.data.loader import train_loader
 from lychee_exp.data.token_cache import pretokenized
 from lychee_exp.ir import evaluate as ev
+from lychee_exp.ir.metrics import named_figure
 from lychee_exp.model.packed import packed_attention_path_of
 from lychee_exp.model.precision import resolve_precision
 from lychee_exp.model.reranker import apply_levers, count_parameters, load_reranker
@@ -39,7 +40,7 @@ from lychee_exp.tracking.console import log_eval, log_setup, log_train_step
 from lychee_exp.tracking.throughput import StepTimer, gpu_memory, log_hints, setup_facts, summarize
 from lychee_exp.tracking.trial import current_trial, pruning_callback
 from lychee_exp.train.baseline_phase import one_device_baseline, run_speedup
-from lychee_exp.train.best import Best, best_figures, metric_value, observe, patience_spent
+from lychee_exp.train.best import Best, best_figures, observe, patience_spent
 from lychee_exp.train.checkpoint import (
     TrainingState,
     load_step_weights,
@@ -343,7 +344,7 @@ class Trainer:
             best.stale,
             self.best_metric,
             self.cfg.trainer.early_stopping_threshold,
-            metric_value(best.metrics, self.best_metric),
+            named_figure(best.metrics, self.best_metric),
             best.step,
         )
 
@@ -353,8 +354,8 @@ class Trainer:
         best, step, name = progress.best, progress.step, self.best_metric
         if best.step < 0:
             return False
-        said = f"the best evaluation was step {best.step} ({name} {metric_value(best.metrics, name):.4f}), the last "
-        said += f"step {step} ({metric_value(progress.summary, name):.4f})"
+        said = f"the best evaluation was step {best.step} ({name} {named_figure(best.metrics, name):.4f}), the last "
+        said += f"step {step} ({named_figure(progress.summary, name):.4f})"
         if not self.cfg.trainer.load_best_model_at_end:
             if self.env.is_main and best.step != step:
                 log.info("%s; model/ holds the last (trainer.load_best_model_at_end=true keeps the best)", said)
