@@ -5,9 +5,10 @@ differs. A second writing is a key written with the value it would have anyway, 
 
 - a group option's key (conf/<group>/<option>.yaml) equal to its parent option's (trainer/quick on
   trainer/default) or, without one, the schema's;
-- a layer's key (an experiment preset, an hparams_search config, conf/config.yaml, mine.yaml or rerank.yaml) that
-  every layer below it writes alike: the schema and every group option that can precede it (any of them may be
-  chosen on the command line), the presets before a search, a search's parent (lr_tokens on lr_batch);
+- a layer's key (a model's recipe, an experiment preset, an hparams_search config, conf/config.yaml, mine.yaml or
+  rerank.yaml) that every layer below it writes alike: the schema and every group option that can precede it (any
+  of them may be chosen on the command line), the model recipes before a preset, the recipes and presets before a
+  search, a search's parent (lr_tokens on lr_batch);
 - a defaults-list pick (`override /trainer: quick`) that names what conf/config.yaml (or a parent) picks anyway,
   unless another option below picks otherwise (data=beir picks the bi-encoder model);
 - a key declared with a default in two schema dataclasses: a key several schemas share (the first stage's, the
@@ -39,7 +40,8 @@ CONF = Path(CONF_DIR)
 REPO = CONF.parent
 # the conf/ groups that fill a section of the run's schema, in conf/config.yaml's order; then the layers above them
 GROUPS = [f.name for f in dataclasses.fields(RunConfig) if (CONF / f.name).is_dir()]
-LAYER_GROUPS = ("experiment", "hparams_search")
+# the layers above the groups, lowest first as conf/config.yaml composes them: a model's own recipe, a preset, a search
+LAYER_GROUPS = ("model_recipe", "experiment", "hparams_search")
 COMMANDS = {"mine": MineConfig, "rerank": RerankConfig}
 # The key that says which option a file is may name the schema's value (loss/pointwise.yaml: `name: pointwise`):
 # without it, choosing the option would select whatever the schema's default happens to be.
@@ -126,6 +128,12 @@ class Conf:
     def group_options(self) -> list[str]:
         return [rel for group in GROUPS for rel in self.options(group)]
 
+    def options_below(self, rel: str) -> list[str]:
+        """The files that can come before rel: every group option, and the options of each layer below rel's."""
+        group = rel.rpartition("/")[0]
+        lower = LAYER_GROUPS[: LAYER_GROUPS.index(group)] if group in LAYER_GROUPS else ()
+        return self.group_options() + [other for layer in lower for other in self.options(layer)]
+
     def parent(self, rel: str) -> str | None:
         """The option of the same group that rel builds on (a plain name in its defaults list)."""
         group = rel.rpartition("/")[0]
@@ -138,7 +146,7 @@ class Conf:
         for entry in self.load(rel)[1]:
             if isinstance(entry, dict):
                 for key, value in entry.items():
-                    found[key.removeprefix("override ").strip().lstrip("/")] = value
+                    found[key.removeprefix("override ").removeprefix("optional ").strip().lstrip("/")] = value
         return found
 
     def default_picks(self) -> dict:
@@ -163,10 +171,8 @@ def group_option_problems(conf: Conf, rel: str, schema: dict) -> list[str]:
 
 def writings_below(conf: Conf, rel: str) -> dict[str, list]:
     """Every value a key can have below the layer rel, by the files that can precede it (not the schema)."""
-    group = rel.rpartition("/")[0]
-    files = conf.group_options() + (conf.options("experiment") if group == "hparams_search" else [])
     found: dict[str, list] = {}
-    for other in files + ["config"] * (group == "hparams_search"):
+    for other in conf.options_below(rel) + ["config"] * (rel.rpartition("/")[0] == "hparams_search"):
         for key, value in conf.load(other)[0].items():
             found.setdefault(key, []).append(value)
     return found
@@ -194,8 +200,7 @@ def layer_problems(conf: Conf, rel: str, schema: dict) -> list[str]:
 def pick_problems(conf: Conf, rel: str) -> list[str]:
     """A file's `override /group: option` picks that name what is picked without them: by conf/config.yaml (or the
     sweeper's defaults), a parent, and every option below that picks for another group (data=beir's model)."""
-    parent, group = conf.parent(rel), rel.rpartition("/")[0]
-    below = conf.group_options() + (conf.options("experiment") if group == "hparams_search" else [])
+    parent, below = conf.parent(rel), conf.options_below(rel)
     pickers = [conf.default_picks()] + [conf.picks(p) for p in [parent] if p]
     pickers += [conf.picks(other) for other in below if other != rel]
     problems = []
@@ -246,6 +251,12 @@ PLANTED = [
     # a group option restating the schema (its other key differs), and its child restating it
     ("trainer/default", "log_every: 10\neval_every: 7\n", ["trainer/default.yaml: trainer.log_every: 10 "]),
     ("trainer/quick", "eval_every: 7\n", ["trainer/quick.yaml: trainer.eval_every: 7 "]),
+    # a model's recipe restating the schema
+    (
+        "model_recipe/minilm_bi_encoder",
+        "optimizer:\n  warmup_ratio: 0.1\n",
+        ["minilm_bi_encoder.yaml: optimizer.warmup_ratio: 0.1 "],
+    ),
     # a preset restating what every group option leaves to the schema
     ("experiment/quickstart", "optimizer:\n  warmup_ratio: 0.1\n", ["quickstart.yaml: optimizer.warmup_ratio: 0.1 "]),
     # a preset picking what conf/config.yaml picks
@@ -392,8 +403,8 @@ def default_run() -> tuple[dict, Conf, list[str]]:
     conf, choices = Conf(CONF), cfg.hydra.runtime.choices
     layers = []
     for group in conf.picks("config"):
-        if choices.get(group):
-            rel = f"{group}/{choices[group]}"
+        rel = f"{group}/{choices.get(group)}"
+        if (CONF / f"{rel}.yaml").is_file():  # an optional pick (model_recipe) may have no file
             layers += [p for p in [conf.parent(rel)] if p] + [rel]
     job = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     return leaves(OmegaConf.to_container(job, enum_to_str=True)), conf, layers + ["config"]
