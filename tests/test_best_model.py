@@ -59,7 +59,7 @@ def reevaluate(run_dir: Path) -> dict[str, float]:
     return ev.evaluate(model, inputs.encoder, pairs, cfg.data.eval_batch_size, torch.device("cpu"))
 
 
-def dev_history(run_dir: Path, key: str = "dev/ndcg@10") -> dict[int, float]:
+def dev_history(run_dir: Path, key: str = "dev/model_ndcg@10") -> dict[int, float]:
     """step -> the dev figure logged at that step (metrics.csv)."""
     with (run_dir / "metrics.csv").open() as handle:
         return {int(row["step"]): float(row[key]) for row in csv.DictReader(handle) if row.get(key)}
@@ -105,10 +105,10 @@ def test_the_saved_model_reevaluated_gives_the_best_logged_figure(restore_runs):
     # the premise: the best is not the last (the zeroed model's tie-order figure is below the best trained one)
     assert m["steps"] == STEPS and best_step < STEPS and history[STEPS] < history[best_step]
     assert m["best_step"] == best_step and m["best_metric"] == history[best_step]
-    assert m["metric_for_best_model"] == "ndcg@10"
+    assert m["metric_for_best_model"] == "model_ndcg@10"  # optimized_metric's default: the model's own
     # metrics.json's dev figures are the best evaluation's, the last one's headline figure kept beside them
     assert m["ndcg@10"] == history[best_step] and m["mrr@10"] == dev_history(run_dir, "dev/mrr@10")[best_step]
-    assert m["last_ndcg@10"] == history[STEPS]
+    assert m["last_model_ndcg@10"] == history[STEPS]
     again = reevaluate(run_dir)
     assert again["ndcg@10"] == pytest.approx(m["best_metric"], abs=1e-6)
     assert again["mrr@10"] == pytest.approx(m["mrr@10"], abs=1e-6)
@@ -128,7 +128,7 @@ def test_without_the_restore_the_saved_model_is_the_last(restore_runs):
     assert abs(again["ndcg@10"] - m["best_metric"]) > 1e-3
     # the best is tracked all the same, and the same as with the restore on
     on = run_metrics(restore_runs[True][0])
-    assert (m["best_step"], m["best_metric"]) == (on["best_step"], on["best_metric"]) and "last_ndcg@10" not in m
+    assert (m["best_step"], m["best_metric"]) == (on["best_step"], on["best_metric"]) and "last_model_ndcg@10" not in m
     assert value == m["ndcg@10"] == history[STEPS]
     assert any("model/ holds the last (trainer.load_best_model_at_end=true" in line for line in lines), lines
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [f"step_{STEPS:06d}"]
@@ -156,7 +156,7 @@ def test_a_metric_the_dev_evaluation_does_not_give_is_one_line(tmp_path, key):
     while the config composes, before any process starts."""
     with pytest.raises(ConfigCompositionException) as caught:
         compose_config([*TINY_OVERRIDES, f"{key}=map"], tmp_path)
-    assert composition_error(caught.value).startswith(f"{key}: Invalid value 'map', expected one of [ndcg@10, ")
+    assert composition_error(caught.value).startswith(f"{key}: Invalid value 'map', expected one of [model_ndcg@10, ")
 
 
 @pytest.mark.parametrize(
@@ -248,7 +248,7 @@ def test_a_resumed_run_keeps_the_best_and_the_patience_count(tmp_path, monkeypat
     monkeypatch.delenv("LYCHEE_FAULT")
     _, resumed = run_job([*args, "trainer.resume=auto"], tmp_path / "cut")
     assert whole["steps"] == resumed["steps"] == 4 and resumed["stop_reason"] == "early_stopping"
-    for key in ("best_step", "best_metric", "ndcg@10", "mrr@10", "last_ndcg@10"):
+    for key in ("best_step", "best_metric", "ndcg@10", "mrr@10", "last_model_ndcg@10"):
         assert resumed[key] == pytest.approx(whole[key], abs=1e-9), key
     assert reevaluate(tmp_path / "cut")["ndcg@10"] == pytest.approx(whole["best_metric"], abs=1e-6)
 
