@@ -219,7 +219,7 @@ def test_sweep_array_script_as_an_array_job(slurm, tmp_path):
     states = [_ended(slurm, task, timeout=400)["JobState"] for task in tasks]
     outputs = [(tmp_path / "outputs" / "slurm" / f"lychee-sweep_{task}.out").read_text() for task in tasks]
     assert states == ["COMPLETED", "COMPLETED"], f"{states}\n{outputs[0][-3000:]}\n{outputs[1][-3000:]}"
-    assert "Using an existing study" in outputs[1], outputs[1][-3000:]  # the one worker 0 created
+    assert "resuming study lr_batch in" in outputs[1], outputs[1][-3000:]  # the one worker 0 created
     for out in outputs:
         assert "2/2 trials finished (2 complete, 0 pruned, 0 failed); this worker ran 1;" in out, out[-3000:]
     study = optuna.load_study(study_name="lr_batch", storage=f"sqlite:///{db}")

@@ -216,6 +216,31 @@ def test_an_oom_trial_is_retried_once_with_half_the_batch(sweep_here, tmp_path, 
 
 
 @pytest.mark.slow
+def test_another_experiment_is_refused_by_the_study_before_any_trial(sweep_here, tmp_path):
+    """The study and sweep dir are named by the search config (lr_batch): the same search with another experiment
+    found the earlier study (`1/1 trials finished ... this worker ran 0`, the old study's best). It is refused in
+    one line naming the keys, before any trial; the same command on other devices resumes the study."""
+    assert sweep_here(*SINGLE, "hydra.sweeper.n_trials=1").returncode == 0
+    sweep = tmp_path / "sweep"
+    recorded, written = _study(sweep).user_attrs["fixed_config"], (sweep / "multirun.yaml").read_text()
+    command = _command(sweep, *SINGLE, "hydra.sweeper.n_trials=2", "experiment=tiny_smoke")
+    proc = subprocess.run(command, cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=120)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0] in proc.stderr, lines
+    assert lines[0].startswith(
+        f"error: fixed config: this sweep differs from study 'lr_batch' in sqlite:///{sweep.resolve()}/optuna.db: "
+    ), lines
+    assert "(group choices: experiment=tiny_smoke (study: quickstart))" in lines[0]
+    assert lines[0].endswith("use another hydra.sweeper.study_name=<name> (or storage) for another fixed config")
+    study = _study(sweep)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] and study.user_attrs["fixed_config"] == recorded
+    assert (sweep / "multirun.yaml").read_text() == written
+    # where the trials run is no part of the study's config (slot workers get gpus=N): it resumes, nothing to do
+    proc = sweep_here("parallel=ddp", "gpus=2", "logger=none", "hydra.sweeper.n_trials=1")
+    assert proc.returncode == 0 and "1/1 trials finished" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_pruning_stops_a_hopeless_trial_on_every_rank(tmp_path):
     # model_ndcg@10 never reaches 2: the pruner condemns the trial at its first evaluation after warm-up (step 2)
     searchpath = _write_search(

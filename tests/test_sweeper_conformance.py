@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import runpy
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -642,3 +643,38 @@ def test_deviation_a_rerun_with_another_search_space_is_one_line_before_any_tria
     assert [(t.number, t.state, t.params, t.distributions) for t in _study(tmp_path, "sphere").trials] == trials
     _ok(run("sphere", "hydra.sweeper.n_trials=3"))  # the same space resumes the study
     assert [t.state for t in _study(tmp_path, "sphere").trials] == [TrialState.COMPLETE] * 3
+
+
+def test_deviation_a_rerun_with_another_fixed_config_is_one_line_before_any_trial(run, tmp_path):
+    """Upstream resumes a stored study whatever the non-searched config (lychee_exp's sweep dir and study are named
+    by the search config: another experiment= found the earlier study, counted its trials, reported its best).
+    Here the study records its fixed config: another one is refused before any trial, naming the keys with both
+    values and the study's storage; the same command resumes; another study_name is a study of its own."""
+    _ok(run("sphere", "hydra.sweeper.n_trials=2"))
+    trials = [(t.number, t.state, t.params) for t in _study(tmp_path, "sphere").trials]
+    proc = run("sphere", "hydra.sweeper.n_trials=3", "z=2", "+w=5")
+    db = (tmp_path / "sweep" / "optuna.db").resolve()
+    assert proc.returncode == 2 and _lines(proc) == _errors(proc) == [
+        f"error: fixed config: this sweep differs from study 'sphere' in sqlite:///{db}: z=2 (study: 1), "
+        "w=5 (study: <absent>); use another hydra.sweeper.study_name=<name> (or storage) for another fixed config"
+    ], _lines(proc)
+    assert [(t.number, t.state, t.params) for t in _study(tmp_path, "sphere").trials] == trials  # no new trial
+    _ok(run("sphere", "hydra.sweeper.n_trials=3"))  # the same command resumes the study
+    assert [t.state for t in _study(tmp_path, "sphere").trials] == [TrialState.COMPLETE] * 3
+    _ok(run("sphere", "hydra.sweeper.n_trials=1", "z=2", "+w=5", "hydra.sweeper.study_name=sphere_z2"))
+    own = _study(tmp_path, "sphere_z2")
+    assert len(own.trials) == 1 and own.user_attrs["fixed_config"]["keys"]["z"] == 2
+    assert len(_study(tmp_path, "sphere").trials) == 3
+
+
+def test_deviation_a_study_without_a_recorded_fixed_config_resumes_and_records_it(run, tmp_path):
+    """A study created before fixed configs were recorded resumes (one warning) and from then on refuses another."""
+    _ok(run("sphere", "hydra.sweeper.n_trials=1"))
+    with sqlite3.connect(tmp_path / "sweep" / "optuna.db") as db:  # as an older sweeper left it
+        db.execute("DELETE FROM study_user_attributes WHERE key = 'fixed_config'")
+    assert "fixed_config" not in _study(tmp_path, "sphere").user_attrs
+    proc = run("sphere", "hydra.sweeper.n_trials=2")
+    _ok(proc)
+    assert "study 'sphere' in sqlite:///" in proc.stdout and "has no record of its fixed config" in proc.stdout
+    assert [t.state for t in _study(tmp_path, "sphere").trials] == [TrialState.COMPLETE] * 2
+    assert run("sphere", "hydra.sweeper.n_trials=3", "z=2").returncode == 2

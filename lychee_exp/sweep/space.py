@@ -55,18 +55,19 @@ class SearchSpace:
                 )
         return dict(trial.params)
 
-    def try_custom(self, config: DictConfig, directions: list[str]) -> None:
+    def try_custom(self, config: DictConfig, directions: list[str]) -> list[str]:
         """custom_search_space runs once on a throwaway trial: a broken function, or a suggestion that a fixed
-        override would silently replace, stops the sweep before its first trial."""
+        override would silently replace, stops the sweep before its first trial. Returns the keys it suggested
+        (searched, so no part of the study's fixed config)."""
         if self.custom is None:
-            return
+            return []
         verbosity = optuna.logging.get_verbosity()
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "new study created in memory" line
         try:
             study = optuna.create_study(directions=directions, sampler=optuna.samplers.RandomSampler())
             trial = study.ask()
             self.suggest(trial)
-            self.params(trial, config)
+            return sorted(self.params(trial, config))
         except UserError:
             raise
         except Exception as err:

@@ -19,7 +19,7 @@ from typing import Any
 
 import optuna
 import psutil
-from optuna.exceptions import UpdateFinishedTrialError
+from optuna.exceptions import DuplicatedStudyError, UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from lychee_exp.errors import UserError
@@ -40,17 +40,28 @@ def default_url(sweep_dir: Path) -> str:
     return f"sqlite:///{(sweep_dir / 'optuna.db').resolve()}"
 
 
-def open_study(storage: Any, name: str, directions: list[str], sampler: Any, pruner: Any) -> Any:
-    study = optuna.create_study(
-        storage=storage, study_name=name, sampler=sampler, pruner=pruner, directions=directions, load_if_exists=True
-    )
+def open_study(storage: Any, name: str, directions: list[str], sampler: Any, pruner: Any) -> tuple[Any, bool]:
+    """The study, and whether it existed (created by an earlier run or another worker)."""
+    verbosity = optuna.logging.get_verbosity()
+    # no "A new study created" / "Using an existing study" lines from optuna: the sweeper says which once the
+    # study's checks have passed, so that a refused re-run is one line
+    optuna.logging.set_verbosity(max(verbosity, optuna.logging.WARNING))
+    try:  # what create_study(load_if_exists=True) does, telling which happened
+        study = optuna.create_study(
+            storage=storage, study_name=name, sampler=sampler, pruner=pruner, directions=directions
+        )
+        existing = False
+    except DuplicatedStudyError:
+        study, existing = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner), True
+    finally:
+        optuna.logging.set_verbosity(verbosity)
     stored = [d.name.lower() for d in study.directions]
     if stored != directions:
         raise UserError(
             f"hydra.sweeper.direction={directions}: study {name!r} in this storage has {stored}; "
             "use another study_name (or storage) for another objective"
         )
-    return study
+    return study, existing
 
 
 def check_search_space(study: Any, distributions: dict[str, Any], custom: bool) -> None:

@@ -29,7 +29,7 @@ from optuna.trial import TrialState
 
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_text_atomic
-from lychee_exp.sweep import lychee_trials
+from lychee_exp.sweep import fixed_config, lychee_trials
 from lychee_exp.sweep import storage as st
 from lychee_exp.sweep.placement import WORKER_ENV, Placement, SlotsFailed, choose, parse
 from lychee_exp.sweep.samplers import GRID, build_pruner, build_sampler
@@ -203,7 +203,7 @@ class LycheeOptunaSweeperImpl(Sweeper):
                 "hydra.sweeper.objectives names metrics.json keys of lychee_exp jobs; this app's task "
                 "function returns its values (a tuple for several directions): remove objectives"
             )
-        self.space.try_custom(self.config, self.directions)
+        searched = [*self.space.distributions, *self.space.try_custom(self.config, self.directions)]
         sampler = build_sampler(self.sampler_spec, self.space.grid)
         if self.sampler_spec.get("_target_") == GRID:
             size = math.prod(len(values) for values in self.space.grid().values())
@@ -216,8 +216,9 @@ class LycheeOptunaSweeperImpl(Sweeper):
         self.url = self.storage_url or st.default_url(self.sweep_dir)
         name = self.study_name or self.sweep_dir.name
         storage = open_storage(self.url, self.heartbeat_interval, self.grace_period)
-        self.study = st.open_study(storage, name, self.directions, sampler, pruner)
+        self.study, existing = st.open_study(storage, name, self.directions, sampler, pruner)
         st.check_search_space(self.study, self.space.distributions, custom=self.space.custom is not None)
+        fixed_config.check(self.study, fixed_config.fingerprint(job_cfg, searched, self.lychee), masked(self.url))
         me, self.exhausted = st.worker_identity(), False
         self.recover = st.Recovery(self.study, storage, me)
         # A resumed study, or a second worker, must not replay the first worker's random draws with the same
@@ -228,7 +229,8 @@ class LycheeOptunaSweeperImpl(Sweeper):
         # whole: a second worker of the study writes the same file as it starts
         write_text_atomic(self.sweep_dir / "multirun.yaml", OmegaConf.to_yaml(self.config))
         log.info(
-            "study %s in %s (%s): %d of %d trials finished",
+            "%s study %s in %s (%s): %d of %d trials finished",
+            "resuming" if existing else "new",
             name,
             masked(self.url),
             type(self.study.sampler).__name__,
