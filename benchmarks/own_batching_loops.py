@@ -125,7 +125,7 @@ def _encoder_class(cls):
 def stamp_hook(rank: int, trial_number: int, batch_size: int = 0):
     """LYCHEE_STEP_HOOK factory (rank, trial number, per-device batch), as lychee_exp.launch.step_hooks calls it:
     lychee's trainer calls the returned hook at the end of every optimizer step."""
-    return lambda step: METER.stamp()
+    return lambda step, model: METER.stamp()
 
 
 def cut(tokenizer, text: str, max_tokens: int) -> str:

@@ -112,7 +112,7 @@ def test_sweep_trials_run_as_slurm_jobs_at_once(slurm, slurm_sweep):
     done, failed = study.trials
     assert (done.state.name, failed.state.name) == ("COMPLETE", "FAIL")
     m = run_metrics(sweep / "0")
-    assert done.value == m["ndcg@10"] and m["num_devices"] == m["num_processes"] == 2 and m["steps"] == 4
+    assert done.value == m["model_ndcg@10"] and m["num_devices"] == m["num_processes"] == 2 and m["steps"] == 4
     assert m["effective_batch_size"] == done.params["trainer.global_batch_size"]
 
 

@@ -120,7 +120,7 @@ def test_five_runs_in_one_process(five_quick_runs):
     values, outcomes = [value for _, value, _ in runs], [_outcome(metrics) for _, _, metrics in runs]
     assert all(math.isfinite(v) for v in values) and all(math.isfinite(v) for v in outcomes[0][:3]), outcomes[0]
     assert values == [values[0]] * 5 and outcomes == [outcomes[0]] * 5, outcomes
-    assert values[0] == runs[0][2]["ndcg@10"] and outcomes[0][3] == 2
+    assert values[0] == runs[0][2]["model_ndcg@10"] and outcomes[0][3] == 2  # the optimized metric: the model's own
 
 
 def test_two_runs_at_the_same_moment(tmp_path, five_quick_runs):

@@ -85,7 +85,11 @@ def _errors(proc: subprocess.CompletedProcess) -> list[str]:
 
 def _sampler(proc: subprocess.CompletedProcess) -> str:
     """The sampler class the sweeper built, from its start line (a loaded study does not keep its sampler)."""
-    [sampler] = [m[1] for line in _lines(proc) if (m := re.search(r"\] study \S+ in .* \((\w+)\): \d+ of", line))]
+    [sampler] = [
+        m[1]
+        for line in _lines(proc)
+        if (m := re.search(r"\] (?:new|resuming) study \S+ in .* \((\w+)\): \d+ of", line))
+    ]
     return sampler
 
 
