@@ -10,6 +10,7 @@ start, possibly several launches ago, so a rank first takes the launcher's as th
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import select
@@ -114,6 +115,10 @@ def rank_start(device_type: str) -> tuple[str, RankParent]:
     if device_type != "cpu" or server is None or not hasattr(server, "_forkserver_pid"):
         return "spawn", RankParent(os.getpid())
     multiprocessing.set_forkserver_preload(RANK_MODULES)
+    # the forkserver never outlives this process: a Ctrl-C that ends the command while the forkserver still imports
+    # (it ignores Ctrl-C then, also while ensure_running starts it) would leave it running until its imports finish
+    atexit.unregister(stop_server)  # once, however many launches
+    atexit.register(stop_server)
     with _helpers_ignore(PREEMPT_SIGNAL, signal.SIGINT):
         server.ensure_running()  # (re)starts it if it is not running, with this process's environment as it is now
     global _server

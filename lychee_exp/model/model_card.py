@@ -21,8 +21,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import EvalResult, ModelCard, ModelCardData
-
 from lychee_exp.config.choices import MIX, MODEL_PREFIX
 from lychee_exp.config.schema import ModelConfig, RunConfig
 from lychee_exp.errors import UserError
@@ -87,6 +85,10 @@ def _name_of(path: Path, spec: str) -> str:
 def write_model_card(out_dir: Path, cfg: ModelConfig, base: str | None, adapter: bool, run: RunRecord | None) -> None:
     """out_dir/README.md for the model saved there (its config.json written already); `run`: the run that trained
     it (None: a model saved outside a training run, whose card says what it is and how to load it)."""
+    # imported here: huggingface_hub's API client (httpx) costs every rank and the forkserver ~0.1 s at import,
+    # and only a save needs it
+    from huggingface_hub import ModelCard, ModelCardData
+
     metrics = run.metrics if run else {}
     results = _eval_results(run) if run else None
     data = ModelCardData(
@@ -112,6 +114,8 @@ def write_model_card(out_dir: Path, cfg: ModelConfig, base: str | None, adapter:
 def name_adapter_base(adapter_dir: Path, base: str | None) -> None:
     """peft's adapter/README.md names the base by the directory it was loaded from (base_model and a
     `base_model:adapter:<base>` tag): by the card's name instead."""
+    from huggingface_hub import ModelCard
+
     file = adapter_dir / README
     if not file.is_file():
         return
@@ -287,8 +291,11 @@ def _dev_rows(run: RunRecord) -> list[tuple[str, dict[str, float]]]:
     return [(name, figures) for name, figures in rows if figures]
 
 
-def _eval_results(run: RunRecord) -> list[EvalResult] | None:
-    """The model-index: the model's own dev figures (a mix ranks with other scores than this model's)."""
+def _eval_results(run: RunRecord) -> list | None:
+    """The model-index (huggingface_hub EvalResults): the model's own dev figures (a mix ranks with other scores
+    than this model's)."""
+    from huggingface_hub import EvalResult
+
     name, split = dataset_name(run.cfg), run.cfg.data.dev_split if run.cfg.data.dataset else "dev"
     results = [
         EvalResult(
