@@ -183,3 +183,16 @@ def test_a_beir_runs_card_names_its_dataset_and_the_first_stage_mix(tmp_path):
     }
     assert "train file `m.jsonl`" in card.text and "dataset=<my_scifact dir> split=test" in card.text
     assert "SentenceTransformer(model_dir)" in card.text and "/data" not in card.text
+
+
+def test_the_card_says_which_step_the_weights_are_only_where_model_holds_the_best(tmp_path):
+    """best_step is reported for every run that evaluated during training; model/ holds that step's weights only
+    with trainer.load_best_model_at_end (metrics.json then keeps the last evaluation's figure as last_<metric>)."""
+    cfg = to_run_config(compose_job(TINY_OVERRIDES, tmp_path / "run"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    tracked = {"steps": 6, "metric_for_best_model": "model_ndcg@10", "best_step": 2, "best_metric": 0.4}
+    write_model_card(tmp_path, cfg.model, None, adapter=False, run=RunRecord(cfg, tracked))
+    assert "the weights saved are" not in (tmp_path / "README.md").read_text()  # the last step's weights
+    restored = {**tracked, "last_model_ndcg@10": 0.3}
+    write_model_card(tmp_path, cfg.model, None, adapter=False, run=RunRecord(cfg, restored))
+    assert "- the weights saved are step 2's, the best dev model_ndcg@10" in (tmp_path / "README.md").read_text()

@@ -23,8 +23,9 @@ def write_results(run_cfg: RunConfig, metrics: dict, output_dir: Path, is_main: 
     if is_main:
         write_json_atomic(metrics_path, metrics)
         if "ndcg@10" in metrics:
-            log.info("%s", summary_line(metrics, stage_name(run_cfg.data.first_stage)))
-            below = standing_below_first_stage(metrics, stage_name(run_cfg.data.first_stage))
+            stage = stage_name(run_cfg.data.first_stage)
+            log.info("%s", summary_line(metrics, stage))
+            below = standing_below_first_stage(metrics, stage)
             if below:
                 log.warning("%s", below)
         log.info(

@@ -234,8 +234,10 @@ def _training(run: RunRecord) -> str:
         where = ", ".join(str(metrics[k]) for k in ("device", "strategy") if k in metrics)
         lines.append(f"- precision: {metrics['precision']}, on {devices}" + (f" ({where})" if where else ""))
     lines.append(f"- seed: {cfg.seed}")
-    if "best_step" in metrics and metrics["best_step"] != metrics.get("steps"):
-        lines.append(f"- the weights saved are step {metrics['best_step']}'s, the best dev {cfg.optimized_metric}")
+    best = metrics.get("metric_for_best_model")
+    # last_<metric> is written only where model/ holds the best evaluation's weights (train.best.best_figures)
+    if f"last_{best}" in metrics and metrics["best_step"] != metrics.get("steps"):
+        lines.append(f"- the weights saved are step {metrics['best_step']}'s, the best dev {best}")
     return "## Training\n\n" + "\n".join(lines)
 
 
