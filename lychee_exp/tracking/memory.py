@@ -1,0 +1,36 @@
+"""A process's resident memory: its peak so far (the kernel's high-water mark) and its current size, in MB, for the
+run's per-phase figures and for naming what a rank killed by a signal had used."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+
+def _status_kb(pid: int | str, field: str) -> int | None:
+    """A /proc/<pid>/status field in kB (Linux); None where there is no such process or file."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    return None
+
+
+def peak_rss_mb(pid: int | str = "self") -> float | None:
+    """The process's peak resident set size (VmHWM) in MB; for this process also off Linux (getrusage: kB on
+    Linux, bytes on macOS). None for another process that has gone or that /proc does not show."""
+    kb = _status_kb(pid, "VmHWM")
+    if kb is None and pid == "self":
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        kb = maxrss // 1024 if sys.platform == "darwin" else maxrss
+    return None if kb is None else kb / 1024
+
+
+def rss_mb(pid: int | str = "self") -> float | None:
+    """The process's resident set size now (VmRSS) in MB; None where /proc does not show it."""
+    kb = _status_kb(pid, "VmRSS")
+    return None if kb is None else kb / 1024
