@@ -9,11 +9,8 @@ existing file only with overwrite=true; Ctrl-C leaves it as it was.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from pathlib import Path
-
-from tqdm import tqdm
 
 from lychee_exp.cli import run_output_command
 from lychee_exp.config.commands import (
@@ -24,6 +21,7 @@ from lychee_exp.config.commands import (
     register_ir_schemas,
 )
 from lychee_exp.io.outputs import staged_output
+from lychee_exp.io.progress import progress_meter, progress_shown
 from lychee_exp.ir.mining import MineSummary
 from lychee_exp.ir.pipeline import mine_to_file, open_split
 from lychee_exp.model.files import check_trained_head
@@ -34,8 +32,10 @@ log = logging.getLogger("lychee_exp.mine")
 def mine_command(cfg: MineConfig) -> str:
     check_mine_config(cfg)
     start = time.perf_counter()
-    # out= is checked and locked first; the JSONL goes to a fresh file that replaces out= only when complete
-    with staged_output(cfg.out, directory=False, overwrite=cfg.overwrite, inputs=command_inputs(cfg)) as staged:
+    # out= is checked and locked first; the JSONL goes to a fresh file that replaces out= only when complete.
+    # progress_shown: the dense encoding's progress too
+    output = staged_output(cfg.out, directory=False, overwrite=cfg.overwrite, inputs=command_inputs(cfg))
+    with output as staged, progress_shown(cfg.progress_bar):
         summary = _mine_into(cfg, staged)
     seconds = time.perf_counter() - start
     queries = summary.written + sum(summary.skipped.values())
@@ -47,10 +47,9 @@ def mine_command(cfg: MineConfig) -> str:
 def _mine_into(cfg: MineConfig, out: Path) -> MineSummary:
     corpus, split = open_split(cfg.dataset, cfg.split)
     settings = mine_settings(cfg)
-    show = cfg.progress_bar and sys.stderr.isatty()
 
     def progress(items):
-        return tqdm(items, desc=f"mine {cfg.split}", unit="query", disable=not show)
+        return progress_meter(items, desc=f"mine {cfg.split}", unit="query", units="queries")
 
     if cfg.teacher == "reranker":  # before any scoring: a wrong path or model is one line
         from lychee_exp.model.reranker import model_dir  # torch: here, so that a misspelt key is answered without it

@@ -25,6 +25,7 @@ from lychee_exp.config.schema import DenseConfig
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_json_atomic, write_text_atomic
 from lychee_exp.io.outputs import staged_output
+from lychee_exp.io.progress import progress_shown
 from lychee_exp.ir.beir import dataset_dir, split_names
 from lychee_exp.ir.dense import corpus_embeddings
 from lychee_exp.ir.first_stage import retrieve
@@ -42,10 +43,11 @@ RESULTS = ("run.trec", "run.model.trec", "metrics.json", "per_query.tsv", "timin
 
 def rerank_command(cfg: RerankConfig) -> dict:
     check_rerank_config(cfg)
-    # out= is checked and locked first; the results go to a fresh directory that replaces out= only when complete
-    with staged_output(
-        cfg.out, directory=True, overwrite=cfg.overwrite, inputs=command_inputs(cfg), results=RESULTS
-    ) as staging:
+    # out= is checked and locked first; the results go to a fresh directory that replaces out= only when complete.
+    # progress_shown: the preflight's dense encoding's progress too
+    inputs = command_inputs(cfg)
+    output = staged_output(cfg.out, directory=True, overwrite=cfg.overwrite, inputs=inputs, results=RESULTS)
+    with output as staging, progress_shown(cfg.progress_bar):
         metrics, timing = _rerank_into(cfg, staging)
     scored = f"{metrics['queries_scored']} of {metrics['queries']} queries with candidates"
     speed = f"{metrics['pairs']} pairs on {metrics['ranks']} rank(s), {timing['pairs_per_s']:.1f} pairs/s"

@@ -71,6 +71,8 @@ class MineConfig:
     relative_margin: Optional[float] = None
     max_score: Optional[float] = None
     seed: int = declared_in(RunConfig, "seed")
+    # the mining's and dense encoding's progress: a bar on a terminal, else a log line every 30 s or tenth of the
+    # phase (rate, time left); false: neither (trainer.progress_bar's meaning)
     progress_bar: bool = declared_in(TrainerConfig, "progress_bar")
 
 
@@ -97,6 +99,8 @@ class RerankConfig:
     precision: Precision = declared_in(TrainerConfig, "precision")
     instruction: Optional[str] = declared_in(DataConfig, "instruction")  # overrides model.prompt.default_instruction
     seed: int = declared_in(RunConfig, "seed")
+    # the scoring's and dense encoding's progress: a bar on a terminal, else a log line every 30 s or tenth of the
+    # phase (rate, time left); false: neither (trainer.progress_bar's meaning)
     progress_bar: bool = declared_in(TrainerConfig, "progress_bar")
     tag: str = "lychee_exp"  # the run file's tag column
     # run.trec ranks by the model's scores mixed with the teacher's (dense.model's bi-encoder), each standardised

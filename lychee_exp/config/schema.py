@@ -234,6 +234,9 @@ class TrainerConfig:
     # (lychee_exp.model.precision.resolve_precision); fp32/bf16/fp16 pin it
     precision: Precision = Precision.auto
     log_every: int = at_least(1, 10)
+    # progress of the long phases (data=beir's mining and dense encoding, evaluation, training) on the main rank: a
+    # tqdm bar where stderr is a terminal, else a log line every 30 s or tenth of the phase, with its rate and time
+    # left (training's step rows say the time left too; lychee_exp.io.progress); false: neither bar nor lines
     progress_bar: bool = True
     deterministic: bool = True
     save_model: bool = True

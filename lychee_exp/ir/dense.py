@@ -12,6 +12,7 @@ import numpy as np
 from lychee_exp.config.schema import DenseConfig
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_bytes_atomic
+from lychee_exp.io.progress import progress_meter
 from lychee_exp.io.user_files import resolve_path
 from lychee_exp.ir.beir import Corpus
 from lychee_exp.ir.cache import cache_path, file_key
@@ -45,9 +46,11 @@ def best_device():
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")  # cuda = this rank's GPU
 
 
-def embed(texts: list[str], dense: DenseConfig, prompt: str = "", key: str = "dense.model") -> np.ndarray:
+def embed(
+    texts: list[str], dense: DenseConfig, prompt: str = "", key: str = "dense.model", what: str = "texts"
+) -> np.ndarray:
     """Unit-norm float32 embeddings of prompt + text, one row per text; batched longest first, so little is
-    padding."""
+    padding. Its progress is shown as `encode <what>` (io.progress; off within progress_shown(False))."""
     import torch
     import transformers
     from transformers import AutoModel, AutoTokenizer
@@ -61,7 +64,8 @@ def embed(texts: list[str], dense: DenseConfig, prompt: str = "", key: str = "de
     texts = [prompt + text for text in texts]
     order = sorted(range(len(texts)), key=lambda i: (-len(texts[i]), texts[i]))
     out = np.zeros((len(texts), model.config.hidden_size), dtype=np.float32)
-    with torch.inference_mode():
+    bar = progress_meter(desc=f"encode {what}", unit="text", units=what, total=len(texts))
+    with torch.inference_mode(), bar:
         for start in range(0, len(order), dense.batch_size):
             rows = order[start : start + dense.batch_size]
             batch = tokenizer(
@@ -69,6 +73,7 @@ def embed(texts: list[str], dense: DenseConfig, prompt: str = "", key: str = "de
             ).to(device)
             pooled = pool(model(**batch).last_hidden_state, batch["attention_mask"], dense.pooling)
             out[rows] = torch.nn.functional.normalize(pooled.float(), dim=-1).cpu().numpy()
+            bar.update(len(rows))
     return out
 
 
@@ -76,7 +81,7 @@ def corpus_embeddings(corpus: Corpus, dense: DenseConfig, key: str = "dense.mode
     cached = cache_path("dense", corpus.key, dense_key(dense, key, queries=False)).with_suffix(".npy")
     if cached.exists():
         return np.load(cached)
-    vectors = embed(corpus.texts, dense, dense.passage_prompt, key)
+    vectors = embed(corpus.texts, dense, dense.passage_prompt, key, "passages")
     write_bytes_atomic(cached, _npy_bytes(vectors))
     return vectors
 

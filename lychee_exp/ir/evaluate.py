@@ -24,6 +24,7 @@ import torch
 from lychee_exp.config.choices import MODEL_PREFIX
 from lychee_exp.data.groups import DevPairs
 from lychee_exp.data.prompt import PromptEncoder
+from lychee_exp.io.progress import progress_meter
 from lychee_exp.ir.candidates import RerankPairs
 from lychee_exp.ir.fusion import fuse
 from lychee_exp.ir.metrics import mean_metrics, per_query_metrics, trec_metrics
@@ -125,12 +126,14 @@ def score_sharded(
     device: torch.device,
     env: DistEnv,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-    progress: Callable[[int], None] = lambda pairs: None,
+    progress: str | None = None,
 ) -> list[float]:
     """Every rank scores every world_size-th batch of length_batches; the scores are all-gathered. Each batch is
     the same tensor on any number of ranks, so 1 and N ranks give the same scores. A sharded model (parallel=fsdp)
     gathers its weights from every rank in each forward, so a rank short of a batch forwards its last one again,
-    unrecorded: all ranks run the same number of forwards."""
+    unrecorded: all ranks run the same number of forwards. `progress`: the main rank shows the scoring's progress
+    under that name (io.progress: a bar, or log lines), counting its own pairs times the ranks (every rank scores
+    about as many)."""
     every = length_batches(token_ids, batch_size)
     batches = every[env.rank :: env.world_size]
     sharded = is_sharded(model)
@@ -138,8 +141,10 @@ def score_sharded(
     was_training = model.training
     model.eval()
     mine: list[tuple[int, float]] = []
+    shown = progress is not None and env.is_main
+    bar = progress_meter(desc=progress or "", unit="pair", total=len(token_ids), shown=shown, leave=None)
     # FSDP2 writes its gathered weights in place, which inference tensors forbid: no_grad there
-    with torch.no_grad() if sharded else torch.inference_mode():
+    with torch.no_grad() if sharded else torch.inference_mode(), bar:
         for turn in range(rounds):
             rows = batches[min(turn, len(batches) - 1)] if batches else every[0]
             batch = encoder.pad([token_ids[i] for i in rows])
@@ -147,7 +152,7 @@ def score_sharded(
                 logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
             if turn < len(batches):
                 mine.extend(zip(rows, logits.float().cpu().tolist()))
-                progress(len(rows))
+                bar.update(len(rows) * env.world_size)
     model.train(was_training)
     scores = [0.0] * len(token_ids)
     for part in env.gather_objects(mine):
@@ -166,14 +171,16 @@ def evaluate(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     teacher_weight: float = 0.0,
     first_stage_weight: float = 0.0,
+    progress: str | None = None,
 ) -> dict[str, float]:
     """Dev metrics of the model's scores, sharded across ranks (score_sharded): the fixed-candidate protocol's
     NDCG@10/MRR@10, or, for a BEIR split's first-stage candidates (RerankPairs), trec_eval's metrics. Each comes
     twice: as model_* the model's own scores, always (what a sweep and the best checkpoint optimize by default), and
     unprefixed the run's ranking: with teacher_weight > 0 (and teacher scores) or first_stage_weight > 0 (and
-    first-stage scores) the model's scores mixed with those (ir.fusion), else the model's own again."""
+    first-stage scores) the model's scores mixed with those (ir.fusion), else the model's own again. `progress`:
+    the scoring's progress shown under that name (score_sharded)."""
     env = env or DistEnv(device=device)
-    scores = score_sharded(model, encoder, pairs.token_ids, batch_size, device, env, autocast)
+    scores = score_sharded(model, encoder, pairs.token_ids, batch_size, device, env, autocast, progress)
     partners = [
         (partner, weight)
         for partner, weight in (

@@ -166,7 +166,7 @@ def _stemmer(stemmer: Stemmer):
 
 def _dense(corpus: Corpus, split: Split, top_k: int, dense: DenseConfig, key: str) -> Run:
     docs = corpus_embeddings(corpus, dense, key)
-    queries = embed([split.queries[q] for q in split.query_ids], dense, dense.query_prompt, key)
+    queries = embed([split.queries[q] for q in split.query_ids], dense, dense.query_prompt, key, "queries")
     scores, rows = top_k_by_blocks(queries, docs, top_k + 1)  # one more: the query's own id may be among them
     return {
         qid: _keep_top(qid, [(corpus.ids[r], float(s)) for r, s in zip(rows[i], scores[i])], top_k)

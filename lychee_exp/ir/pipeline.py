@@ -31,7 +31,7 @@ def dense_teacher(corpus: Corpus, split: Split, dense: DenseConfig, key: str = "
     """Scaled cosine of the bi-encoder's embeddings (corpus embeddings cached; the split's queries once)."""
     docs = corpus_embeddings(corpus, dense, key)
     query_row = {qid: i for i, qid in enumerate(split.query_ids)}
-    queries = embed([split.queries[q] for q in split.query_ids], dense, dense.query_prompt, key)
+    queries = embed([split.queries[q] for q in split.query_ids], dense, dense.query_prompt, key, "queries")
 
     def score(pairs: list[tuple[str, str]]) -> list[float]:
         return [SCALE * float(queries[query_row[q]] @ docs[corpus.row[d]]) for q, d in pairs]

@@ -6,12 +6,10 @@ the first stage (none for a split without qrels), the counts and the throughput.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 
-from tqdm import tqdm
-
 from lychee_exp.config.commands import RerankConfig
+from lychee_exp.io.progress import progress_shown
 from lychee_exp.ir.candidates import build_rerank_pairs
 from lychee_exp.ir.evaluate import score_sharded
 from lychee_exp.ir.first_stage import retrieve
@@ -26,6 +24,11 @@ log = logging.getLogger(__name__)
 
 
 def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
+    with progress_shown(cfg.progress_bar and env.is_main):  # the scoring's, and rank 0's dense encoding
+        return _rerank_on_rank(cfg, env)
+
+
+def _rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
     corpus, split = open_split(cfg.dataset, cfg.split, need_qrels=False)
     first = retrieve(cfg.first_stage, corpus, split, cfg.top_k, cfg.dense, stemmer=cfg.bm25_stemmer)
     tokenizer = load_tokenizer(cfg.model)
@@ -39,22 +42,11 @@ def rerank_on_rank(cfg: RerankConfig, env: DistEnv) -> dict:
     def mixed_precision():
         return autocast(env.device.type, precision)
 
-    show = env.is_main and cfg.progress_bar and sys.stderr.isatty()
-    # rank 0's bar counts its own pairs times the ranks: every rank scores about as many
-    bar = tqdm(total=len(pairs.token_ids), desc=f"rerank {cfg.split}", unit="pair", disable=not show)
     start = time.perf_counter()
     scores = score_sharded(
-        model,
-        encoder,
-        pairs.token_ids,
-        cfg.batch_size,
-        env.device,
-        env,
-        mixed_precision,
-        lambda n: bar.update(n * env.world_size),
+        model, encoder, pairs.token_ids, cfg.batch_size, env.device, env, mixed_precision, f"rerank {cfg.split}"
     )
     seconds = time.perf_counter() - start
-    bar.close()
     if not env.is_main:
         return {}
     runs = {"": pairs.run_of(scores), "first_stage_": first}

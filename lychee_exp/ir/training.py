@@ -18,17 +18,15 @@ import dataclasses
 import json
 import logging
 import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from tqdm import tqdm
 
 from lychee_exp.config.choices import Stemmer
 from lychee_exp.config.schema import DenseConfig
 from lychee_exp.errors import UserError
 from lychee_exp.io.atomic import write_text_atomic
+from lychee_exp.io.progress import progress_meter, progress_shown
 from lychee_exp.io.user_files import resolve_path
 from lychee_exp.ir.beir import Corpus, Split
 from lychee_exp.ir.cache import cache_path, computing, file_key
@@ -55,15 +53,17 @@ class BeirDev:
 def prepare_beir(data, progress_bar: bool = False) -> str:
     """data=beir's steps, in order: the train split mined when data.train_file is empty, then the dev split's
     candidates and teacher scores. Returns the train file the ranks are to read (data.train_file, or the mined one).
-    Both splits are opened (and checked) before the slow work."""
+    Both splits are opened (and checked) before the slow work. progress_bar: the steps' progress shown (a bar on a
+    terminal, else log lines: io.progress)."""
     _dev_split(data)
     steps = 1 if data.train_file else 2  # "data step": the training steps' own log lines say "step n/N"
-    train_file = data.train_file or str(mine_train_split(data, f"data step 1/{steps}", progress_bar))
-    score_dev_split(data, f"data step {steps}/{steps}")
+    with progress_shown(progress_bar):
+        train_file = data.train_file or str(mine_train_split(data, f"data step 1/{steps}"))
+        score_dev_split(data, f"data step {steps}/{steps}")
     return train_file
 
 
-def mine_train_split(data, step: str = "mining", progress_bar: bool = False) -> Path:
+def mine_train_split(data, step: str = "mining") -> Path:
     """The train split mined with mine's defaults into the cache, or found there; its path."""
     corpus, split = _train_split(data)
     path = mined_train_path(corpus, split, data.first_stage, data.dense, data.bm25_stemmer)
@@ -82,10 +82,9 @@ def mine_train_split(data, step: str = "mining", progress_bar: bool = False) -> 
             what,
             path,
         )
-        show = progress_bar and sys.stderr.isatty()
 
         def progress(items):
-            return tqdm(items, desc=f"mine {split.name}", unit="query", disable=not show)
+            return progress_meter(items, desc=f"mine {split.name}", unit="query", units="queries")
 
         start = time.perf_counter()
         summary = mine_train_file(corpus, split, data.first_stage, data.dense, data.bm25_stemmer, path, progress)

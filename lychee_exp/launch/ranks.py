@@ -39,6 +39,8 @@ WARM_LOGS = "logs/warm"
 
 # what a trial's environment may change for its ranks: fault injection in tests, the study's storage, W&B's
 PASSED_ENV = ("LYCHEE_", "WANDB_")
+# Hydra's job_logging format: a rank's lines read as its job's, with their time (progress lines: io.progress)
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
 def warm_init(setup: RankSetup) -> DistEnv:
@@ -146,7 +148,7 @@ def _configure_worker_logging(rank: int, log_file: str | None, console: TextIO |
         level=logging.INFO if rank == 0 else logging.WARNING,
         handlers=handlers,
         force=True,  # a warm rank's next trial replaces the last one's files
-        format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s",
+        format=LOG_FORMAT,
     )
 
 

@@ -19,7 +19,7 @@ from lychee_exp.launch.failures import note_failure
 from lychee_exp.launch.launcher import run_ranks
 from lychee_exp.launch.processes import one_line
 from lychee_exp.launch.rank_start import RankParent
-from lychee_exp.launch.ranks import init_distributed
+from lychee_exp.launch.ranks import LOG_FORMAT, init_distributed
 from lychee_exp.parallel.devices import DevicePlan, torch_device
 from lychee_exp.parallel.distributed import DistEnv
 
@@ -48,7 +48,7 @@ def rerank_worker(payload: dict, output_dir: str, threads: int, device_type: str
 
 def _rerank_worker(payload: dict, output_dir: str, threads: int, device_type: str, parent: RankParent) -> dict:
     parent.adopt()
-    logging.basicConfig(level=logging.INFO if os.environ.get("RANK") == "0" else logging.WARNING)
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK") == "0" else logging.WARNING, format=LOG_FORMAT)
     if device_type == "cpu":
         torch.set_num_threads(threads)
     cfg = rerank_config_from(payload)

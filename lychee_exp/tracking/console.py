@@ -66,10 +66,12 @@ def log_train_step(
     lr: float,
     figures,
     gpu: dict | None = None,
+    eta: str = "",
 ) -> None:
     """One training row: `loss` (the mean since the last row) and the logged step's own figures (a
     train.progress.StepFigures: grad_norm, queries and non-pad tokens over all ranks, seconds, data wait), plus
-    rank 0's GPU memory and utilisation (`gpu`: throughput.gpu_memory's figures, {} off CUDA)."""
+    rank 0's GPU memory and utilisation (`gpu`: throughput.gpu_memory's figures, {} off CUDA) and, in the console
+    line only, `eta` (io.progress.row_eta: ' | 01:55 left' where stderr is not a terminal, else '')."""
     gpu = gpu or {}
     grad_norm, queries, tokens, elapsed, wait = (
         figures.grad_norm,
@@ -97,7 +99,7 @@ def log_train_step(
     if is_main:
         log.info(
             "step %d/%d | loss %.4f | lr %.3g | %.1f samples/s | %.0f tokens/s | %d queries %d tokens | "
-            "data wait %.0f%%%s",
+            "data wait %.0f%%%s%s",
             step,
             total_steps,
             loss,
@@ -108,6 +110,7 @@ def log_train_step(
             tokens,
             100 * wait / elapsed,
             _gpu_text(gpu),
+            eta,
         )
 
 

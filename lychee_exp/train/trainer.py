@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -27,6 +26,7 @@ from lychee_exp.config.schema import RunConfig
 from lychee_exp.data.groups import DevPairs, TrainGroups
 from lychee_exp.data.loader import train_loader
 from lychee_exp.data.token_cache import pretokenized
+from lychee_exp.io.progress import progress_meter, row_eta
 from lychee_exp.ir import evaluate as ev
 from lychee_exp.ir.metrics import named_figure
 from lychee_exp.model.packed import packed_attention_path_of
@@ -161,9 +161,12 @@ class Trainer:
             self.step.autocast,
             data.teacher_weight,
             data.first_stage_weight,
+            "dev evaluation" if self.cfg.trainer.progress_bar else None,
         )
         self.eval_time_s += time.perf_counter() - start
         self.eval_cpu_s += time.process_time() - cpu_start
+        if self.bar is not None:  # nor for the train bar's rate and time left (io.progress)
+            self.bar.unpause()
         return metrics
 
     # ----------------------------------------------------------------------------------------------- train
@@ -182,9 +185,15 @@ class Trainer:
                 progress.evaluated_at = 0
         timer = self.timer = StepTimer(progress.step, self.data.total_steps, *self._training_clock())
         self.logged = []
-        show = env.is_main and cfg.trainer.progress_bar and sys.stderr.isatty()
-        self.bar = tqdm(
-            total=self.data.total_steps, initial=progress.step, desc="train", dynamic_ncols=True, disable=not show
+        shown = env.is_main and cfg.trainer.progress_bar  # a bar on a terminal, else log lines (io.progress)
+        self.bar = progress_meter(
+            desc="train",
+            unit="step",
+            total=self.data.total_steps,
+            initial=progress.step,
+            shown=shown,
+            rows_every=cfg.trainer.log_every,  # its step rows say the time left (_log_train_row): no line there
+            dynamic_ncols=True,
         )
         self.train_model.train()
         train_start, eval_time_before = time.perf_counter(), self.eval_time_s
@@ -281,6 +290,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         gpu = gpu_memory(self.device) if self.env.is_main else {}
         at = {"step": progress.step, "total_steps": self.data.total_steps, "epoch": progress.epoch}
+        at["eta"] = row_eta(self.bar)  # off a terminal the row says the time left, and counts as a progress line
         log_train_step(self.logger, self.env.is_main, **at, loss=summary["train_loss"], lr=lr, figures=figures, gpu=gpu)
         logged.clear()
 
