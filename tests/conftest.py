@@ -8,6 +8,7 @@ makes every process crawl (x10-x30) as soon as anything else runs beside it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 import pytest
 import torch
+import yaml
 from beir_helpers import ir_cache  # noqa: F401  (a fixture: a temporary LYCHEE_CACHE_DIR)
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
@@ -153,6 +155,44 @@ def run_cli(args: Sequence[str], run_dir: Path, timeout: float = 300) -> subproc
 
 def output_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultJob:
+    proc: subprocess.CompletedProcess
+    run_dir: Path
+
+    @property
+    def metrics(self) -> dict:
+        return run_metrics(self.run_dir)
+
+    @property
+    def run_log(self) -> str:
+        return (self.run_dir / "run.log").read_text()
+
+    @property
+    def config(self) -> dict:
+        return yaml.safe_load((self.run_dir / "config.yaml").read_text())
+
+
+@pytest.fixture(scope="session")
+def default_job(tmp_path_factory) -> DefaultJob:
+    """`python -m lychee_exp.run` with nothing else, as `make run` runs it for a new user (no W&B key: offline):
+    the built-in default job, minutes on CPU, run once a session for tests/test_default_job.py (what it learns) and
+    tests/test_readme.py (README's figures and outputs list)."""
+    tmp = tmp_path_factory.mktemp("default_job")
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE")}
+    env.update(HOME=str(tmp / "home"), WANDB_CONFIG_DIR=str(tmp / "wandb-config"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "lychee_exp.run", f"hydra.run.dir={tmp / 'run'}"],
+        cwd=str(tmp),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return DefaultJob(proc, tmp / "run")
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """docs/models.md's "Scoring a pair without lychee_exp" lines run as written against model directories saved
-here (the shipped MiniLM as a cross-encoder, the tiny Qwen2 as a yes/no causal LM with each score, a LoRA run's
+here (the shipped MiniLM as a cross-encoder, through transformers, sentence-transformers and FlagEmbedding's
+FlagReranker; the tiny Qwen2 as a yes/no causal LM with each score, a LoRA run's
 adapter on its base) and reproduce the project's own scores within 1e-4, in the same order."""
 
 from __future__ import annotations
@@ -30,12 +31,18 @@ DOCS = [
 PAIRS = [(q, d) for q in QUERIES for d in DOCS]
 # longer than the MiniLM preset's pair budget (96 tokens): the cut has to be the same on both sides
 LONG = [(QUERIES[0], " ".join(DOCS * 8)), (QUERIES[1], " ".join(reversed(DOCS * 7)))]
+# the cross-encoder blocks and the package each needs
+CROSS_ENCODER_BLOCKS = {
+    "cross_encoder_transformers": "transformers",
+    "cross_encoder_sentence_transformers": "sentence_transformers",
+    "cross_encoder_flag_embedding": "FlagEmbedding",
+}
 
 
 @pytest.fixture(scope="module")
 def blocks():
     found = dict(BLOCK.findall((REPO_ROOT / "docs" / "models.md").read_text()))
-    assert {"cross_encoder_transformers", "cross_encoder_sentence_transformers", "causal_lm_load"} <= set(found)
+    assert {*CROSS_ENCODER_BLOCKS, "causal_lm_load"} <= set(found)
     return found
 
 
@@ -91,9 +98,9 @@ def cross_encoder_dir(tmp_path_factory):
     return saved(tmp_path_factory.mktemp("minilm"), "model=minilm_cross_encoder", spread=_spread_head)
 
 
-@pytest.mark.parametrize("block", ["cross_encoder_transformers", "cross_encoder_sentence_transformers"])
+@pytest.mark.parametrize("block", sorted(CROSS_ENCODER_BLOCKS))
 def test_cross_encoder_lines_reproduce_rerank(block, blocks, cross_encoder_dir):
-    pytest.importorskip("sentence_transformers")
+    pytest.importorskip(CROSS_ENCODER_BLOCKS[block])
     pairs = PAIRS + LONG
     theirs = run_blocks(blocks, [block], model_dir=str(cross_encoder_dir), pairs=pairs)["scores"]
     assert_same_scores(theirs, project_scores(cross_encoder_dir, pairs))

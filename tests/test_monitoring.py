@@ -7,13 +7,16 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from baselines import seed_baseline
-from conftest import TINY_RANKS
+from conftest import REPO_ROOT, TINY_RANKS
+from omegaconf import OmegaConf
 
+from lychee_exp.config.schema import RunConfig
 from lychee_exp.job.in_process import run_job
 from lychee_exp.tracking.keys import HISTORY
 from lychee_exp.tracking.wandb_records import find_run_files, read_run
@@ -219,3 +222,26 @@ def test_metrics_csv_is_replaced_whole_and_a_failed_write_keeps_the_last_table(t
     with (tmp_path / "metrics.csv").open(newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [(r["step"], r[HISTORY["loss"]]) for r in rows] == [("1", "1.0"), ("2", "0.75")]
+
+
+def _listed(text: str, after: str, before: str) -> set[str]:
+    """The plain key names in backticks between two phrases of a paragraph."""
+    part = text[text.index(after) + len(after) :]
+    return set(re.findall(r"`([a-z_/@0-9]+)`", part[: part.index(before)]))
+
+
+def test_the_wandb_keys_docs_reporting_md_lists_are_what_a_run_logs(ddp_run):
+    """docs/reporting.md's W&B paragraph names the config's additions, the per-step, per-evaluation and summary
+    keys: each is in the run's record, and every key the run adds to its resolved config is named."""
+    text = (REPO_ROOT / "docs" / "reporting.md").read_text()
+    text = " ".join(text[text.index("**W&B** (`logger=wandb`") :].split())
+    text = text[: text.index("checks these lists")]
+    record = read_run(find_run_files(ddp_run)[0])
+    config = _listed(text, "The run's config is", "; a sweep's trial adds")
+    added = set(record["config"]) - set(OmegaConf.to_container(OmegaConf.structured(RunConfig))) - {"_wandb"}
+    assert config == added
+    history = set().union(*record["history"])
+    assert _listed(text, "Logged per step:", "(GPU runs") <= history
+    assert _listed(text, "per evaluation", "([the model") <= history
+    summary = _listed(text, "summary keeps the best); summary:", "final metrics")
+    assert summary | {"model_ndcg@10", "ndcg@10", "model_mrr@10", "mrr@10"} <= set(record["summary"])
