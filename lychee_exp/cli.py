@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -205,7 +206,8 @@ def _columns(rows: list[tuple[str, str]], width: int) -> list[str]:
 
 def override_value(value: Any) -> str:
     """A value as a command-line override spells it (Hydra's grammar): null, true, [a,b], a string quoted where
-    it holds a character the grammar reads."""
+    it holds a character the grammar reads (in quotes a backslash is literal, except before a quote or at the end).
+    A newline or tab is shown as \\n, \\t, for reading: the grammar has no escape for them."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -215,11 +217,26 @@ def override_value(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ",".join(f"{k}:{override_value(v)}" for k, v in value.items()) + "}"
     text = str(value)
-    if text == "???" or (
-        text and not any(c in text for c in " \t\n'\"=,[]{}()\\") and not text.startswith(("$", "~", "+"))
-    ):
+    plain = text and not any(c in text for c in " \t\n'\"=,[]{}()\\") and not text.startswith(("$", "~", "+"))
+    if text == "???" or plain:
         return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n").replace("\t", "\\t") + "'"
+    quoted = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+    quoted = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, quoted)
+    return "'" + quoted.replace("\n", "\\n").replace("\t", "\\t") + "'"
+
+
+def library_module(name: str, doc: str, *commands: str) -> None:
+    """What a module that is part of other commands (a benchmark's systems, a tool's helper) says when run: its
+    docstring and the commands that use it under --help; run without it, one line naming them, exit 2."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {name}",
+        description=" ".join(doc.split("\n\n")[0].split()),
+        epilog=f"A part of {', '.join(f'python -m {c}' for c in commands)}: it runs nothing by itself.",
+    )
+    parser.parse_args()
+    parser.error(f"not a command: run {' or '.join(f'python -m {c}' for c in commands)}")
 
 
 def run_output_command(config_name: str, argv: list[str] | None, schema: type, command: Callable) -> None:
