@@ -52,10 +52,12 @@ def time_path(path, dtype, segments: int, length: int, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--segments", type=int, default=32)
-    parser.add_argument("--lengths", default="64,96,128,160,192,256")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
+    parser.add_argument("--segments", type=int, default=32, help="segments per packed row")
+    parser.add_argument(
+        "--lengths", default="64,96,128,160,192,256", help="segment lengths (tokens) to time, comma-separated"
+    )
+    parser.add_argument("--repeats", type=int, default=20, help="timed passes per length (the median is printed)")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.segments} segments, {HEADS}x{DIM}")
     print("| precision | tokens per segment | sdpa per segment ms | segment rows ms | segment rows speedup |")

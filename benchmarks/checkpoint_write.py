@@ -76,7 +76,7 @@ def measure(name: str, shapes: dict, dtype: torch.dtype, root: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
     parser.add_argument("--dir", help="the file system to write on: a directory (default: the temporary one)")
     parser.add_argument("--full", action="store_true", help="also the full-weight checkpoint (~9 GB)")
     args = parser.parse_args()

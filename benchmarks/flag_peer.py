@@ -100,3 +100,9 @@ def own_file(spec: dict, out: str) -> None:
     )
     runner.trainer.add_callback(step_end_callback(loops.METER.stamp))
     runner.trainer.train()  # not runner.run(): that also saves the model, which no other system does here
+
+
+if __name__ == "__main__":
+    from lychee_exp.cli import library_module
+
+    library_module(__spec__.name, __doc__, "benchmarks.peers", "benchmarks.own_batching")

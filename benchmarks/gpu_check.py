@@ -194,7 +194,9 @@ def print_table(checks: dict) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=POLICY_LINE)
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0], epilog=POLICY_LINE
+    )
     parser.add_argument("--out", default="gpu_check.json", help="where the JSON report goes")
     parser.add_argument("--overwrite", action="store_true", help="replace an --out file that is not a gpu_check report")
     parser.add_argument("--budget-s", type=float, default=None,

@@ -228,3 +228,20 @@ def _held(spec: str) -> list[str]:
 
 def log_to_console() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+
+
+# the benchmarks built on this harness (what running it names)
+USED_BY = (
+    "peers",
+    "own_batching",
+    "scaling",
+    "ir_throughput",
+    "padded_vs_packed",
+    "sweep_overhead",
+    "sweep_throughput",
+)
+
+if __name__ == "__main__":
+    from lychee_exp.cli import library_module
+
+    library_module(__spec__.name, __doc__, *(f"benchmarks.{name}" for name in USED_BY))

@@ -24,12 +24,12 @@ from benchmarks import harness
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--top-k", type=int, default=20)
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
+    parser.add_argument("--top-k", type=int, default=20, help="first-stage candidates reranked per query")
     parser.add_argument("--queries", type=int, default=20, help="test queries reranked / dev queries evaluated")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=64, help="pairs per forward pass")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every way (medians)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ["LYCHEE_CACHE_DIR"] = tempfile.mkdtemp(prefix="lychee_ir_bench_")

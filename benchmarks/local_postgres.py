@@ -50,3 +50,9 @@ def local_postgres(max_connections: int = 100) -> Iterator[str]:
     finally:
         run("pg_ctl", "-D", str(data), "-m", "fast", "-w", "stop", check=False)
         shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    from lychee_exp.cli import library_module
+
+    library_module(__spec__.name, __doc__, "benchmarks.optuna_storage")

@@ -81,9 +81,11 @@ def measure(url: str, workers: int, seconds: float) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="an existing database (default: start a throwaway local PostgreSQL)")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="worker counts K to measure, one after another"
+    )
     parser.add_argument("--seconds", type=float, default=15.0, help="measuring time per K")
     args = parser.parse_args()
 

@@ -222,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     harness.log_to_console()
     parser = argparse.ArgumentParser(
-        description="own-batching benchmark", usage=__doc__.strip().splitlines()[2], epilog=POLICY_LINE
+        prog=f"python -m {__spec__.name}",
+        description="own-batching benchmark",
+        usage=__doc__.strip().splitlines()[2],
+        epilog=POLICY_LINE,
     )
     harness.add_precision_option(parser)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per system (after warm-up)")

@@ -276,3 +276,9 @@ def lychee(spec: dict, out: str) -> dict:
 
     os.environ[STEP_HOOK_ENV] = f"{__name__}:stamp_hook"
     return run_job(spec["lychee_overrides"], Path(out))[1]
+
+
+if __name__ == "__main__":
+    from lychee_exp.cli import library_module
+
+    library_module(__spec__.name, __doc__, "benchmarks.own_batching")

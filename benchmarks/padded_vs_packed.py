@@ -102,12 +102,12 @@ def smallest_budget(overrides: list[str], out: Path) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12, help="training steps per variant")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every variant, in turns")
     parser.add_argument("--batch", type=int, default=8, help="queries per step (x 4 documents)")
     # one thread: CPU time is then the step's own work, without other threads' spin-waits on a busy machine
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--budget", type=int, default=0, help="data.max_tokens_per_batch; 0 = the smallest that fits")
     args, overrides = parser.parse_known_args()
     out = Path(tempfile.mkdtemp(prefix="lychee-packing-"))

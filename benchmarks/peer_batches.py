@@ -81,3 +81,9 @@ def longtail_file(out: Path, queries: int, seed: int = 0) -> Path:
             docs = [" ".join(rng.choices(words, k=max(16, int(scale * rng.uniform(0.5, 1.0) * 0.6)))) for _ in range(4)]
             handle.write(json.dumps({"query": q.query, "pos": docs[:1], "neg": docs[1:]}) + "\n")
     return path
+
+
+if __name__ == "__main__":
+    from lychee_exp.cli import library_module
+
+    library_module(__spec__.name, __doc__, "benchmarks.peers", "benchmarks.padded_vs_packed")

@@ -221,3 +221,9 @@ def timed_row(result: dict, batches: list, warmup: int, device) -> dict:
         "padding_share": 1 - real / padded,
         "peak_memory_mb": peak_memory_mb(device),
     }
+
+
+if __name__ == "__main__":
+    from lychee_exp.cli import library_module
+
+    library_module(__spec__.name, __doc__, "benchmarks.peers")

@@ -277,9 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     harness.log_to_console()
     parser = argparse.ArgumentParser(
-        description="peer benchmark", usage=__doc__.strip().splitlines()[2], epilog=POLICY_LINE
+        prog=f"python -m {__spec__.name}",
+        description="peer benchmark",
+        usage=__doc__.strip().splitlines()[2],
+        epilog=POLICY_LINE,
     )
-    parser.add_argument("--mix", choices=sorted(MIXES), default="sample")
+    parser.add_argument(
+        "--mix", choices=sorted(MIXES), default="sample", help="the data: the sample set, or long-tailed documents"
+    )
     harness.add_precision_option(parser)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per system (after warm-up)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds; each runs every system once")

@@ -27,10 +27,14 @@ from lychee_exp.train.trainer import Trainer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=12)
-    parser.add_argument("--fill-uninitialized-memory", action="store_true")
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="training steps profiled")
+    parser.add_argument("--rows", type=int, default=12, help="operators shown (by self CPU time)")
+    parser.add_argument(
+        "--fill-uninitialized-memory",
+        action="store_true",
+        help="fill every new tensor's memory, as deterministic mode did",
+    )
     args, overrides = parser.parse_known_args()
     out = Path(tempfile.mkdtemp(prefix="lychee-step-profile-"))
     run = [*SETTINGS, *MIXES["sample"], "parallel=single", "gpus=1", "data.batch_size=8", *overrides]

@@ -28,9 +28,9 @@ TINY = [
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=50)
-    parser.add_argument("--gpus", type=int, default=2)
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=50, help="tiny DDP runs launched back to back")
+    parser.add_argument("--gpus", type=int, default=2, help="ranks per run")
     args = parser.parse_args()
     failures, seconds = [], []
     with tempfile.TemporaryDirectory() as tmp:

@@ -107,11 +107,15 @@ def export(ref: str, out: Path) -> Path:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=POLICY_LINE)
-    parser.add_argument("--trials", type=int, default=6)
-    parser.add_argument("--gpus", type=int, default=2)
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0], epilog=POLICY_LINE
+    )
+    parser.add_argument("--trials", type=int, default=6, help="trials per sweep")
+    parser.add_argument("--gpus", type=int, default=2, help="ranks per trial (parallel=ddp gpus=N)")
     parser.add_argument("--repeats", type=int, default=2, help="sweeps per kind, order alternating (>= 2)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="tiny", help="the sweep's model and data (see the docstring)"
+    )
     parser.add_argument("--against", metavar="REF", help="warm ranks of this commit against this tree's")
     parser.add_argument("--baselines", type=Path, help="a filled baseline cache (baselines.json of an earlier --out)")
     parser.add_argument("--devices-per-trial", help="N devices per slot (trials at once); unset: the sweep's own")

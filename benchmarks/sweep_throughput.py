@@ -69,8 +69,10 @@ def sweep(out: Path, setting: str, trials: int, extra: list[str], cache: Path) -
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=POLICY_LINE)
-    parser.add_argument("--trials", type=int, default=8)
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0], epilog=POLICY_LINE
+    )
+    parser.add_argument("--trials", type=int, default=8, help="trials per sweep")
     harness.add_output_options(parser, f"{tempfile.gettempdir()}/lychee-sweep-throughput/<time>")
     args, extra = parser.parse_known_args()
     if args.out is None:

@@ -20,8 +20,8 @@ from lychee_exp.train.inputs import load_inputs
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of both ways (medians)")
     args, overrides = parser.parse_known_args()
     cfg = to_run_config(compose_job(overrides, "/tmp/lychee_tokenize_startup"))
     inputs = load_inputs(cfg)

@@ -117,12 +117,12 @@ def measure(shape: tuple[int, int], dtype_name: str, trainable: bool, rows: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=32, help="scored rows (prompts) per step")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per case (the median)")
     # 1: on a shared 2-core machine a second thread's wake-up (4-80 ms) dominated sub-millisecond ops
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    parser.add_argument("--shapes", default="tiny,1.5b")
+    parser.add_argument("--shapes", default="tiny,1.5b", help="model shapes, comma-separated: tiny, 1.5b")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

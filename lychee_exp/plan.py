@@ -1,4 +1,4 @@
-"""Entry point: `python -m lychee_exp.plan [a run's overrides] [device_gib=24,80,141]`.
+r"""Entry point: `python -m lychee_exp.plan [a run's overrides] [device_gib=24,80,141]`.
 
 Does a configuration fit a device, before anything starts? Composes the run the same overrides would run and
 prints one device's memory: parameters, gradients and AdamW state exactly as the run will hold them (per rank
@@ -113,6 +113,9 @@ def describe(cfg: RunConfig, sizes: tuple[float, ...]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     from lychee_exp.cli import command_config
+    from lychee_exp.job.context import register_config
+
+    register_config()  # the run's schema (lychee_schema), which conf/config.yaml composes on
 
     try:
         sizes, overrides = split_device_sizes(list(sys.argv[1:] if argv is None else argv))
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     # no run directory: output_dir is Hydra's run dir, which composing alone does not set
     if not any(o.startswith("output_dir=") for o in overrides):
         overrides.append("output_dir=.")
-    cfg = command_config("config", overrides, RunConfig)
+    own = {DEVICE_KEY: (list(DEVICE_GIB), "the device sizes (GiB) the plan says fits / does not fit for")}
+    cfg = command_config("config", overrides, RunConfig, own_keys=own)
     try:
         check_config(cfg)  # what the run would refuse, refused as the run says it
         print("\n".join(describe(cfg, sizes)))

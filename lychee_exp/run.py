@@ -19,7 +19,7 @@ import hydra
 from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig
 
-from lychee_exp.cli import check_override_keys, composition_error
+from lychee_exp.cli import HELP_FLAGS, check_override_keys, command_help, composition_error, hydra_help_args
 from lychee_exp.config.schema import CONF_DIR
 from lychee_exp.errors import (
     INTERRUPTED,
@@ -62,6 +62,20 @@ def hydra_main(cfg: DictConfig) -> float:
         sys.exit(2 if isinstance(err, UserError) else 1)
 
 
+RUN_FLAGS = """--multirun, -m        a sweep: each combination of comma-separated values, or hparams_search=<search>
+--cfg job|hydra|all   print the composed config as YAML and exit (nothing runs); --resolve resolves it
+--hydra-help          Hydra's own flags"""
+
+
+def run_help(args: list[str]) -> str:
+    """`--help`: the run's config groups and keys with their defaults and the schema's comments, as the other
+    commands' (cli.command_help); the footer is conf/config.yaml's hydra.help.footer."""
+    from lychee_exp.config.schema import RunConfig
+
+    overrides = hydra_help_args(args)
+    return command_help("config", overrides, RunConfig, module=__name__, flags=RUN_FLAGS, hydra_app=True)
+
+
 def main() -> None:
     """The CLI (`python -m lychee_exp.run`, `lychee-run`). A config that does not compose (a misspelt key, a
     wrong type, a value outside a closed choice) is a user mistake too: one line naming the key, exit 2.
@@ -73,6 +87,9 @@ def main() -> None:
     try:
         ctrl_c_raises()
         check_override_keys(sys.argv[1:])
+        if any(arg in HELP_FLAGS for arg in sys.argv[1:]):  # laid out as mine's, rerank's and plan's (cli)
+            print(run_help(sys.argv[1:]))
+            return
         hydra_main()
         finished = True
     except (ConfigCompositionException, OverrideParseException) as err:

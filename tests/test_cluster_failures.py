@@ -6,6 +6,7 @@ real Slurm (refused submissions, Ctrl-C, an external scancel): tests/test_cluste
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -89,6 +90,37 @@ def test_a_job_that_ends_without_a_result_ends_the_wait(local_executor, monkeypa
         f"local job {job.job_id} ended without a result (cancelled or killed outside this command); its log: "
         f"{job.paths.stderr}"
     )
+
+
+def test_submitits_sacct_warning_is_said_once_per_sweep(tmp_path, monkeypatch, caplog):
+    """submitit's status checks where sacct fails (a cluster without accounting: 39 of a 70-line sweep's output)
+    warn once per sweep: the first with a note, the rest dropped; the next sweep says it once again. Real submitit
+    code, a sacct that fails as Slurm's does with accounting off. Would fail with the filter gone (5 lines), or
+    one that outlived its sweep (0 lines the second time)."""
+    from submitit.slurm.slurm import SlurmInfoWatcher
+
+    sacct = tmp_path / "sacct"
+    sacct.write_text("#!/bin/sh\necho 'sacct: error: Slurm accounting storage is disabled' >&2\nexit 1\n")
+    sacct.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+    def sweep() -> list[str]:
+        caplog.clear()
+        slurm_jobs.say_once_per_sweep()  # what the launcher's setup does
+        watcher = SlurmInfoWatcher(delay_s=0)
+        watcher.register_job("12")
+        for _ in range(5):
+            watcher.update()
+        return [r.getMessage() for r in caplog.records if slurm_jobs.SACCT_BYPASSED in r.getMessage()]
+
+    try:
+        first, second = sweep(), sweep()
+    finally:
+        submitit_log = logging.getLogger("submitit")
+        for said_once in [f for f in submitit_log.filters if isinstance(f, slurm_jobs.SaidOnce)]:
+            submitit_log.removeFilter(said_once)
+    assert len(first) == 1 and first[0].endswith("(said once per sweep: the wait reads the jobs' result files)")
+    assert len(second) == 1
 
 
 # ----------------------------------------------------------------------------------- local_slurm's own life

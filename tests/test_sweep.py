@@ -116,6 +116,46 @@ def _write_search(tmp_path: Path, name: str, text: str) -> str:
     return f"hydra.searchpath=[file://{tmp_path / 'conf'}]"
 
 
+# ------------------------------------------------------------------------------------------------ plots
+def _lr_batch_trial(study: optuna.Study, value: float) -> None:
+    trial = study.ask(
+        {
+            "optimizer.lr": optuna.distributions.FloatDistribution(1e-5, 1e-3, log=True),
+            "data.batch_size": optuna.distributions.CategoricalDistribution([4, 8, 16]),
+        }
+    )
+    study.tell(trial, value)
+
+
+def test_plots_are_drawn_once_per_set_of_trials_and_quietly(tmp_path, caplog):
+    """A finished study reopened does not redraw its plots (seconds each time: 17 s on a real sweep) while its
+    trials are those they were drawn from; a new trial, or a plot file gone, redraws them. matplotlib's advice on
+    the categorical batch sizes (4 INFO lines per sweep) is not said. Would fail if every call redrew (mtimes), if
+    the stamp outlived a new trial, or with the advice back."""
+    import logging
+
+    from lychee_exp.sweep.sweep_results import PLOTS_STAMP, write_sweep_results
+
+    caplog.set_level(logging.INFO)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    for value in (0.3, 0.4, 0.35):
+        _lr_batch_trial(study, value)
+
+    def drawn() -> dict[str, int]:
+        write_sweep_results(study, tmp_path, 4, "model_ndcg@10", "sqlite://")
+        return {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.*") if p.suffix in (".png", ".html")}
+
+    first = drawn()
+    assert len(first) == 8 and (tmp_path / PLOTS_STAMP).is_file()  # 4 plots, as HTML and PNG
+    assert not [r for r in caplog.records if "categorical units" in r.getMessage()]
+    assert drawn() == first  # reopened: the same trials, the same files, not redrawn
+    (tmp_path / "slice.png").unlink()
+    redrawn = drawn()
+    assert redrawn.keys() == first.keys() and all(redrawn[name] != first[name] for name in first)
+    _lr_batch_trial(study, 0.5)
+    assert all(mtime != redrawn[name] for name, mtime in drawn().items())
+
+
 # ------------------------------------------------------------------------------------------------ sweeps
 @pytest.mark.slow
 def test_four_trial_ddp_sweep_and_its_results(tmp_path):

@@ -51,8 +51,8 @@ def build(sample: Path, out: Path) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ASSETS / "beir_sample")
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ASSETS / "beir_sample", help="the BEIR directory to write")
     args = parser.parse_args(argv)
     print(build(ASSETS / "sample", args.out))
 

@@ -230,9 +230,12 @@ Train ({len(train_mods)}): {mods(train_mods)}
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "lychee_exp" / "assets" / "sample"
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parents[1] / "lychee_exp" / "assets" / "sample",
+        help="the sample set's directory to write",
     )
     ap.add_argument("--any-python", action="store_true", help="allow a Python other than 3.11.7")
     ap.add_argument(

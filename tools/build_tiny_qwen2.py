@@ -95,9 +95,9 @@ def verify(out: Path, texts: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sample", type=Path, default=ASSETS / "sample")
-    ap.add_argument("--out", type=Path, default=ASSETS / "tiny_qwen2")
+    ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
+    ap.add_argument("--sample", type=Path, default=ASSETS / "sample", help="the sample set the tokenizer is trained on")
+    ap.add_argument("--out", type=Path, default=ASSETS / "tiny_qwen2", help="the directory to write")
     args = ap.parse_args(argv)
 
     texts = training_texts(args.sample)

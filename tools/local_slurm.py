@@ -288,7 +288,7 @@ def main() -> None:
     also when stopped while it starts."""
     import argparse
 
-    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=main.__doc__)
     parser.add_argument("--nodes", type=int, default=2, help="node names on this host (they share its CPUs)")
     nodes = parser.parse_args().nodes
     for signum in STOP_SIGNALS:

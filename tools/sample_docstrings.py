@@ -118,3 +118,9 @@ def collect_records() -> list[dict]:
             seen.update((rec["full"], rec["doc"]))
             records.append(rec)
     return records
+
+
+if __name__ == "__main__":
+    from lychee_exp.cli import library_module
+
+    library_module(__spec__.name, __doc__, "tools.build_sample_data")

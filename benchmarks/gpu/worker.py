@@ -115,5 +115,22 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def parse_args(argv: list[str]):
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {__spec__.name}",
+        description=__doc__.split("\n\n")[0].split(": `")[0] + " (benchmarks.gpu.timed_runs starts it).",
+    )
+    parser.add_argument("spec", nargs="?", metavar="SPEC.json", help="the run: system, model_dir, data, mix, ...")
+    parser.add_argument("out", nargs="?", metavar="OUT.json", help='where the row (or {"error": ...}) is written')
+    parser.add_argument("--serve", action="store_true", help='run "SPEC<TAB>OUT" lines of stdin one after another')
+    args = parser.parse_args(argv)
+    if not args.serve and args.out is None:
+        parser.error("SPEC.json and OUT.json are required (or --serve)")
+    return args
+
+
 if __name__ == "__main__":
-    sys.exit(serve() if sys.argv[1:] == ["--serve"] else main(sys.argv[1:]))
+    args = parse_args(sys.argv[1:])
+    sys.exit(serve() if args.serve else main([args.spec, args.out]))

@@ -49,6 +49,7 @@ class _WatchesJobs:
         from lychee_exp.launch import slurm_jobs
 
         super().setup(**kwargs)
+        slurm_jobs.say_once_per_sweep()
         slurm_jobs.check_settings(self.params, self._EXECUTOR)
         if self._EXECUTOR == "slurm":
             slurm_jobs.check_slurm_reachable()

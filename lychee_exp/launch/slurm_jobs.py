@@ -8,12 +8,16 @@ from the submitting process (hydra_plugins/lychee_submitit_launcher uses it):
 - while waiting: submitit learns that a job ended from its result file, else from `sacct` (rarely, and never where
   accounting is off); a job cancelled or killed outside the command writes no result, so Slurm's own view
   (`squeue`, then `sacct`) is asked every CHECK_EVERY_S and such a job ends the wait in one line, exit 1;
+- submitit's status checks ask sacct, which without accounting fails at each check with a line of its own and
+  submitit's "Bypassing sacct error" (39 of a 70-line sweep's output): the wait reads the result files instead,
+  and the warning, where submitit still checks, is said once per sweep (say_once_per_sweep);
 - when the user stops the command (Ctrl-C, SIGTERM): `cancel_in_flight` cancels the jobs it is still waiting for
   and gives the words for the command's one line (run.main says it).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -34,6 +38,7 @@ COMMAND_TIMEOUT_S = 60.0  # sbatch --test-only, squeue, sacct, scancel: each ans
 ENDED = frozenset(
     {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 )
+SACCT_BYPASSED = "Bypassing sacct error"  # submitit's warning when sacct fails (it goes on without sacct)
 GONE = "GONE"  # neither squeue nor sacct knows the job any more
 # the settings a refusal names: what a node's request is made of
 RESOURCES = ("partition", "account", "nodes", "gpus_per_node", "cpus_per_task", "mem_gb", "timeout_min")
@@ -111,7 +116,9 @@ def job_result(job: Any) -> Any:
     job that ended without writing it, or whose task failed outside Hydra's job, as one line."""
     state = None
     next_check = time.monotonic() + CHECK_EVERY_S
-    while not job.done():
+    # on Slurm the result files alone, not job.done(): that asks sacct, whose failures (accounting off) print a
+    # line of sacct's own and a warning of submitit's at each check; Slurm's view is slurm_state's, captured
+    while not (_results_exist(job) if _on_slurm(job) else job.done()):
         time.sleep(1.0)
         if _on_slurm(job) and time.monotonic() >= next_check:
             state = slurm_state(job.job_id)
@@ -161,9 +168,13 @@ def slurm_state(job_id: str) -> str | None:
     return GONE
 
 
+def _results_exist(job: Any) -> bool:
+    return all(job.task(k).paths.result_pickle.exists() for k in range(job.num_tasks))
+
+
 def _wrote_results(job: Any, grace_s: float) -> bool:
     deadline = time.monotonic() + grace_s
-    while not all(job.task(k).paths.result_pickle.exists() for k in range(job.num_tasks)):
+    while not _results_exist(job):
         if time.monotonic() > deadline:
             return False
         time.sleep(1.0)
@@ -239,3 +250,30 @@ def _cancel(jobs: list[Any]) -> str:
             else f"cancelled Slurm job(s) {ids}"
         )
     return "; " + "; ".join(words)
+
+
+class SaidOnce(logging.Filter):
+    """Lets the first record that holds `text` through, saying that it is not repeated, and drops the rest."""
+
+    def __init__(self, text: str, note: str) -> None:
+        super().__init__()
+        self.text, self.note, self.said = text, note, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.text not in str(record.msg):
+            return True
+        if self.said:
+            return False
+        self.said = True
+        record.msg, record.args = f"{record.getMessage()} ({self.note})", ()
+        return True
+
+
+def say_once_per_sweep() -> None:
+    """submitit warns "Bypassing sacct error" at every status check while sacct fails (a cluster without
+    accounting); the wait does not need sacct (results come from their files, a lost job from squeue: job_result),
+    so the first warning is enough. A fresh filter per sweep, in place of the last sweep's."""
+    submitit_log = logging.getLogger("submitit")
+    for old in [f for f in submitit_log.filters if isinstance(f, SaidOnce)]:
+        submitit_log.removeFilter(old)
+    submitit_log.addFilter(SaidOnce(SACCT_BYPASSED, "said once per sweep: the wait reads the jobs' result files"))

@@ -15,6 +15,7 @@ parallel.memory_plan's estimate).
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -297,7 +298,11 @@ def add_lora(backbone: nn.Module, cfg: ModelConfig) -> nn.Module:
         target_modules=list(cfg.lora.target_modules),
         task_type=KINDS[cfg.kind].lora_task_type,
     )
-    return get_peft_model(backbone, lora)
+    with warnings.catch_warnings():
+        # peft 0.21's PeftModel reads the model's is_gradient_checkpointing, which transformers 5 deprecates with a
+        # FutureWarning on every LoRA model (plan, each rank): peft's to change, nothing of ours reads it
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(backbone, lora)
 
 
 def count_parameters(module: nn.Module) -> tuple[int, int]:

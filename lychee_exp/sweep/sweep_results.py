@@ -1,7 +1,8 @@
 """The sweep directory's summary, rewritten after every trial from the study itself (so any worker can write
 it, and it is right after a resume): optimization_results.yaml (hydra-optuna-sweeper's keys first: name,
 best_params and best_value, or solutions for several objectives; then this project's), trials.csv, and
-optuna's plots as HTML and PNG (these at the end, and at most once a minute during the sweep: they take a while).
+optuna's plots as HTML and PNG (these at the end, and at most once a minute during the sweep: they take a while;
+never again from the same trials, which PLOTS_STAMP records: a finished study reopened does not redraw them).
 
 Every file is replaced atomically: a reader (or a second worker writing too) never sees half a file; the
 tables are written under a file lock, so that the last one written is from the newest reading of the study.
@@ -9,12 +10,15 @@ tables are written under a file lock, so that the last one written is from the n
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import hashlib
 import io
+import json
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import yaml
 from optuna.trial import TrialState
@@ -26,6 +30,8 @@ from lychee_exp.sweep.storage import METRICS, REASON, RUN_DIR, SURPLUS, tally
 from lychee_exp.tracking.keys import TRIALS_CSV_COLUMNS
 
 log = logging.getLogger(__name__)
+# the stamp of the trials the plots were drawn from: a reopened finished study does not redraw them
+PLOTS_STAMP = ".plots.stamp"
 
 
 def write_sweep_results(
@@ -137,13 +143,6 @@ def _overhead(duration: float | str, metrics: dict) -> str:
 
 def _write_plots(study: Any, sweep_dir: Path) -> None:
     """Each plot twice: interactive HTML (plotly) and a PNG (matplotlib) that docs and reports can embed."""
-    # imported here: plotly, pandas and scipy cost a second, which a sweep ended by a bad config never needs
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display, and no GUI backend in a worker thread
-    import optuna.visualization as vis
-    import optuna.visualization.matplotlib as vis_png
-
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if not complete:
         return
@@ -160,13 +159,54 @@ def _write_plots(study: Any, sweep_dir: Path) -> None:
     pair = [lr_key, batch_key] if lr_key and batch_key else keys[:2]
     if len(complete) >= 2 and len(pair) == 2:
         plots["contour_lr_batch" if lr_key and batch_key else "contour"] = ("plot_contour", {"params": pair})
-    with warnings.catch_warnings():
+    stamp = _plots_stamp(study, complete, plots)
+    drawn = [sweep_dir / f"{stem}.{kind}" for stem in plots for kind in ("html", "png")]
+    if _read(sweep_dir / PLOTS_STAMP) == stamp and all(path.is_file() for path in drawn):
+        return  # drawn from these very trials already (a finished study reopened): seconds saved, same files
+    # imported here: plotly, pandas and scipy cost a second, which a sweep ended by a bad config never needs
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display, and no GUI backend in a worker thread
+    import optuna.visualization as vis
+    import optuna.visualization.matplotlib as vis_png
+
+    with warnings.catch_warnings(), _quiet("matplotlib.category"):
         warnings.simplefilter("ignore")  # optuna's experimental-API warnings, once per trial, add nothing
         for stem, (function, extra) in plots.items():
             figure = getattr(vis, function)(study, target=target, target_name=name, **extra)
             html = figure.to_html(include_plotlyjs=True, full_html=True)  # self-contained: opens offline
             write_text_atomic(sweep_dir / f"{stem}.html", html)
             write_bytes_atomic(sweep_dir / f"{stem}.png", _png(getattr(vis_png, function), study, target, name, extra))
+    write_text_atomic(sweep_dir / PLOTS_STAMP, stamp)
+
+
+def _plots_stamp(study: Any, complete: list, plots: dict) -> str:
+    """What the plots are drawn from: the directions, the complete trials' numbers, values and parameters, and
+    which plots; equal stamps draw equal plots."""
+    rows = [(t.number, t.values, sorted(t.params.items())) for t in complete]
+    text = json.dumps([[d.name for d in study.directions], sorted(plots), rows], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """A logger's INFO records left out while optuna draws: matplotlib.category advises casting number-like strings
+    to numbers (twice per plot with a categorical parameter, 4 lines after each sweep), but optuna plots a
+    categorical parameter's choices (batch sizes 4, 8, 16) as category labels on purpose."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _png(plot, study: Any, target, name: str, extra: dict) -> bytes:
