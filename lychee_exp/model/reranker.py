@@ -354,8 +354,7 @@ def _write_reranker(
     from peft import PeftModel
 
     backbone = reranker.backbone
-    # the cards name the start (a hub id, a package, a directory's name); peft loads it from its directory
-    base = None if cfg.random_init else base_model_name(cfg.path)
+    base = _card_base(cfg)
     adapter = isinstance(backbone, PeftModel)
     if adapter:
         for peft_config in backbone.peft_config.values():
@@ -374,6 +373,18 @@ def _write_reranker(
         write_sentence_transformers_files(out_dir, hidden, cfg.pooling, pair_max_len(tokenizer, cfg.prompt))
     write_card(cfg, out_dir, base, adapter, ranking)
     write_model_card(out_dir, cfg, base, adapter, run)
+
+
+def _card_base(cfg: ModelConfig) -> str | None:
+    # the cards name the start (a hub id, a package, a directory's name); peft loads it from its directory
+    return None if cfg.random_init else base_model_name(cfg.path)
+
+
+def rewrite_run_card(out_dir: Path, cfg: ModelConfig, run: RunRecord) -> None:
+    """Rewrites README.md, the Hugging Face card of a model that save_reranker wrote, with figures that came after
+    its weights (a run's final dev evaluation); the weights, tokenizer and lychee_reranker.json (which holds no
+    figures) stay as they are. The card is replaced atomically."""
+    write_model_card(out_dir, cfg, _card_base(cfg), (out_dir / ADAPTER_DIR).is_dir(), run)
 
 
 log = logging.getLogger(__name__)
