@@ -291,7 +291,8 @@ def save_model(
     on the main rank (collective), so model/ loads exactly as a DDP run's does. `model_cfg`: the model config the
     run resolved (parallel.memory_plan.resolved_model_config); `metrics`: the run's final ones, for the model card
     (evaluated=False: the figures so far, before the final dev evaluation; rewrite_model_card adds its figures)."""
-    if is_sharded(model):
+    sharded = is_sharded(model)
+    if sharded:
         build = functools.partial(load_reranker, model_cfg, encoder, cfg.seed, training=True)
         model = unsharded_copy(model, build, env.is_main)
     if env.is_main:
@@ -300,7 +301,10 @@ def save_model(
             "first_stage_weight": cfg.data.first_stage_weight,
             "teacher": dataclasses.asdict(cfg.data.dense),
         }
-        save_reranker(model, tokenizer, cfg.model, out_dir, mix, RunRecord(cfg, metrics, evaluated))
+        # before the final evaluation the run goes on with its adapters (evaluation, a best restored): kept (a
+        # sharded model's unsharded copy is a copy already)
+        record = RunRecord(cfg, metrics, evaluated)
+        save_reranker(model, tokenizer, cfg.model, out_dir, mix, record, keep_adapter=not evaluated and not sharded)
 
 
 def rewrite_model_card(out_dir: Path, cfg: RunConfig, env: DistEnv, metrics: dict) -> None:
