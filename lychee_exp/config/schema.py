@@ -242,7 +242,7 @@ class TrainerConfig:
     # 10 steps, then as often as keeps their writing under 2% of the training time, as measured at each checkpoint
     # (train.checkpoint_schedule)
     checkpoint_every: Any = "auto"
-    keep_checkpoints: int = at_least(0, 2)  # the newest kept while training (0: all); a finished run keeps its last
+    keep_checkpoints: int = at_least(0, 2)
     resume: str = "never"  # never | auto (latest checkpoint in the run directory, if any) | a checkpoint dir
     # Hugging Face Trainer's best model and early stopping (lychee_exp.train.best); every metric here is better
     # higher, so there is no greater_is_better. Only dev evaluations during training count, not step 0's.

@@ -124,16 +124,10 @@ def save_checkpoint(
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     write_text_atomic(root / LATEST, final.name + "\n")
-    prune_checkpoints(output_dir, keep, protect)
-    return final
-
-
-def prune_checkpoints(output_dir: Path, keep: int, protect: int = -1) -> None:
-    """Main rank: deletes the run's checkpoints beyond the newest `keep` (0: none deleted), except step `protect`'s.
-    A finished run keeps its last only (Trainer.fit): enough to continue it, half the disk of a sweep's trials."""
-    for old in sorted(checkpoint_root(output_dir).glob("step_*"))[:-keep] if keep > 0 else []:
+    for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
         if old != step_dir(output_dir, protect):
             shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def _complete(path: Path) -> bool:

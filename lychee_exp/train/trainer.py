@@ -44,7 +44,6 @@ from lychee_exp.train.best import Best, best_figures, observe, patience_spent
 from lychee_exp.train.checkpoint import (
     TrainingState,
     load_step_weights,
-    prune_checkpoints,
     restore_training_state,
     resume_path,
     rewrite_model_card,
@@ -233,10 +232,6 @@ class Trainer:
             self._evaluate_into(progress)
         model_is_best = self._best_at_end(progress)
         progress.summary.update(best_figures(progress.best, self.best_metric, dict(progress.summary), model_is_best))
-        if env.is_main and self.checkpoints.on and progress.step >= self.data.total_steps:
-            # finished: the last step's checkpoint (and a best the model/ may need again when continued) is enough
-            protect = progress.best.step if cfg.trainer.load_best_model_at_end else -1
-            prune_checkpoints(self.output_dir, min(1, cfg.trainer.keep_checkpoints), protect)
         return self._finish(progress, timer, train_time)
 
     def _finished_before(self) -> bool:
