@@ -6,10 +6,11 @@ ending with the figures of a run that was never interrupted; runs checkpoint by 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
-from conftest import TINY_OVERRIDES, run_cli, run_metrics
+from conftest import TINY_OVERRIDES, run_cli, run_metrics, run_tiny
 from safetensors.torch import load_file
 from test_model_card import rerank_cfg
 from transformers import AutoModelForCausalLM
@@ -106,3 +107,17 @@ def test_auto_checkpoints_keep_their_writing_under_two_percent_of_training():
     assert not any(CheckpointSchedule(0, 0, 10).due(s) for s in range(1, 11))
     with pytest.raises(UserError, match="checkpoint_every must be auto or an integer >= 0"):
         CheckpointSchedule("sometimes", 0, 10)
+
+
+def test_auto_checkpoints_after_its_first_steps_and_at_the_last(tmp_path, caplog):
+    """auto: the first checkpoint after FIRST_AUTO_STEPS steps, its write and step times logged with the interval
+    they give, and the last step's; the newest keep_checkpoints (2) stay."""
+    caplog.set_level("INFO", logger="lychee_exp.train.trainer")
+    steps = FIRST_AUTO_STEPS + 2
+    run_tiny(tmp_path, f"trainer.max_steps={steps}", "trainer.evaluate=false")
+    written = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint: ")]
+    names = [f"step_{FIRST_AUTO_STEPS:06d}", f"step_{steps:06d}"]
+    assert [line.split()[1].rsplit("/", 1)[-1] for line in written] == names, written
+    assert re.search(r"\(written in \d+\.\d\d s, steps \d+\.\d\d s; auto: the next in \d+ steps?\)", written[0])
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == names
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == names[-1]
