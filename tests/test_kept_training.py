@@ -78,7 +78,8 @@ def test_resuming_runs_the_final_evaluation_only_and_ends_as_the_uninterrupted_r
     ref, res = run_metrics(runs["reference"]), run_metrics(runs["killed"])
     for key in FIGURES:
         assert res[key] == pytest.approx(ref[key], abs=1e-6), key
-    assert res["steps"] == STEPS
+    assert res["steps"] == STEPS and (res["steps_this_run"], ref["steps_this_run"]) == (0, STEPS)
+    assert f"resumed at its last step, {STEPS}: nothing trained again, the final evaluation ran" in said
     # the card now holds the evaluation's figures, as the uninterrupted run's does
     card = (runs["killed"] / "model" / "README.md").read_text()
     assert card == (runs["reference"] / "model" / "README.md").read_text()

@@ -93,6 +93,7 @@ class Trainer:
         self.lr, self.optimizer, self.scheduler, self.warmup_steps, self.scaler = 0.0, None, None, 0, None
         self.loss_fn = self.resume_from = self.step = self.baseline = None  # baseline: train.baseline_phase's
         self.forward_chunks, self.facts = 1, {}
+        self.first_step = 0  # the step fit started from (a resumed run's checkpoint's)
         self.logger = NullLogger()
         # state of fit()
         self.eval_time_s = self.eval_cpu_s = 0.0
@@ -184,6 +185,7 @@ class Trainer:
         # (a run resumed at its last step whose metrics.json was never written trains nothing: it saves the model
         # and runs the final evaluation that did not finish)
         self.checkpoints = CheckpointSchedule(cfg.trainer.checkpoint_every, progress.step, self.data.total_steps)
+        self.first_step = progress.step
         if progress.step == 0 and cfg.trainer.evaluate:
             progress.summary.update(ev.reference_metrics(self.data.dev_pairs) if env.is_main else {})
             if cfg.trainer.eval_before_training:
@@ -317,6 +319,7 @@ class Trainer:
         # kernels (and cuDNN's attention plans) are chosen per input shape: fewer shapes, fewer plans
         summary["distinct_shapes"] = len(set().union(*env.gather_objects(self.step.shapes)))
         summary.update(self.facts, **throughput, steps=progress.step, epochs=progress.epoch, stopped_early=self.stopped)
+        summary["steps_this_run"] = progress.step - self.first_step  # 0: resumed at its last step, evaluated only
         if self.stop_reason:
             summary["stop_reason"] = self.stop_reason
         summary.update(train_time_s=train_time, eval_time_s=self.eval_time_s)
