@@ -1,11 +1,13 @@
 """Size and write time of a training checkpoint of Lychee Rerank (Qwen2.5-1.5B), LoRA r=64 vs full weights.
 
-    python -m benchmarks.checkpoint_write [--dir /path/on/the/shared/filesystem] [--full]
+    python -m benchmarks.checkpoint_write [--dir /path/on/the/shared/filesystem] [--full] [--step-s 1.32]
 
 Builds tensors shaped as the real trainable parameters and AdamW states (no model download) and writes them with
 lychee_exp.train.checkpoint.save_checkpoint (safetensors weights + state.pt, fsync, atomic rename), as rank 0 does.
 LoRA adapters are float32 (peft's default); full fine-tuning keeps the model's bfloat16 (weights and Adam state).
---full writes the ~9 GB full-weight checkpoint too (needs that much free disk and memory).
+--full writes the ~9 GB full-weight checkpoint too (needs that much free disk and memory). Each line ends with the
+interval trainer.checkpoint_every=auto would take for that write at steps of --step-s seconds (default: the LoRA
+recipe's 16k-token step on an H100, 12,385 tokens/s in docs/gpu_check.md).
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ class _Params(torch.nn.Module):
         )
 
 
-def measure(name: str, shapes: dict, dtype: torch.dtype, root: Path) -> None:
+def measure(name: str, shapes: dict, dtype: torch.dtype, root: Path, step_s: float) -> None:
     from lychee_exp.train.checkpoint import save_checkpoint
+    from lychee_exp.train.checkpoint_schedule import measured_interval
 
     model = _Params(shapes, dtype)
     adam = {
@@ -69,7 +72,8 @@ def measure(name: str, shapes: dict, dtype: torch.dtype, root: Path) -> None:
     size = sum(f.stat().st_size for f in path.iterdir())
     print(
         f"{name:>6}: {count / 1e6:8.1f}M trainable params ({dtype}), checkpoint {size / 1e9:6.2f} GB, "
-        f"written in {seconds:5.1f} s ({size / 1e9 / seconds:.2f} GB/s)",
+        f"written in {seconds:5.1f} s ({size / 1e9 / seconds:.2f} GB/s); checkpoint_every=auto at {step_s:g} s "
+        f"steps: every {measured_interval(seconds, step_s)} steps",
         flush=True,
     )
     shutil.rmtree(root / "checkpoints", ignore_errors=True)
@@ -79,15 +83,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
     parser.add_argument("--dir", help="the file system to write on: a directory (default: the temporary one)")
     parser.add_argument("--full", action="store_true", help="also the full-weight checkpoint (~9 GB)")
+    parser.add_argument("--step-s", type=float, default=16384 / 12385, help="a training step's seconds")
     args = parser.parse_args()
     if args.dir is not None and not Path(args.dir).is_dir():
         parser.error(f"--dir {args.dir}: not a directory")
     # a fresh directory inside --dir, removed at the end: nothing already in --dir (a run's checkpoints) is touched
     root = Path(tempfile.mkdtemp(prefix="lychee-ckpt-bench-", dir=args.dir))
     try:
-        measure("LoRA", lora_shapes(), torch.float32, root)
+        measure("LoRA", lora_shapes(), torch.float32, root, args.step_s)
         if args.full:
-            measure("full", full_shapes(), torch.bfloat16, root)
+            measure("full", full_shapes(), torch.bfloat16, root, args.step_s)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

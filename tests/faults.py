@@ -1,13 +1,13 @@
 """Fault injection for the tests of failure handling:
-LYCHEE_FAULT=<rank>:<step>:<raise|kill|hang|oom|wait|zero>[:<trial>[:<batch>]] makes that rank fail right after
-that optimizer step (oom: as a CUDA out-of-memory error would; wait is no failure: the rank waits until the path in
-LYCHEE_FAULT_WAIT_FOR exists, e.g. a trial held until another worker's trial began, and raises after WAIT_S
-seconds without it; zero is no failure either: the trainable weights become 0, and the model then scores every
-pair alike, exactly, on any machine: a dev figure known in advance, the tie order's; name every rank for DDP).
-With a trial number (-1: any), only in that sweep trial (the sweep's other trials run normally); with a batch,
-only while data.batch_size is at least that (so an OOM retry with half the batch completes, as it would on a real
-GPU). Several faults, comma-separated, fire each in its own rank/trial (one sweep then shows several failures);
-where two match, the first is the one.
+LYCHEE_FAULT=<rank>:<step>:<raise|kill|kill_in_eval|hang|oom|wait|zero>[:<trial>[:<batch>]] makes that rank fail right
+after that optimizer step (oom: as a CUDA out-of-memory error would; kill_in_eval: SIGKILL at the first forward of the
+dev evaluation after it; wait is no failure: the rank waits until the path in LYCHEE_FAULT_WAIT_FOR exists, e.g. a
+trial held until another worker's trial began, and raises after WAIT_S seconds without it; zero is no failure either:
+the trainable weights become 0, and the model then scores every pair alike, exactly, on any machine: a dev figure
+known in advance, the tie order's; name every rank for DDP). With a trial number (-1: any), only in that sweep trial
+(the sweep's other trials run normally); with a batch, only while data.batch_size is at least that (so an OOM retry
+with half the batch completes, as it would on a real GPU). Several faults, comma-separated, fire each in its own
+rank/trial (one sweep then shows several failures); where two match, the first is the one.
 
 The trainer asks `fault_hook` once at setup; without LYCHEE_FAULT (always, outside tests) it gets None and its
 loop calls nothing."""
@@ -43,6 +43,12 @@ def _after_step(fault_step: int, action: str, rank: int) -> Callable[[int, torch
     return after_step
 
 
+def _kill_in_eval(module: torch.nn.Module, args) -> None:
+    if not module.training:
+        print(f"LYCHEE_FAULT kill_in_eval fired at {time.time():.3f}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _fire(action: str, rank: int, step: int, model: torch.nn.Module) -> None:
     # the moment the fault fires, so that tests time the job's reaction from here, not from its start-up
     print(f"LYCHEE_FAULT {action} fired at {time.time():.3f}", file=sys.stderr, flush=True)
@@ -56,6 +62,9 @@ def _fire(action: str, rank: int, step: int, model: torch.nn.Module) -> None:
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "kill_in_eval":  # SIGKILL at the next forward in eval mode: in the evaluation after this step
+        for module in model.modules():
+            module.register_forward_pre_hook(_kill_in_eval)
     if action == "oom":
         raise torch.OutOfMemoryError(f"injected out of memory on rank {rank} at step {step}")
     if action == "hang":

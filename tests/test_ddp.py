@@ -5,6 +5,7 @@ global batch over 1 or 2 devices: test_ddp_devices."""
 from __future__ import annotations
 
 import math
+import re
 import time
 from pathlib import Path
 
@@ -163,7 +164,15 @@ def test_killed_rank_ends_the_job_quickly(tmp_path):
         run_job([*TINY_DDP, "parallel=ddp", "gpus=2"], tmp_path)
     assert time.time() - _fired_at(tmp_path, 1) < TEARDOWN_BOUND_S
     line = str(info.value)
-    assert "\n" not in line and "rank 1 failed" in line and "stderr.log" in line and "SIGKILL" in line, line
+    assert "\n" not in line and "stderr.log" in line, line
+    # the signal by name, the likely cause, and the peak memory the launcher saw of the rank (a SIGKILLed rank
+    # cannot report its own): a rank with torch and the model loaded holds well over 100 MB
+    said = re.search(
+        r"^rank 1 was killed by SIGKILL \(signal 9\), most likely by the kernel's out-of-memory killer: it peaked at "
+        r"(\d+\.\d\d) GB resident \(the machine has \d+ GB, \d+\.\d GB free now\)",
+        line,
+    )
+    assert said and 0.1 < float(said[1]) < 64, line
     assert not (tmp_path / "metrics.json").exists()
 
 

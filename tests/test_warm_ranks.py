@@ -51,7 +51,7 @@ def test_the_same_processes_serve_every_job(pool):
 
 @pytest.mark.parametrize(
     "fault, expected",
-    [("raise", "ValueError: bad value on rank 1"), ("kill", "the process was killed by SIGKILL")],
+    [("raise", "ValueError: bad value on rank 1"), ("kill", "killed by SIGKILL (signal 9), most likely by the kernel")],
 )
 def test_a_failing_rank_ends_every_rank(pool, fault, expected):
     pool.start()
@@ -60,7 +60,7 @@ def test_a_failing_rank_ends_every_rank(pool, fault, expected):
     with pytest.raises(RanksFailed) as failed:
         pool.run(1.0, fault)
     assert time.monotonic() - started < 15
-    assert failed.value.failures[1][1] == expected
+    assert failed.value.failures[1][1].startswith(expected)
     assert not any(p.is_alive() for p in processes) and not pool.alive
 
 

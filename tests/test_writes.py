@@ -93,6 +93,7 @@ LISTED = {
     },
     "lychee_exp/train/trainer.py": {
         ("train_on_rank", ".save"): "Trainer.save(metrics) (no path): model/ through save_reranker, listed below",
+        ("Trainer._save_trained", ".save"): "Trainer.save before the final evaluation: model/ as train_on_rank's",
     },
     "lychee_exp/model/reranker.py": {
         ("_write_reranker", ".save_pretrained"): "model/'s files, into io.outputs.staged_directory's staging directory",
@@ -124,6 +125,10 @@ LISTED = {
         ("note_failure", ".mkdir"): "<output>/logs/failures, where failing ranks leave their notes",
         ("note_failure", ".write_text"): "a failing rank's note (when and why), read by its launcher after it ended",
         ("note_failure", ".touch"): "an empty file whose name says that the rank's node was alive",
+    },
+    "lychee_exp/launch/rank_memory.py": {
+        ("note_pid", ".mkdir"): "<output>/logs/failures, where a starting rank notes its pid",
+        ("note_pid", ".write_text"): "a rank's pid, read by its launcher to watch the rank's peak memory",
     },
     "lychee_exp/launch/preemption.py": {
         ("request_stop", ".mkdir"): "<run>/logs, where a stop request is left",

@@ -4,6 +4,7 @@ process starts, and the ranks use the same functions, so the two never disagree.
 
 - `gpus`: parse_gpus (the devices themselves: parallel.devices.plan_devices)
 - `data.packing`: packing_on; `trainer.forward_chunks`: forward_chunk_count; `optimizer.fused`: uses_fused
+- `trainer.checkpoint_every`: checkpoint_every (auto's interval is measured as the run goes: train.checkpoint_schedule)
 - the global step: check_global_step, with_global_batch (the accumulation a global batch takes),
   effective_batch_size and scaled_lr (the multi-GPU guide's linear or sqrt rule)
 
@@ -87,6 +88,16 @@ def forward_chunk_count(setting, device_type: str, strategy: str = "single") -> 
         return AUTO_FORWARD_CHUNKS.get(device_type, 1)
     if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
         raise UserError(f"trainer.forward_chunks must be auto or an integer >= 1, got {setting!r}")
+    return setting
+
+
+def checkpoint_every(setting) -> int | None:
+    """trainer.checkpoint_every as a fixed interval in optimizer steps (0: no checkpoints), or None for auto (an
+    interval measured as the run goes: train.checkpoint_schedule); a bad value is a UserError."""
+    if setting == "auto":
+        return None
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 0:
+        raise UserError(f"trainer.checkpoint_every must be auto or an integer >= 0 (0: none), got {setting!r}")
     return setting
 
 

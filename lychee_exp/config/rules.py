@@ -13,6 +13,7 @@ from typing import Any
 from lychee_exp.config.auto import (
     PACKABLE_ENCODERS,
     check_packing_setting,
+    checkpoint_every,
     encoder_model_type,
     forward_chunk_count,
     parse_gpus,
@@ -89,6 +90,7 @@ def check_run_config(run_cfg: Any) -> None:
     _check_fsdp(run_cfg)
     parse_gpus(run_cfg.gpus)
     forward_chunk_count(run_cfg.trainer.forward_chunks, "cpu")
+    checkpoint_every(run_cfg.trainer.checkpoint_every)
 
 
 def _check_mix(data: Any) -> None:  # a config.schema.DataConfig

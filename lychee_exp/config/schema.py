@@ -240,7 +240,11 @@ class TrainerConfig:
     progress_bar: bool = True
     deterministic: bool = True
     save_model: bool = True
-    checkpoint_every: int = at_least(0, 0)  # optimizer steps between checkpoints in <run>/checkpoints; 0 = none
+    # optimizer steps between checkpoints in <run>/checkpoints, and one at the last step, before the final dev
+    # evaluation (so that a run killed in it resumes to just that evaluation); 0 = none. auto: the first after
+    # 10 steps, then as often as keeps their writing under 2% of the training time, as measured at each checkpoint
+    # (train.checkpoint_schedule)
+    checkpoint_every: Any = "auto"
     keep_checkpoints: int = at_least(0, 2)
     resume: str = "never"  # never | auto (latest checkpoint in the run directory, if any) | a checkpoint dir
     # Hugging Face Trainer's best model and early stopping (lychee_exp.train.best); every metric here is better

@@ -28,15 +28,18 @@ def write_results(run_cfg: RunConfig, metrics: dict, output_dir: Path, is_main: 
             below = standing_below_first_stage(metrics, stage)
             if below:
                 log.warning("%s", below)
-        log.info(
-            "%d steps in %.0f s: %.1f samples/s on %d device(s), effective batch %d%s",
-            metrics["steps"],
-            metrics["train_time_s"],
-            metrics["train_samples_per_s"],
-            metrics["num_devices"],
-            metrics["effective_batch_size"],
-            speedup_note(metrics),
-        )
+        if metrics.get("steps_this_run") == 0:  # no throughput to tell
+            log.info("resumed at its last step, %d: nothing trained again, the final evaluation ran", metrics["steps"])
+        else:
+            log.info(
+                "%d steps in %.0f s: %.1f samples/s on %d device(s), effective batch %d%s",
+                metrics["steps"],
+                metrics["train_time_s"],
+                metrics["train_samples_per_s"],
+                metrics["num_devices"],
+                metrics["effective_batch_size"],
+                speedup_note(metrics),
+            )
         if "optimizer_bytes_per_rank" in metrics:  # what each device holds besides activations (fsdp: shards)
             mib = {key: max(metrics[f"{key}_bytes_per_rank"]) / 2**20 for key in ("param", "grad", "optimizer")}
             log.info(

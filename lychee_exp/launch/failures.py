@@ -8,10 +8,13 @@ rank writes a note (when and why) as it fails; the launcher reads them beside wh
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
 from lychee_exp.launch.cluster import NodeSpec
+from lychee_exp.tracking.memory import machine_memory_mb
 
 FAILURE_NOTES = "logs/failures"
 
@@ -56,6 +59,48 @@ def with_notes(described: dict[int, tuple[float, str]], notes: Path) -> dict[int
         stamp, _, message = note.read_text().strip().partition("\t")
         described[int(note.stem[len("rank") :])] = (float(stamp), message)
     return described
+
+
+KILLED = "killed by "  # how a message about a rank killed by a signal starts (rank_failure reads it)
+
+
+def killed_by_signal(signum: int, pid: int | None, peak_mb: float | None) -> str:
+    """What to say of a rank killed by a signal, which wrote no note of its own: the signal and, for SIGKILL, the
+    likely cause, the rank's peak resident memory (watched from the launcher: launch.rank_memory) and the machine's
+    memory, and the kernel's line on it where dmesg can be read."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    said = f"{KILLED}{name} (signal {signum})"
+    if signum != signal.SIGKILL:
+        return said
+    kernel = _oom_kill_line(pid)
+    cause = "by the kernel's out-of-memory killer" if kernel else "most likely by the kernel's out-of-memory killer"
+    peak = f"it peaked at {peak_mb / 1024:.2f} GB resident" if peak_mb else "its peak memory was not seen"
+    total, available = machine_memory_mb()
+    said += f", {cause}: {peak} (the machine has {total / 1024:.0f} GB, {available / 1024:.1f} GB free now)"
+    if kernel:
+        return f"{said}; dmesg says: {kernel}"
+    return f"{said}; `dmesg | grep -i 'killed process'` tells whether it was (else another process sent it)"
+
+
+def _oom_kill_line(pid: int | None) -> str | None:
+    """The kernel's out-of-memory line about pid ("Out of memory: Killed process <pid> (python) total-vm:...,
+    anon-rss:..."), or None where there is none or dmesg cannot be read (containers, kernel.dmesg_restrict)."""
+    if pid is None:
+        return None
+    try:
+        kernel = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [line for line in kernel.splitlines() if f"Killed process {pid} " in line]
+    return lines[-1].split("] ", 1)[-1].strip() if lines else None
+
+
+def rank_failure(rank: int, message: str) -> str:
+    """The one line of a failed rank: "rank 0 was killed by SIGKILL (signal 9), ..." or "rank 0 failed: ..."."""
+    return f"rank {rank} was {message}" if message.startswith(KILLED) else f"rank {rank} failed: {message}"
 
 
 def lost_nodes(nodes: NodeSpec, notes: Path, rank: int, message: str) -> str:

@@ -33,8 +33,18 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from lychee_exp.config.schema import RunConfig, plain_dict
 from lychee_exp.errors import STOP_SIGNALS, RunFailed, Terminated, TrainingDiverged
 from lychee_exp.launch.cluster import NodeSpec, slurm_nodes, under_torchrun
-from lychee_exp.launch.failures import FAILURE_NOTES, collateral, failure_kind, first_cause, lost_nodes, with_notes
+from lychee_exp.launch.failures import (
+    FAILURE_NOTES,
+    collateral,
+    failure_kind,
+    first_cause,
+    killed_by_signal,
+    lost_nodes,
+    rank_failure,
+    with_notes,
+)
 from lychee_exp.launch.preemption import PreemptionWatch
+from lychee_exp.launch.rank_memory import PeakWatch, noted_pids
 from lychee_exp.launch.rank_start import rank_start, stop_server
 from lychee_exp.launch.ranks import PASSED_ENV, WARM_LOGS, as_rank, warm_init, warm_job, worker
 from lychee_exp.launch.step_hooks import rank_hooks
@@ -122,8 +132,9 @@ def run_ranks(
     free local port, per-rank logs in <output_dir>/logs, rank 0's teed; parent: launch.rank_start.RankParent) and
     returns each local rank's result. A failed rank stops the others and becomes one RunFailed line naming it
     and its log."""
-    log_dir = output_dir / "logs"
+    log_dir, notes = output_dir / "logs", output_dir / FAILURE_NOTES
     nnodes = nodes.nnodes if nodes else 1
+    watch = PeakWatch(lambda: noted_pids(notes))  # the ranks' peak memory, for a rank killed by a signal
     os.environ[QUIET_CTRL_C_ENV] = "1"  # the ranks end silently on Ctrl-C: this process says the one line
     # torch's agent leaves its signal handlers (raising SignalException) installed after the launch: a SIGTERM after
     # it (SLURM's requeue, while submitit hands the preemption over) must reach the handler we had
@@ -147,21 +158,22 @@ def run_ranks(
             log_line_prefix_template="[rank${rank}] ",
             signals_to_handle=",".join(signal.Signals(s).name for s in handled),
         )
-        shutil.rmtree(output_dir / FAILURE_NOTES, ignore_errors=True)  # notes of an earlier attempt in this dir
+        shutil.rmtree(notes, ignore_errors=True)  # notes of an earlier attempt in this dir
         # The agent logs each failure with a full dump; the one line below (with the rank's log) replaces it.
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         # its own level (WARNING): "Received 2 death signal, shutting down workers" would add a line to Ctrl-C's one
         logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
-        return elastic_launch(config, entrypoint)(*args, parent)
+        with watch:
+            return elastic_launch(config, entrypoint)(*args, parent)
     except SignalException as err:
         _stop_on_signal(err)
     except ChildFailedError as err:
-        rank, message = first_cause(with_notes(_agent_view(err.failures), output_dir / FAILURE_NOTES))
+        rank, message = first_cause(with_notes(_agent_view(err.failures, watch), notes))
         logs = sorted(log_dir.glob(f"**/attempt_*/{rank}/stderr.log"))
         where = f" (log: {logs[-1]})" if logs else ""
         if nodes and collateral(message):
-            raise RunFailed(lost_nodes(nodes, output_dir / FAILURE_NOTES, rank, message) + where, "crashed") from None
-        raise RunFailed(f"rank {rank} failed: {message}{where}", failure_kind(message)) from None
+            raise RunFailed(lost_nodes(nodes, notes, rank, message) + where, "crashed") from None
+        raise RunFailed(rank_failure(rank, message) + where, failure_kind(message)) from None
     finally:
         os.environ.pop(QUIET_CTRL_C_ENV, None)
         _restore(handlers)
@@ -188,12 +200,15 @@ def _stop_on_signal(err: SignalException) -> None:
     raise Terminated(err.sigval) from None
 
 
-def _agent_view(failures: dict) -> dict[int, tuple[float, str]]:
-    """What the elastic agent saw of each failed rank: when it ended, and its last error line or exit code."""
+def _agent_view(failures: dict, watch: PeakWatch) -> dict[int, tuple[float, str]]:
+    """What the elastic agent saw of each failed rank: when it ended, and its last error line, the signal that
+    killed it (with the peak memory the watch saw) or its exit code."""
     described = {}
     for rank, failure in failures.items():
         message = failure.message  # a dict when the worker's @record wrote an error file
         message = str(message.get("message", message) if isinstance(message, dict) else message).strip()
+        if failure.exitcode < 0 and not isinstance(failure.message, dict):  # the agent's "Signal 9 (SIGKILL) ..."
+            message = killed_by_signal(-failure.exitcode, failure.pid, watch.peak_mb(failure.pid))
         message = message.splitlines()[-1] if message else f"exit code {failure.exitcode}"
         described[rank] = (float(failure.timestamp), message)
     return described
@@ -226,7 +241,7 @@ def _warm_launch(cfg: RunConfig, plan: DevicePlan, output_dir: Path, log_file: s
         rank, message = first_cause(err.failures)
         rank_log = output_dir / WARM_LOGS / str(rank) / "stderr.log"
         where = f" (log: {rank_log})" if rank_log.exists() else ""
-        raise RunFailed(f"rank {rank} failed: {message}{where}", failure_kind(message)) from None
+        raise RunFailed(rank_failure(rank, message) + where, failure_kind(message)) from None
     except SignalException as err:  # an elastic run earlier in this process left torch's handlers installed
         _stop_on_signal(err)
     return {**results[0], "warm_ranks": reused}

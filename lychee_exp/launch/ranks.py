@@ -21,9 +21,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from lychee_exp.config.schema import RunConfig, to_run_config
-from lychee_exp.launch.failures import note_failure
+from lychee_exp.launch.failures import FAILURE_NOTES, note_failure
 from lychee_exp.launch.preemption import install_rank_handler
 from lychee_exp.launch.processes import die_with_parent, one_line
+from lychee_exp.launch.rank_memory import note_pid
 from lychee_exp.launch.rank_start import RankParent
 from lychee_exp.launch.step_hooks import rank_hooks
 from lychee_exp.launch.warm_ranks import RankSetup
@@ -165,6 +166,7 @@ def _worker(
     parent.adopt()
     install_rank_handler(Path(output_dir))
     rank = int(os.environ["RANK"])
+    note_pid(Path(output_dir) / FAILURE_NOTES, rank)  # the launcher watches its memory (a SIGKILL leaves no note)
     _configure_worker_logging(rank, log_file)
     if device_type == "cpu":
         torch.set_num_threads(threads)

@@ -16,13 +16,14 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+from lychee_exp.launch.failures import killed_by_signal
 from lychee_exp.launch.processes import die_with_parent, free_port, one_line
+from lychee_exp.launch.rank_memory import PeakWatch
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class WarmRanks:
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
         self.jobs_run = 0
+        self._watch = PeakWatch(lambda: [process.pid for process in self.processes])
 
     @property
     def alive(self) -> bool:
@@ -136,7 +138,8 @@ class WarmRanks:
         try:
             for conn in self.conns:
                 conn.send(args)
-            replies = self._collect()
+            with self._watch:  # the ranks' peak memory, for a rank killed by a signal
+                replies = self._collect()
         except BaseException:  # Ctrl-C, or a rank gone before it got the job: no rank may train on
             self.close(kill=True)
             raise
@@ -185,8 +188,8 @@ class WarmRanks:
         code = process.exitcode
         if code is None:
             why = "closed its pipe without a reply"
-        elif code < 0:
-            why = f"was killed by {signal.Signals(-code).name}"
+        elif code < 0:  # "killed by SIGKILL (signal 9), most likely ..."
+            return ("failed", time.time(), killed_by_signal(-code, process.pid, self._watch.peak_mb(process.pid)))
         else:
             why = f"exited with code {code}"
         return ("failed", time.time(), f"the process {why}")

@@ -43,10 +43,13 @@ KIND_NAMES = {"sequence_classification": "cross-encoder", "bi_encoder": "bi-enco
 
 @dataclass(frozen=True)
 class RunRecord:
-    """The run that trained a model, for its card: the run's config and its final metrics (Trainer.fit's)."""
+    """The run that trained a model, for its card: the run's config and its final metrics (Trainer.fit's).
+    evaluated=False: the model was saved as training ended, before its final dev evaluation (whose figures a
+    rewritten card adds, train.trainer): the card says so instead of showing earlier evaluations' figures."""
 
     cfg: RunConfig
     metrics: dict
+    evaluated: bool = True
 
 
 def base_model_name(spec: str) -> str:
@@ -316,6 +319,11 @@ def _eval_results(run: RunRecord) -> list | None:
 
 
 def _dev_figures(run: RunRecord) -> str:
+    if not run.evaluated:
+        return (
+            "## Evaluation\n\nThis card was written as training ended, before the run's final dev evaluation: "
+            "if that evaluation finished, the run rewrote it with its figures (the run's `metrics.json`)."
+        )
     rows = _dev_rows(run)
     if not rows:
         return "## Evaluation\n\nThe run did not evaluate on a dev set (`trainer.evaluate=false`)."

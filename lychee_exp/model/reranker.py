@@ -14,6 +14,7 @@ parallel.memory_plan's estimate).
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from dataclasses import dataclass
@@ -328,12 +329,15 @@ def save_reranker(
     out_dir: Path,
     ranking: dict | None = None,
     run: RunRecord | None = None,
+    keep_adapter: bool = False,
 ) -> None:
     """Saves a plain transformers model (LoRA merged in) plus tokenizer, the lychee_exp card (model.files) and the
     Hugging Face model card README.md (model.model_card), loadable with model.path=out_dir; a LoRA run also keeps
     its peft adapter in out_dir/adapter, whose base_model_name_or_path is the directory training started from.
     `ranking`: how the run ranked its dev set beyond the model's own scores (a teacher mix, ir.fusion), recorded
     for rerank; `run`: the run that trained the model (its config and final metrics), for README.md's figures.
+    A LoRA model's adapters are merged into its backbone, which then replaces the PeftModel in `reranker`; with
+    keep_adapter (a run that goes on using its adapters: its final evaluation, the best's restored) into a copy.
 
     Written whole or not at all: into a hidden directory beside out_dir, moved into place once complete
     (io.outputs.staged_directory: an earlier out_dir, a resumed run's, stays until then). Every file gets the
@@ -341,7 +345,7 @@ def save_reranker(
     (RunFailed)."""
     try:
         with staged_directory(out_dir) as staging:
-            _write_reranker(reranker, tokenizer, cfg, staging, ranking, run)
+            _write_reranker(reranker, tokenizer, cfg, staging, ranking, run, keep_adapter)
             match_umask(staging)
     except BaseException as err:
         # the Rust writers (safetensors, tokenizers) put the OS error in their text: "... (os error 28)"
@@ -354,13 +358,18 @@ def save_reranker(
 
 
 def _write_reranker(
-    reranker: Reranker, tokenizer, cfg: ModelConfig, out_dir: Path, ranking: dict | None, run: RunRecord | None
+    reranker: Reranker,
+    tokenizer,
+    cfg: ModelConfig,
+    out_dir: Path,
+    ranking: dict | None,
+    run: RunRecord | None,
+    keep_adapter: bool = False,
 ) -> None:
     from peft import PeftModel
 
     backbone = reranker.backbone
-    # the cards name the start (a hub id, a package, a directory's name); peft loads it from its directory
-    base = None if cfg.random_init else base_model_name(cfg.path)
+    base = _card_base(cfg)
     adapter = isinstance(backbone, PeftModel)
     if adapter:
         for peft_config in backbone.peft_config.values():
@@ -368,8 +377,11 @@ def _write_reranker(
                 peft_config.base_model_name_or_path = str(model_dir(cfg).resolve())
         backbone.save_pretrained(str(out_dir / ADAPTER_DIR))
         name_adapter_base(out_dir / ADAPTER_DIR, base)
-        backbone = backbone.merge_and_unload()
-        reranker.backbone = backbone
+        if keep_adapter:  # a copy of the model's size, freed after the save
+            backbone = copy.deepcopy(backbone).merge_and_unload()
+        else:
+            backbone = backbone.merge_and_unload()
+            reranker.backbone = backbone
     backbone.save_pretrained(str(out_dir), safe_serialization=True)
     if uses_text_pairs(cfg):  # where sentence-transformers' CrossEncoder reads the pair's budget
         tokenizer.model_max_length = pair_max_len(tokenizer, cfg.prompt)
@@ -379,6 +391,18 @@ def _write_reranker(
         write_sentence_transformers_files(out_dir, hidden, cfg.pooling, pair_max_len(tokenizer, cfg.prompt))
     write_card(cfg, out_dir, base, adapter, ranking)
     write_model_card(out_dir, cfg, base, adapter, run)
+
+
+def _card_base(cfg: ModelConfig) -> str | None:
+    # the cards name the start (a hub id, a package, a directory's name); peft loads it from its directory
+    return None if cfg.random_init else base_model_name(cfg.path)
+
+
+def rewrite_run_card(out_dir: Path, cfg: ModelConfig, run: RunRecord) -> None:
+    """Rewrites README.md, the Hugging Face card of a model that save_reranker wrote, with figures that came after
+    its weights (a run's final dev evaluation); the weights, tokenizer and lychee_reranker.json (which holds no
+    figures) stay as they are. The card is replaced atomically."""
+    write_model_card(out_dir, cfg, _card_base(cfg), (out_dir / ADAPTER_DIR).is_dir(), run)
 
 
 log = logging.getLogger(__name__)

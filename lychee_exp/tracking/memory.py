@@ -34,3 +34,11 @@ def rss_mb(pid: int | str = "self") -> float | None:
     """The process's resident set size now (VmRSS) in MB; None where /proc does not show it."""
     kb = _status_kb(pid, "VmRSS")
     return None if kb is None else kb / 1024
+
+
+def machine_memory_mb() -> tuple[float, float]:
+    """The machine's memory in MB: its total, and what is available now (psutil: MemAvailable on Linux)."""
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return memory.total / 2**20, memory.available / 2**20

@@ -35,7 +35,7 @@ from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.io.atomic import write_text_atomic
 from lychee_exp.model.files import match_umask
 from lychee_exp.model.model_card import RunRecord
-from lychee_exp.model.reranker import load_reranker, save_reranker
+from lychee_exp.model.reranker import load_reranker, rewrite_run_card, save_reranker
 from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.parallel.sharding import is_sharded, unsharded_copy
 from lychee_exp.train.best import Best
@@ -189,7 +189,8 @@ def save_training_state(
     output_dir: Path, training: TrainingState, progress: Progress, keep: int, protect: int = -1
 ) -> Path | None:
     """Collective (every rank's RNG state is gathered, so dropout continues as it would have); rank 0 writes
-    and logs the checkpoint's path. `protect`: a step whose checkpoint pruning keeps (save_checkpoint)."""
+    and returns the checkpoint's path (the other ranks: None). `protect`: a step whose checkpoint pruning keeps
+    (save_checkpoint)."""
     env = training.env
     rngs = env.gather_objects(rng_state())
     sharded = is_sharded(training.model)
@@ -210,9 +211,7 @@ def save_training_state(
         "rng": rngs,
         "world_size": env.world_size,
     }
-    path = save_checkpoint(output_dir, progress.step, None if sharded else training.model, state, keep, protect)
-    log.info("checkpoint: %s", path)
-    return path
+    return save_checkpoint(output_dir, progress.step, None if sharded else training.model, state, keep, protect)
 
 
 def load_readable(path: Path, training: TrainingState, fall_back: bool, report: bool) -> tuple[Path, dict]:
@@ -280,11 +279,14 @@ def save_model(
     cfg: RunConfig,
     env: DistEnv,
     metrics: dict,
+    evaluated: bool = True,
 ) -> None:
     """Called on every rank; the main rank writes. A sharded model (fsdp) is gathered once into an unsharded copy
     on the main rank (collective), so model/ loads exactly as a DDP run's does. `model_cfg`: the model config the
-    run resolved (parallel.memory_plan.resolved_model_config); `metrics`: the run's final ones, for the model card."""
-    if is_sharded(model):
+    run resolved (parallel.memory_plan.resolved_model_config); `metrics`: the run's final ones, for the model card
+    (evaluated=False: the figures so far, before the final dev evaluation; rewrite_model_card adds its figures)."""
+    sharded = is_sharded(model)
+    if sharded:
         build = functools.partial(load_reranker, model_cfg, encoder, cfg.seed, training=True)
         model = unsharded_copy(model, build, env.is_main)
     if env.is_main:
@@ -293,7 +295,17 @@ def save_model(
             "first_stage_weight": cfg.data.first_stage_weight,
             "teacher": dataclasses.asdict(cfg.data.dense),
         }
-        save_reranker(model, tokenizer, cfg.model, out_dir, mix, RunRecord(cfg, metrics))
+        # before the final evaluation the run goes on with its adapters (evaluation, a best restored): kept (a
+        # sharded model's unsharded copy is a copy already)
+        record = RunRecord(cfg, metrics, evaluated)
+        save_reranker(model, tokenizer, cfg.model, out_dir, mix, record, keep_adapter=not evaluated and not sharded)
+
+
+def rewrite_model_card(out_dir: Path, cfg: RunConfig, env: DistEnv, metrics: dict) -> None:
+    """The main rank rewrites the card of the model that save_model wrote with the run's final metrics (its weights
+    unchanged since); the other ranks have nothing to do."""
+    if env.is_main:
+        rewrite_run_card(out_dir, cfg.model, RunRecord(cfg, metrics))
 
 
 SHARDS = "shards"

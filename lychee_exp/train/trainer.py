@@ -46,10 +46,12 @@ from lychee_exp.train.checkpoint import (
     load_step_weights,
     restore_training_state,
     resume_path,
+    rewrite_model_card,
     save_model,
     save_training_state,
     step_dir,
 )
+from lychee_exp.train.checkpoint_schedule import CheckpointSchedule, measured_interval
 from lychee_exp.train.inputs import RunInputs, load_inputs
 from lychee_exp.train.losses import build_loss
 from lychee_exp.train.optim import build_optimizer, optimizer_step
@@ -63,7 +65,9 @@ class Trainer:
     """One rank's training run: `setup()` builds the model, data, optimizer, loss and logger; `fit()` trains with
     periodic dev evaluation, checkpoints, early stopping and the caller's step hooks, ends with the best
     evaluation's weights where trainer.load_best_model_at_end asks (train.best), and returns the run's metrics (the
-    same on every rank); `save()` writes the model (main rank); `cleanup()` closes the logger.
+    same on every rank); `save()` writes the model (main rank); `cleanup()` closes the logger. The trained model
+    is saved (and the last step checkpointed) before the final dev evaluation, so that a run killed in that
+    evaluation keeps its training; `save()` then adds the evaluation's figures to its card.
 
     Raises TrainingDiverged when a step's loss is not finite, torch.OutOfMemoryError when a batch does not fit,
     and whatever a step hook raises. A fit that a stop request ended returns with `preempted_at_step`."""
@@ -89,6 +93,7 @@ class Trainer:
         self.lr, self.optimizer, self.scheduler, self.warmup_steps, self.scaler = 0.0, None, None, 0, None
         self.loss_fn = self.resume_from = self.step = self.baseline = None  # baseline: train.baseline_phase's
         self.forward_chunks, self.facts = 1, {}
+        self.first_step = 0  # the step fit started from (a resumed run's checkpoint's)
         self.logger = NullLogger()
         # state of fit()
         self.eval_time_s = self.eval_cpu_s = 0.0
@@ -100,6 +105,9 @@ class Trainer:
         self.stop_reason: str | None = None  # pruned (an evaluation callback) or early_stopping
         self.best_metric = str(cfg.trainer.metric_for_best_model or cfg.optimized_metric)  # ranks evaluations
         self.checkpointed_at = -1  # the step of this process's newest checkpoint
+        self.checkpoints: CheckpointSchedule | None = None  # which steps checkpoint (set by fit)
+        self.since_checkpoint = (0, 0.0)  # the step and training clock of the last checkpoint (or the start)
+        self.model_saved_at: int | None = None  # the step whose weights this process wrote to model/ (None: none)
 
     # ----------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -177,6 +185,10 @@ class Trainer:
         if progress.step >= self.data.total_steps and self._finished_before():
             # a finished run continued with nothing left to train: its metrics.json and model/ stay as they are
             return {"steps": progress.step, NOTHING_LEFT: progress.step}
+        # (a run resumed at its last step whose metrics.json was never written trains nothing: it saves the model
+        # and runs the final evaluation that did not finish)
+        self.checkpoints = CheckpointSchedule(cfg.trainer.checkpoint_every, progress.step, self.data.total_steps)
+        self.first_step = progress.step
         if progress.step == 0 and cfg.trainer.evaluate:
             progress.summary.update(ev.reference_metrics(self.data.dev_pairs) if env.is_main else {})
             if cfg.trainer.eval_before_training:
@@ -184,6 +196,7 @@ class Trainer:
                 progress.summary.update({f"initial_{k}": v for k, v in initial.items()}, **initial)
                 progress.evaluated_at = 0
         timer = self.timer = StepTimer(progress.step, self.data.total_steps, *self._training_clock())
+        self.since_checkpoint = (progress.step, self._training_clock()[0])
         self.logged = []
         shown = env.is_main and cfg.trainer.progress_bar  # a bar on a terminal, else log lines (io.progress)
         self.bar = progress_meter(
@@ -218,12 +231,16 @@ class Trainer:
                 if progress.step >= self.data.total_steps or self.stopped:
                     break
             progress.epoch, progress.batch = progress.epoch + 1, 0
-            if progress.evaluated_at != progress.step and not self.stopped:
+            if progress.evaluated_at != progress.step and not self.stopped and progress.step < self.data.total_steps:
                 self._evaluate_into(progress)
         self._read_steps()  # before the clock stops: the device may still be running queued steps
         timer.stamp(progress.step, *self._training_clock())  # the last step's end, device drained
         self.bar.close()
         train_time = time.perf_counter() - train_start - (self.eval_time_s - eval_time_before)
+        if progress.evaluated_at != progress.step and not self.stopped:  # the final evaluation is still to come
+            if cfg.trainer.evaluate:
+                self._save_trained(progress)
+            self._evaluate_into(progress)
         model_is_best = self._best_at_end(progress)
         progress.summary.update(best_figures(progress.best, self.best_metric, dict(progress.summary), model_is_best))
         return self._finish(progress, timer, train_time)
@@ -264,8 +281,9 @@ class Trainer:
         cfg, step = self.cfg, progress.step
         self.bar.update(1)
         log_due = step % cfg.trainer.log_every == 0 or step == self.data.total_steps
-        eval_due = cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0
-        checkpoint_due = cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0
+        # the last step's evaluation comes after the model is saved (fit)
+        eval_due = cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < self.data.total_steps
+        checkpoint_due = self.checkpoints.due(step)
         if log_due or eval_due or checkpoint_due:
             self._read_steps()
         if log_due:
@@ -311,6 +329,7 @@ class Trainer:
         # kernels (and cuDNN's attention plans) are chosen per input shape: fewer shapes, fewer plans
         summary["distinct_shapes"] = len(set().union(*env.gather_objects(self.step.shapes)))
         summary.update(self.facts, **throughput, steps=progress.step, epochs=progress.epoch, stopped_early=self.stopped)
+        summary["steps_this_run"] = progress.step - self.first_step  # 0: resumed at its last step, evaluated only
         if self.stop_reason:
             summary["stop_reason"] = self.stop_reason
         summary.update(train_time_s=train_time, eval_time_s=self.eval_time_s)
@@ -371,6 +390,8 @@ class Trainer:
                 log.info("%s; model/ holds the last (trainer.load_best_model_at_end=true keeps the best)", said)
             return False
         path = None if best.step == step else load_step_weights(self.output_dir, best.step, self._training_state())
+        if path is not None:  # model/ holds the last step's weights: save() writes the best's
+            self.model_saved_at = None
         if self.env.is_main:
             if best.step == step:
                 log.info("%s: model/ holds it", said)
@@ -386,11 +407,25 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ checkpoint
     def _checkpoint(self, progress: Progress, position: tuple[int, int]) -> None:
-        """Collective; `position`: the epoch and batch the run continues from."""
+        """Collective; `position`: the epoch and batch the run continues from. With checkpoint_every=auto the main
+        rank, which writes, sets every rank's next checkpoint from this one's write time and the mean step time
+        since the last one (train.checkpoint_schedule)."""
         at = dataclasses.replace(progress, epoch=position[0], batch=position[1])
         protect = progress.best.step if self.cfg.trainer.load_best_model_at_end else -1  # its weights come back
-        save_training_state(self.output_dir, self._training_state(), at, self.cfg.trainer.keep_checkpoints, protect)
+        (since_step, since_clock), start = self.since_checkpoint, self._training_clock()[0]
+        keep = self.cfg.trainer.keep_checkpoints
+        path = save_training_state(self.output_dir, self._training_state(), at, keep, protect)
+        write_s = self._training_clock()[0] - start
+        step_s = (start - since_clock) / (progress.step - since_step) if progress.step > since_step else 0.0
+        interval = measured_interval(write_s, step_s) if self.checkpoints.auto else None
+        if interval is not None:
+            interval = self.env.gather_objects(interval)[0]
+            self.checkpoints.written(progress.step, interval)
+        if path is not None:
+            then = f"; auto: the next in {_count(interval, 'step')}" if interval else ""
+            log.info("checkpoint: %s (written in %.2f s, steps %.2f s%s)", path, write_s, step_s, then)
         self.checkpointed_at = progress.step
+        self.since_checkpoint = (progress.step, self._training_clock()[0])
 
     def _restore(self) -> Progress:
         progress = restore_training_state(self.resume_from, self._training_state())
@@ -401,10 +436,26 @@ class Trainer:
         return TrainingState(self.model, self.optimizer, self.scheduler, self.scaler, self.env)
 
     # ----------------------------------------------------------------------------------------- save, cleanup
-    def save(self, metrics: dict) -> None:  # every rank: under fsdp they gather the weights
-        if self.cfg.trainer.save_model:
-            parts = (self.model_cfg, self.encoder, self.tokenizer, self.cfg, self.env, metrics)
-            save_model(self.model, self.output_dir / "model", *parts)
+    def save(self, metrics: dict, evaluated: bool = True) -> None:  # every rank: under fsdp they gather the weights
+        """model/ with the run's metrics on its card. Where this process saved the same weights already (before
+        the final evaluation), only the card is rewritten. evaluated=False: before the final evaluation."""
+        if not self.cfg.trainer.save_model:
+            return
+        out, step = self.output_dir / "model", metrics.get("steps")
+        if evaluated and self.model_saved_at is not None and self.model_saved_at == step:
+            rewrite_model_card(out, self.cfg, self.env, metrics)
+            return
+        parts = (self.model_cfg, self.encoder, self.tokenizer, self.cfg, self.env, metrics)
+        save_model(self.model, out, *parts, evaluated=evaluated)
+        self.model_saved_at = step
+
+    def _save_trained(self, progress: Progress) -> None:
+        """Collective, as training ends and before the final evaluation: the last step's checkpoint (written by
+        _after_step: a run killed in the evaluation resumes to just it) and model/, complete and loadable, its card
+        naming the run's setup and steps but no dev figures (they come with save() after the evaluation)."""
+        if self.env.is_main:
+            log.info("training done at step %d: saving the model before the final evaluation", progress.step)
+        self.save({**self.facts, "steps": progress.step, "epochs": progress.epoch}, evaluated=False)
 
     def cleanup(self) -> None:
         self.logger.finish()
@@ -431,6 +482,10 @@ def train_on_rank(
     finally:
         trainer.cleanup()
     return metrics
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 @dataclasses.dataclass
