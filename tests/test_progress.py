@@ -237,8 +237,11 @@ def test_a_training_run_logs_its_evaluation_and_training_progress_and_rows_say_t
 ):
     from conftest import run_tiny
 
-    with caplog.at_level(logging.INFO):  # 4 steps an epoch, each epoch ends with a dev evaluation
-        run_tiny(tmp_path / "run", "trainer.progress_bar=true", "trainer.max_steps=12", "trainer.log_every=7")
+    # 4 steps an epoch, each epoch ends with a dev evaluation; no checkpoints: on this clock, whose every reading
+    # is 4 s on, a checkpoint's reads would count as training time
+    run = ("trainer.progress_bar=true", "trainer.max_steps=12", "trainer.log_every=7", "trainer.checkpoint_every=0")
+    with caplog.at_level(logging.INFO):
+        run_tiny(tmp_path / "run", *run)
     said = [(r.name, r.getMessage()) for r in caplog.records]
     progress = [m for name, m in said if name == progress_module.__name__]
     assert any(m.startswith("dev evaluation: 32/60 pairs (53%), ") and RATE_LEFT.search(m) for m in progress)
