@@ -37,6 +37,7 @@ from lychee_exp.parallel.distributed import DistEnv, seed_everything, wrap_for_t
 from lychee_exp.parallel.memory_plan import resolved_model_config
 from lychee_exp.tracking.backends import NullLogger, run_logger
 from lychee_exp.tracking.console import log_eval, log_setup, log_train_step
+from lychee_exp.tracking.memory import release_freed_memory
 from lychee_exp.tracking.phases import PEAKS, handed_down, phase, rank_figures
 from lychee_exp.tracking.throughput import StepTimer, gpu_memory, log_hints, setup_facts, summarize
 from lychee_exp.tracking.trial import current_trial, pruning_callback
@@ -153,6 +154,9 @@ class Trainer:
 
     def _evaluate(self) -> dict[str, float]:
         start, cpu_start = time.perf_counter(), time.process_time()
+        # memory freed but kept by the allocator goes back before and after: the evaluation's peak is then what it
+        # holds on top of the live set, and training goes on without its leftovers (docs/beir.md#memory)
+        release_freed_memory()
         scorer = self.train_model if self.plan.strategy == "dp" else self.model  # DP: score on every GPU
         pairs, batch = self.data.dev_pairs, self.cfg.data.eval_batch_size
         data = self.cfg.data  # weights > 0: the model's scores mixed with the teacher's / first stage's, own as model_*
@@ -167,6 +171,7 @@ class Trainer:
             data.teacher_weight,
             data.first_stage_weight,
         )
+        release_freed_memory()
         self.eval_time_s += time.perf_counter() - start
         self.eval_cpu_s += time.process_time() - cpu_start
         return metrics
