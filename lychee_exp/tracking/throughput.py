@@ -151,10 +151,9 @@ def _gpu_utilization(device: torch.device) -> float | None:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak: a process that runs several jobs reports each job's own (and its own phases)."""
+    """Start a new peak: a process that runs several jobs reports each job's own, and its own phases' RSS."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return
     PEAKS.clear()
 
 
