@@ -18,7 +18,7 @@ from lychee_exp.job.in_process import run_job
 from lychee_exp.model.precision import autocast
 from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer
 from lychee_exp.tracking.memory import peak_rss_mb, reset_peak_rss, rss_mb
-from lychee_exp.tracking.phases import PhasePeaks, summary_line
+from lychee_exp.tracking.phases import HANDED_ENV, PhasePeaks, hand_down, handed_down, summary_line
 
 MB = 2**20
 
@@ -108,3 +108,12 @@ def test_a_ddp_run_reports_each_phase_peak_per_rank(tmp_path, caplog):
 
 def test_a_run_without_the_figures_has_no_line():
     assert summary_line({"steps": 3}) is None
+
+
+def test_the_hydra_process_phases_reach_the_ranks_logger_summary(monkeypatch):
+    """What the Hydra process hands down in the environment its ranks start with is what rank 0 adds to its
+    logger summary (W&B's): the Hydra phases by their metrics.json keys, nothing else."""
+    monkeypatch.setenv(HANDED_ENV, "{}")  # and gone again after the test, whatever hand_down sets
+    assert handed_down() == {}
+    hand_down({"mining": 700.0, "dense_teacher": 650.5, "load": 1.0})  # a rank phase is not the Hydra process's
+    assert handed_down() == {"hydra_peak_rss_mb_mining": 700.0, "hydra_peak_rss_mb_dense_teacher": 650.5}
