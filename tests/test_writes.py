@@ -189,8 +189,8 @@ LISTED = {
     "lychee_exp/launch/slurm_jobs.py": {
         ("check_slurm_accepts", "tempfile.NamedTemporaryFile"): "a script for `sbatch --test-only`, gone after it",
     },
-    "lychee_exp/tracking/throughput.py": {
-        ("reset_peak_memory", ".write_text"): "/proc/self/clear_refs: a kernel control file, not a file on disk",
+    "lychee_exp/tracking/memory.py": {
+        ("reset_peak_rss", ".write_text"): "/proc/self/clear_refs: a kernel control file, not a file on disk",
     },
 }
 WRITES = {(file, where, call): reason for file, listed in LISTED.items() for (where, call), reason in listed.items()}
@@ -430,11 +430,11 @@ def test_a_planted_bypass_and_a_removed_site_fail(tmp_path):
     (tmp_path / "lychee_exp" / "ir" / "leak.py").write_text(
         "from pathlib import Path\n\n\nclass Mined:\n    def dump(self, out):\n        Path(out).write_text('x')\n"
     )
-    throughput = tmp_path / "lychee_exp" / "tracking" / "throughput.py"
-    throughput.write_text(throughput.read_text().replace('Path("/proc/self/clear_refs").write_text("5")', "pass"))
+    memory = tmp_path / "lychee_exp" / "tracking" / "memory.py"
+    memory.write_text(memory.read_text().replace('Path("/proc/self/clear_refs").write_text("5")', "pass"))
     unlisted, stale = unlisted_and_stale(tmp_path)
     assert unlisted == ["lychee_exp/ir/leak.py:6 Mined.dump: .write_text"]
-    assert stale == ["lychee_exp/tracking/throughput.py reset_peak_memory: .write_text"]
+    assert stale == ["lychee_exp/tracking/memory.py reset_peak_rss: .write_text"]
 
 
 def test_every_name_a_run_writes_at_its_top_is_one_the_policy_knows():

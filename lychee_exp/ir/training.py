@@ -14,6 +14,7 @@ never mine, retrieve or score, and when a step has not run they refuse in one li
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -21,6 +22,7 @@ import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, ContextManager
 
 from lychee_exp.config.choices import Stemmer
 from lychee_exp.config.schema import DenseConfig
@@ -38,6 +40,10 @@ from lychee_exp.ir.trec import Run
 log = logging.getLogger(__name__)
 
 
+def _no_phase(name: str) -> ContextManager:
+    return contextlib.nullcontext()
+
+
 @dataclass
 class BeirDev:
     corpus: Corpus
@@ -50,16 +56,21 @@ class BeirDev:
     teacher: dict = field(default_factory=dict)
 
 
-def prepare_beir(data, progress_bar: bool = False) -> str:
+def prepare_beir(data, progress_bar: bool = False, phase: Callable[[str], ContextManager] = _no_phase) -> str:
     """data=beir's steps, in order: the train split mined when data.train_file is empty, then the dev split's
     candidates and teacher scores. Returns the train file the ranks are to read (data.train_file, or the mined one).
     Both splits are opened (and checked) before the slow work. progress_bar: the steps' progress shown (a bar on a
-    terminal, else log lines: io.progress)."""
+    terminal, else log lines: io.progress); `phase(name)` measures each step (mining, dense_teacher: the caller's
+    tracking.phases)."""
     _dev_split(data)
     steps = 1 if data.train_file else 2  # "data step": the training steps' own log lines say "step n/N"
     with progress_shown(progress_bar):
-        train_file = data.train_file or str(mine_train_split(data, f"data step 1/{steps}"))
-        score_dev_split(data, f"data step {steps}/{steps}")
+        train_file = data.train_file
+        if not train_file:
+            with phase("mining"):
+                train_file = str(mine_train_split(data, f"data step 1/{steps}"))
+        with phase("dense_teacher"):
+            score_dev_split(data, f"data step {steps}/{steps}")
     return train_file
 
 

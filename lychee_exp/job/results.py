@@ -11,6 +11,7 @@ from lychee_exp.config.schema import RunConfig
 from lychee_exp.io.atomic import read_json, write_json_atomic
 from lychee_exp.ir.first_stage import stage_name
 from lychee_exp.ir.metrics import named_figure, standing_below_first_stage
+from lychee_exp.tracking.phases import summary_line as phases_line
 from lychee_exp.tracking.speedup import speedup_note
 
 log = logging.getLogger("lychee_exp")
@@ -40,6 +41,9 @@ def write_results(run_cfg: RunConfig, metrics: dict, output_dir: Path, is_main: 
                 metrics["effective_batch_size"],
                 speedup_note(metrics),
             )
+        memory = phases_line(metrics)
+        if memory:
+            log.info("%s", memory)
         if "optimizer_bytes_per_rank" in metrics:  # what each device holds besides activations (fsdp: shards)
             mib = {key: max(metrics[f"{key}_bytes_per_rank"]) / 2**20 for key in ("param", "grad", "optimizer")}
             log.info(

@@ -26,6 +26,8 @@ from lychee_exp.job.run_dir import check_resumed_model, commit_run_dir
 from lychee_exp.launch.cluster import is_main_process, job_devices, local_ranks, under_torchrun
 from lychee_exp.model.files import model_choice, resolve_model
 from lychee_exp.parallel.devices import plan_devices
+from lychee_exp.tracking.memory import release_freed_memory
+from lychee_exp.tracking.phases import PEAKS, hand_down, hydra_figures, phase
 from lychee_exp.train.inputs import RunInputs, load_inputs, model_inputs
 from lychee_exp.train.losses import LOSSES
 from lychee_exp.train.optim import OPTIMIZERS
@@ -64,7 +66,7 @@ def prepare_data(cfg: RunConfig) -> RunConfig:
         return cfg
     check_settings(cfg)
     model_inputs(cfg)
-    train_file = prepare_beir(cfg.data, cfg.trainer.progress_bar)
+    train_file = prepare_beir(cfg.data, cfg.trainer.progress_bar, phase)
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_file=train_file))
 
 
@@ -98,8 +100,10 @@ def train_job(cfg: DictConfig) -> float:
         cpu_threads_per_rank=run_cfg.parallel.cpu_threads_per_rank,
         cpu_offload=run_cfg.parallel.cpu_offload,
     )
+    PEAKS.clear()  # this job's phases (a sweep runs several jobs in this process)
     run_cfg = prepare_data(run_cfg)
-    inputs = preflight(run_cfg, plan.device_type, plan.strategy)
+    with phase("checks"):
+        inputs = preflight(run_cfg, plan.device_type, plan.strategy)
     # the searched (effective) batch stays the same on whatever devices a sweep slot gives the trial; counted over
     # every node's devices (the plan is this node's until the ranks have joined)
     run_cfg = with_global_batch(run_cfg, job_devices(plan.num_devices))
@@ -113,7 +117,11 @@ def train_job(cfg: DictConfig) -> float:
     from lychee_exp.launch.launcher import launch
     from lychee_exp.train.progress import NOTHING_LEFT
 
-    metrics = launch(run_cfg, plan, output_dir, job_log_file(), inputs, keep_ranks=trials_run_here())
+    hand_down(PEAKS.snapshot())  # rank 0's logger summary holds this process's phases too
+    release_freed_memory()  # what the data steps freed (the dense teacher's batches), while the ranks train
+    with phase("ranks"):
+        metrics = launch(run_cfg, plan, output_dir, job_log_file(), inputs, keep_ranks=trials_run_here())
+    metrics.update(hydra_figures(PEAKS.snapshot()))
     if NOTHING_LEFT in metrics:
         return nothing_left(run_cfg, output_dir, metrics[NOTHING_LEFT], is_main)
     return write_results(run_cfg, metrics, output_dir, is_main)

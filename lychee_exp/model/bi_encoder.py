@@ -53,6 +53,20 @@ def split_pair(
     return (query_ids, query_mask), (doc_ids, doc_mask)
 
 
+def row_parts(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, max_tokens: int | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The rows in the fewest parts of equal size that each hold at most max_tokens slots (rows x width), all at
+    the batch's width; the whole batch when it fits (or max_tokens is None). Equal parts keep each one large: a
+    small part (under ~1,000 slots here) can take another bf16 matrix kernel on CPU, with other roundings."""
+    rows, width = input_ids.shape
+    count = -(-rows * width // max_tokens) if max_tokens else 1
+    if count <= 1:
+        return [(input_ids, attention_mask)]
+    size = -(-rows // count)
+    return list(zip(input_ids.split(size), attention_mask.split(size)))
+
+
 def check_pair_split(tokenizer) -> int:
     """The separator split_pair cuts at; one line when this tokenizer's pairs do not split into its single texts."""
     sep = tokenizer.sep_token_id
@@ -70,13 +84,22 @@ def check_pair_split(tokenizer) -> int:
 
 
 def bi_encoder_logits(
-    backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, sep_id: int, pooling: Pooling
+    backbone: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    sep_id: int,
+    pooling: Pooling,
+    max_tokens: int | None = None,
 ) -> torch.Tensor:
-    """SCALE x cosine of the pooled query and document encodings, one logit per pair row (float32)."""
+    """SCALE x cosine of the pooled query and document encodings, one logit per pair row (float32). `max_tokens`:
+    each side's texts forwarded in row_parts, at that side's width (Reranker.forward)."""
     vectors = []
     for ids, mask in split_pair(input_ids, attention_mask, sep_id):
-        hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state
-        vectors.append(nn.functional.normalize(pool(hidden.float(), mask, pooling), dim=-1))
+        parts = []
+        for part_ids, part_mask in row_parts(ids, mask, max_tokens):
+            hidden = backbone(input_ids=part_ids, attention_mask=part_mask).last_hidden_state
+            parts.append(nn.functional.normalize(pool(hidden.float(), part_mask, pooling), dim=-1))
+        vectors.append(parts[0] if len(parts) == 1 else torch.cat(parts))
     query, doc = vectors
     return SCALE * (query * doc).sum(-1)
 

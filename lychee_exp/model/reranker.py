@@ -102,14 +102,21 @@ class Reranker(nn.Module):
         attention_mask: torch.Tensor | None = None,
         chunks: list[tuple[list[int], int]] | None = None,
         packed: dict | None = None,
+        max_tokens: int | None = None,
     ) -> torch.Tensor:
         """One relevance logit per row. `chunks` (from bucketing.length_chunks): score the rows in groups of
         similar length, each cut to its own width, so that fewer padding slots are computed; every row's logit
         is the same as in one pass (positions count real tokens, padding is masked), in the rows' order.
         `packed` (data.packing.pack, without its input_ids): input_ids is one packed row; one logit per prompt
-        (encoder cross-encoders: model.packed)."""
+        (encoder cross-encoders: model.packed). `max_tokens` (scoring, ir.evaluate; bi-encoders): at most this many
+        token slots per backbone forward (bi_encoder.row_parts: equal parts of rows at each side's width), so that
+        a long batch's activations are held a part at a time, with the logits of one pass (tests/test_phase_memory.py).
+        Other kinds score a batch whole: cut into parts, a cross-encoder's fp32 logits moved in their last bits here,
+        which could move the default job's figures."""
         if packed is not None:
             return self._score_packed(input_ids, packed)
+        if max_tokens:
+            return self._score(input_ids, attention_mask, max_tokens)
         if not chunks or len(chunks) == 1:
             return self._score(input_ids, attention_mask)
         width = input_ids.shape[1]
@@ -124,9 +131,9 @@ class Reranker(nn.Module):
         inverse = torch.argsort(torch.tensor(order, device=input_ids.device))
         return torch.cat(parts)[inverse]
 
-    def _score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        if self.kind == "bi_encoder":
-            return bi_encoder_logits(self.backbone, input_ids, attention_mask, self.sep_id, self.pooling)
+    def _score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_tokens: int | None = None):
+        if self.kind == "bi_encoder":  # parts cut after the pair's split: each side at its own width
+            return bi_encoder_logits(self.backbone, input_ids, attention_mask, self.sep_id, self.pooling, max_tokens)
         if self.kind == "sequence_classification":
             types = (
                 {} if self.sep_id is None else {"token_type_ids": token_types(input_ids, attention_mask, self.sep_id)}

@@ -4,11 +4,8 @@ out of memory (peak memory per rank), no speedup (share of step time waiting for
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import resource
 import time
-from pathlib import Path
 
 import torch
 
@@ -21,6 +18,8 @@ from lychee_exp.parallel.devices import DevicePlan
 from lychee_exp.parallel.distributed import DistEnv, device_name
 from lychee_exp.parallel.sharding import state_bytes
 from lychee_exp.tracking.keys import HISTORY
+from lychee_exp.tracking.memory import peak_rss_mb
+from lychee_exp.tracking.phases import PEAKS
 from lychee_exp.tracking.speedup import cpu_share
 
 log = logging.getLogger(__name__)
@@ -109,14 +108,11 @@ def setup_facts(
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak since this process started, or since the last reset_peak_memory (a warm rank's trial)."""
+    """Peak since this process started, or since the last reset_peak_memory (a warm rank's trial). On CPU the
+    resident set's (VmHWM), which the phase figures (tracking.phases) reset at each phase: the highest of theirs."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    try:  # VmHWM: the peak resident set, which reset_peak_memory can reset (ru_maxrss cannot be)
-        status = Path("/proc/self/status").read_text()
-        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration, ValueError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return max([peak_rss_mb() or 0.0, *PEAKS.snapshot().values()])
 
 
 def gpu_memory(device: torch.device) -> dict:
@@ -155,12 +151,10 @@ def _gpu_utilization(device: torch.device) -> float | None:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak: a process that runs several jobs reports each job's own."""
+    """Start a new peak: a process that runs several jobs reports each job's own, and its own phases' RSS."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM to the current resident set
+    PEAKS.clear()
 
 
 def summarize(per_rank: list[dict]) -> dict:

@@ -37,6 +37,8 @@ from lychee_exp.parallel.distributed import DistEnv, seed_everything, wrap_for_t
 from lychee_exp.parallel.memory_plan import resolved_model_config
 from lychee_exp.tracking.backends import NullLogger, run_logger
 from lychee_exp.tracking.console import log_eval, log_setup, log_train_step
+from lychee_exp.tracking.memory import release_freed_memory
+from lychee_exp.tracking.phases import PEAKS, handed_down, phase, rank_figures
 from lychee_exp.tracking.throughput import StepTimer, gpu_memory, log_hints, setup_facts, summarize
 from lychee_exp.tracking.trial import current_trial, pruning_callback
 from lychee_exp.train.baseline_phase import one_device_baseline, run_speedup
@@ -155,7 +157,14 @@ class Trainer:
         )
 
     def evaluate(self) -> dict[str, float]:
+        with phase("evaluation"):
+            return self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
         start, cpu_start = time.perf_counter(), time.process_time()
+        # memory freed but kept by the allocator goes back before and after: the evaluation's peak is then what it
+        # holds on top of the live set, and training goes on without its leftovers (docs/beir.md#memory)
+        release_freed_memory()
         scorer = self.train_model if self.plan.strategy == "dp" else self.model  # DP: score on every GPU
         pairs, batch = self.data.dev_pairs, self.cfg.data.eval_batch_size
         data = self.cfg.data  # weights > 0: the model's scores mixed with the teacher's / first stage's, own as model_*
@@ -171,6 +180,7 @@ class Trainer:
             data.first_stage_weight,
             "dev evaluation" if self.cfg.trainer.progress_bar else None,
         )
+        release_freed_memory()
         self.eval_time_s += time.perf_counter() - start
         self.eval_cpu_s += time.process_time() - cpu_start
         if self.bar is not None:  # nor for the train bar's rate and time left (io.progress)
@@ -328,6 +338,7 @@ class Trainer:
         throughput = summarize(env.gather_objects(timer.rank_record(self.device, self.model, self.optimizer)))
         # kernels (and cuDNN's attention plans) are chosen per input shape: fewer shapes, fewer plans
         summary["distinct_shapes"] = len(set().union(*env.gather_objects(self.step.shapes)))
+        summary.update(rank_figures(env.gather_objects(PEAKS.snapshot())))  # tracking.phases: each phase's peak RSS
         summary.update(self.facts, **throughput, steps=progress.step, epochs=progress.epoch, stopped_early=self.stopped)
         summary["steps_this_run"] = progress.step - self.first_step  # 0: resumed at its last step, evaluated only
         if self.stop_reason:
@@ -336,7 +347,8 @@ class Trainer:
         summary.update(run_speedup(self, summary["train_samples_per_s"], summary.get("train_cpu_share"), self.baseline))
         if env.is_main:
             log_hints(summary, self.cfg.data.num_workers)
-        self.logger.log_summary({**summary, "peak_memory_mb": max(summary["peak_memory_mb_per_rank"])})
+        peak = max(summary["peak_memory_mb_per_rank"])
+        self.logger.log_summary({**summary, **handed_down(), "peak_memory_mb": peak})
         return summary
 
     def _eval_and_log(self, step: int, best: Best) -> dict[str, float]:
@@ -475,8 +487,10 @@ def train_on_rank(
         callbacks.append(pruning_callback(trial, cfg.optimized_metric))
     trainer = Trainer(cfg, env, plan, output_dir, callbacks, inputs, hooks)
     try:
-        trainer.setup()
-        metrics = trainer.fit()
+        with phase("load"):
+            trainer.setup()
+        with phase("training"):
+            metrics = trainer.fit()
         if "preempted_at_step" not in metrics and NOTHING_LEFT not in metrics:
             trainer.save(metrics)
     finally:
