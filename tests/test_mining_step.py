@@ -131,8 +131,8 @@ def test_the_ranks_train_on_the_mined_file_handed_to_them(tmp_path, ir_cache, mo
     copy = tmp_path / "copy"
     real = training.prepare_beir
 
-    def steps_then_swap(data, progress_bar=False):
-        train_file = real(data, progress_bar)
+    def steps_then_swap(data, *args):
+        train_file = real(data, *args)
         shutil.copytree(ir_cache, copy, ignore=shutil.ignore_patterns("mined"))
         monkeypatch.setenv("LYCHEE_CACHE_DIR", str(copy))
         return train_file
