@@ -71,8 +71,10 @@ def masked(line: str) -> str:
 
 
 def make_dry_run(target: str, venv: Path) -> list[str]:
+    # not the flags of a make this suite runs under (`make test ARGS=...` hands ARGS down through MAKEFLAGS)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS")}
     proc = subprocess.run(
-        ["make", "-n", target, f"VENV={venv}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+        ["make", "-n", target, f"VENV={venv}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, env=env
     )
     assert proc.returncode == 0, proc.stderr
     return [line.strip() for line in proc.stdout.splitlines()]
