@@ -8,6 +8,8 @@ STOP_SIGNALS) the same words naming the signal and exit 128 + its number (143 fo
 storage failure) one line and exit 1. Never a traceback for any of them."""
 
 import errno
+import os
+import re
 import signal
 import sys
 from typing import Callable
@@ -79,6 +81,16 @@ def storage_line(err: BaseException) -> str:
     strerror = getattr(cause, "strerror", None) or str(cause)
     where = getattr(cause, "filename", None)
     return f"{strerror} (writing {where})" if where else strerror
+
+
+def write_failure(err: BaseException) -> str | None:
+    """Why a write failed, where the OS refused it ("No space left on device"): an OSError's, or that of a Rust
+    writer (safetensors, tokenizers), which puts the OS error in its text as "... (os error 28)"; None for any
+    other exception (a bug, not the storage)."""
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    found = re.search(r"\(os error (\d+)\)", str(err)) if isinstance(err, Exception) else None
+    return os.strerror(int(found[1])) if found else None
 
 
 INTERRUPTED, INTERRUPTED_EXIT = "interrupted (Ctrl-C)", 130  # 128 + SIGINT, as a shell reports it

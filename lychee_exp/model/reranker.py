@@ -28,7 +28,7 @@ from lychee_exp.config.schema import ModelConfig
 from lychee_exp.data.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX
 from lychee_exp.data.pair_prompt import PairEncoder, pair_max_len, token_types
 from lychee_exp.data.prompt import PromptEncoder
-from lychee_exp.errors import RunFailed, UserError
+from lychee_exp.errors import RunFailed, UserError, write_failure
 from lychee_exp.io.outputs import staged_directory
 from lychee_exp.io.user_files import resolve_path
 from lychee_exp.model.answer_head import answer_logits
@@ -355,9 +355,8 @@ def save_reranker(
             _write_reranker(reranker, tokenizer, cfg, staging, ranking, run, keep_adapter)
             match_umask(staging)
     except BaseException as err:
-        # the Rust writers (safetensors, tokenizers) put the OS error in their text: "... (os error 28)"
-        if isinstance(err, OSError) or (isinstance(err, Exception) and "(os error " in str(err)):
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+        reason = write_failure(err)
+        if reason is not None:
             # read after the failure: a failed move has put an earlier model/ back
             kept = f"{out_dir} left as it was" if out_dir.exists() else "nothing written there"
             raise RunFailed(f"saving the model to {out_dir} failed: {reason}; {kept}", "crashed") from err

@@ -32,6 +32,7 @@ from torch import nn
 
 from lychee_exp.config.schema import ModelConfig, RunConfig
 from lychee_exp.data.prompt import PromptEncoder
+from lychee_exp.errors import write_failure
 from lychee_exp.io.atomic import write_text_atomic
 from lychee_exp.model.files import match_umask
 from lychee_exp.model.model_card import RunRecord
@@ -105,22 +106,40 @@ def _empty_tmp_dir(output_dir: Path, step: int) -> Path:
 
 def save_checkpoint(
     output_dir: Path, step: int, model: torch.nn.Module | None, state: dict, keep: int, protect: int = -1
-) -> Path:
+) -> Path | None:
     """Called on the main rank only; `state` holds everything but the weights. model=None: the weights are in
     the step's temporary directory already (shards written by every rank). Older checkpoints beyond the newest
-    `keep` are deleted, except step `protect`'s (the best evaluation's, with trainer.load_best_model_at_end)."""
+    `keep` are deleted, except step `protect`'s (the best evaluation's, with trainer.load_best_model_at_end).
+
+    A write that the storage refuses (a full disk, a quota) is a warning, not the run's end: the checkpoint is
+    insurance, and the run goes on with its older ones (and may still have room for model/, which is smaller);
+    returns None then."""
     root = checkpoint_root(output_dir)
     final = step_dir(output_dir, step)
     tmp = _empty_tmp_dir(output_dir, step) if model is not None else _tmp_dir(output_dir, step)
     written = ["state.pt"]
-    if model is not None:
-        save_file(trainable_state(model), str(tmp / "model.safetensors"))
-        written.append("model.safetensors")
-    torch.save(state, tmp / "state.pt")
-    match_umask(tmp)  # safetensors writes 0600: the run's other files follow the user's umask
-    for name in written:
-        with open(tmp / name, "rb") as handle:
-            os.fsync(handle.fileno())
+    try:
+        if model is not None:
+            save_file(trainable_state(model), str(tmp / "model.safetensors"))
+            written.append("model.safetensors")
+        torch.save(state, tmp / "state.pt")
+        match_umask(tmp)  # safetensors writes 0600: the run's other files follow the user's umask
+        for name in written:
+            with open(tmp / name, "rb") as handle:
+                os.fsync(handle.fileno())
+    except Exception as err:
+        reason = write_failure(err)
+        if reason is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        newest = latest_checkpoint(output_dir)
+        log.warning(
+            "checkpoint of step %d not written: %s; training goes on (%s)",
+            step,
+            reason,
+            f"the newest checkpoint is {newest}" if newest else "no checkpoint of this run yet",
+        )
+        return None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     write_text_atomic(root / LATEST, final.name + "\n")
