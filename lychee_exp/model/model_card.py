@@ -211,7 +211,7 @@ def _training(run: RunRecord) -> str:
         loss_line += f" + distillation from the data's teacher scores (weight {loss.distill_weight:g})"
     lines.append(loss_line)
     if "steps" in metrics:
-        epochs = f" ({_count(metrics['epochs'], 'epoch')})" if "epochs" in metrics else ""
+        epochs = f" ({counted(metrics['epochs'], 'epoch')})" if "epochs" in metrics else ""
         lines.append(f"- steps: {metrics['steps']}{epochs}")
     if "effective_batch_size" in metrics:
         group = metrics.get("train_group_size", data.train_group_size)
@@ -233,7 +233,7 @@ def _training(run: RunRecord) -> str:
         lora = cfg.model.lora
         lines.append(f"- LoRA r={lora.r}, alpha={lora.alpha} (merged into these weights; the adapter is in adapter/)")
     if "precision" in metrics:
-        devices = _count(metrics.get("num_devices", 1), "device")
+        devices = counted(metrics.get("num_devices", 1), "device")
         where = ", ".join(str(metrics[k]) for k in ("device", "strategy") if k in metrics)
         lines.append(f"- precision: {metrics['precision']}, on {devices}" + (f" ({where})" if where else ""))
     lines.append(f"- seed: {cfg.seed}")
@@ -244,7 +244,8 @@ def _training(run: RunRecord) -> str:
     return "## Training\n\n" + "\n".join(lines)
 
 
-def _count(number: int, noun: str) -> str:
+def counted(number: int, noun: str) -> str:
+    """ "1 step", "3 steps": a count with its noun in the number it takes."""
     return f"{number} {noun}{'' if number == 1 else 's'}"
 
 

@@ -29,6 +29,7 @@ from lychee_exp.data.token_cache import pretokenized
 from lychee_exp.io.progress import progress_meter, row_eta
 from lychee_exp.ir import evaluate as ev
 from lychee_exp.ir.metrics import named_figure
+from lychee_exp.model.model_card import counted
 from lychee_exp.model.packed import packed_attention_path_of
 from lychee_exp.model.precision import resolve_precision
 from lychee_exp.model.reranker import apply_levers, count_parameters, load_reranker
@@ -434,7 +435,7 @@ class Trainer:
             interval = self.env.gather_objects(interval)[0]
             self.checkpoints.written(progress.step, interval)
         if path is not None:
-            then = f"; auto: the next in {_count(interval, 'step')}" if interval else ""
+            then = f"; auto: the next in {counted(interval, 'step')}" if interval else ""
             log.info("checkpoint: %s (written in %.2f s, steps %.2f s%s)", path, write_s, step_s, then)
         self.checkpointed_at = progress.step
         self.since_checkpoint = (progress.step, self._training_clock()[0])
@@ -496,10 +497,6 @@ def train_on_rank(
     finally:
         trainer.cleanup()
     return metrics
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 @dataclasses.dataclass
