@@ -245,7 +245,7 @@ def _training(run: RunRecord) -> str:
 
 
 def counted(number: int, noun: str) -> str:
-    """ "1 step", "3 steps": a count with its noun in the number it takes."""
+    """A count with its noun in the number it takes: "1 step", "3 steps"."""
     return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
