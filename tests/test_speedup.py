@@ -31,8 +31,17 @@ from lychee_exp.tracking.speedup import (
 from lychee_exp.tracking.wandb_records import find_run_files, read_run
 
 CPU_RANKS = DevicePlan("ddp", "cpu", 2, 1)  # 2 ranks x 1 thread
-# dropout on: the phase's steps draw random numbers, which the run must not notice
-PHASED = [*TINY_RANKS, "parallel=ddp", "gpus=2", "parallel.cpu_threads_per_rank=1", "model.dropout=0.1"]
+# dropout on: the phase's steps draw random numbers, which the run must not notice; 32 train queries: 4 micro-batches
+# of 4 on each of 2 ranks, so that grad_accum_steps=4 accumulates 4 of them in every step
+PHASED = [
+    *(o for o in TINY_RANKS if not o.startswith("data.max_train_queries=")),
+    "data.max_train_queries=32",
+    "parallel=ddp",
+    "gpus=2",
+    "parallel.cpu_threads_per_rank=1",
+    "model.dropout=0.1",
+]
+ACCUMULATED = [*PHASED, "trainer.grad_accum_steps=4"]
 
 
 @pytest.fixture
@@ -84,9 +93,10 @@ def test_only_reliable_baselines_are_cached(own_cache, tiny_cfg):
 
 
 def test_a_baseline_is_reused_only_under_the_same_step_settings(own_cache, tiny_cfg):
-    """A figure measured with another loss, chunking, bucketing or accumulation is another step's speed: dividing
-    by it once gave a 9.97x 'speedup' on 2 CPU ranks. Settings that leave the step alone (lr, seed, evaluation,
-    the dev file) share it, so a sweep's trials measure once."""
+    """A figure measured with another loss, chunking or bucketing is another step's speed: dividing by it once gave
+    a 9.97x 'speedup' on 2 CPU ranks. Settings that leave one device's samples/s alone (lr, seed, evaluation, the
+    dev file, the accumulation that a sweep over the global batch varies) share it, so a sweep's trials measure
+    once."""
     cfg = to_run_config(tiny_cfg)
     plan = DevicePlan("single", "cpu", 1, 2)
     store_baseline(cfg, plan, Baseline(5.0, "test", cpu_share=1.0))
@@ -106,13 +116,13 @@ def test_a_baseline_is_reused_only_under_the_same_step_settings(own_cache, tiny_
         # the key holds what auto and null resolve to on this device: 4 chunks and fused AdamW on CPU
         varied("trainer", forward_chunks=4),
         varied("optimizer", fused=True),
+        varied("trainer", grad_accum_steps=2, global_batch_size=16),
     ]
     assert cfg.trainer.forward_chunks == "auto" and cfg.optimizer.fused is None
     assert [figure(c) for c in same] == [5.0] * len(same)
     other = [
         varied("loss", name="listwise"),
         varied("trainer", forward_chunks=1),
-        varied("trainer", grad_accum_steps=2),
         varied("data", bucket_by_length=True),
         varied("data", random_negatives=1),
         varied("model", dropout=0.1),
@@ -153,9 +163,10 @@ def test_concurrent_baseline_writers_lose_no_entry(own_cache, tiny_cfg):
 
 @pytest.fixture(scope="module")
 def phased_runs(tmp_path_factory) -> Path:
-    """gpus=2 three times on one start of ranks (the phase and its figure are measured inside the ranks either
-    way): without the phase, with it (nothing cached: rank 0 times one device first), then with busy loops on
-    every core. Each has its own baseline cache (LYCHEE_* goes to the ranks with each job, not at their start)."""
+    """gpus=2 on one start of ranks (the phase and its figure are measured inside the ranks either way): without
+    the phase, with it (nothing cached: rank 0 times one device first), the same with 4 micro-batches a step (the
+    cache of the run before), then with busy loops on every core. Each but the accumulating run has its own
+    baseline cache (LYCHEE_* goes to the ranks with each job, not at their start)."""
     root = tmp_path_factory.mktemp("phased")
     with pytest.MonkeyPatch.context() as patch, warm_ranks_kept():
         for key in ("WANDB_API_KEY", "WANDB_MODE"):  # no W&B API key: the loaded run's record goes offline
@@ -166,6 +177,7 @@ def phased_runs(tmp_path_factory) -> Path:
         run_job([*PHASED, "trainer.measure_speedup=false"], root / "without")
         patch.setenv("LYCHEE_BASELINE_FILE", str(root / "with.json"))
         run_job(PHASED, root / "with")
+        run_job(ACCUMULATED, root / "accumulated")
         patch.setenv("LYCHEE_BASELINE_FILE", str(root / "loaded.json"))
         cores = os.cpu_count() or 2
         loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores + 1)]
@@ -211,3 +223,22 @@ def test_a_run_on_a_loaded_machine_records_why_it_has_no_speedup(phased_runs):
     (record,) = [read_run(path) for path in find_run_files(phased_runs / "loaded")]
     assert "speedup" not in record["summary"] and record["summary"]["speedup_status"] == m["speedup_status"]
     assert not (phased_runs / "loaded.json").exists()
+
+
+@pytest.mark.slow
+def test_runs_differing_only_in_accumulation_share_one_baseline(phased_runs):
+    """A sweep over the global batch varies grad_accum_steps from trial to trial: the one-device figure the first
+    run measured serves the run with 4 micro-batches a step, not measured again (that cost each new accumulation
+    1-2 s of trial overhead), and both ratios are samples/s over samples/s, so the speedup does not move by the
+    accumulation factor (a rate per optimizer step would divide it by 4)."""
+    first, accumulated = run_metrics(phased_runs / "with"), run_metrics(phased_runs / "accumulated")
+    assert (first["grad_accum_steps"], accumulated["grad_accum_steps"]) == (1, 4)
+    if first["baseline_cpu_share"] < 0.75:  # a busy machine: the first figure was not cached, nothing to share
+        pytest.skip("the first run's baseline was timed on a shared machine and not cached")
+    (entry,) = json.loads((phased_runs / "with.json").read_text()).values()
+    assert entry["source"] == f"launch phase of {phased_runs / 'with'}"  # the accumulating run timed none
+    assert accumulated["baseline_samples_per_s"] == first["baseline_samples_per_s"] == entry["samples_per_s"]
+    if {first["speedup_status"], accumulated["speedup_status"]} != {"measured"}:
+        pytest.skip(f"no speedup to compare: {first['speedup_status']}, {accumulated['speedup_status']}")
+    assert accumulated["speedup"] == pytest.approx(accumulated["train_samples_per_s"] / entry["samples_per_s"])
+    assert 1 / 2.5 < accumulated["speedup"] / first["speedup"] < 2.5

@@ -44,9 +44,12 @@ def baseline_file() -> Path:
 
 
 def throughput_settings(cfg: RunConfig, device_type: str) -> dict:
-    """Every setting that changes the speed of a training step, less the parallelism, with `auto`/null resolved
-    for the device type (so that a default whose meaning changes does not reuse old figures): a baseline measured
-    under other settings (another loss, forward chunks, bucketing, accumulation...) must not be divided by."""
+    """Every setting that changes one device's samples/s, less the parallelism, with `auto`/null resolved for the
+    device type (so that a default whose meaning changes does not reuse old figures): a baseline measured under
+    other settings (another loss, forward chunks, bucketing...) must not be divided by. Not the accumulation:
+    both figures count samples (queries), and one device's time per micro-batch does not depend on how many
+    make an optimizer step, so the trials of a sweep over the global batch share one figure (only the optimizer
+    step's share per sample shrinks as accumulation grows: small beside a micro-batch's forward and backward)."""
     data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _NOT_THROUGHPUT}
     # data.packing=auto as decided on this device type: the ranks' config holds the decision, the job's `auto`
     data["packing"] = packing_on(cfg, device_type, cfg.parallel.strategy)
@@ -57,7 +60,6 @@ def throughput_settings(cfg: RunConfig, device_type: str) -> dict:
         "loss": dataclasses.asdict(cfg.loss),
         "optimizer": [cfg.optimizer.name, uses_fused(cfg.optimizer, {device_type})],
         "trainer": [
-            t.grad_accum_steps,
             forward_chunk_count(t.forward_chunks, device_type),
             resolve_precision(t.precision, torch_device(device_type)),
             t.deterministic,
