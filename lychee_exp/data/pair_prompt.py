@@ -7,7 +7,8 @@ its authors score it.
 The query side is `model.prompt.query_template` ({instruction} and {query}; default the query alone). The budget is
 `model.prompt.max_len` tokens in all, cut longest-first as those libraries cut (0: the tokenizer's own maximum);
 the per-field caps of the causal-LM prompt (query_max_len, doc_max_len) do not apply. save_reranker writes the
-budget as the tokenizer's model_max_length, which is where sentence-transformers reads it.
+budget as the tokenizer's model_max_length, which is where sentence-transformers reads it. A bi-encoder's rows
+(TextsApartEncoder) cut each text to `model.prompt.max_len` on its own instead.
 
 token_type_ids are not carried through batching: the reranker derives them from the first separator of each row
 (`token_types`), which gives exactly the tokenizer's (checked once per tokenizer here).
@@ -88,3 +89,20 @@ class PairEncoder(PromptEncoder):
                 max_length=self.max_len,
             )
             yield from encoded["input_ids"]
+
+
+class TextsApartEncoder(PairEncoder):
+    """A bi-encoder's rows (model.kind=bi_encoder): the query side and the document each tokenized alone and cut to
+    `max_len` on its own, as sentence-transformers encodes each text (its max_seq_length), then joined as the
+    tokenizer's pair row (`[CLS] q [SEP] d [SEP]`), which model.bi_encoder.split_pair cuts back into the two.
+    A long document is therefore read the same whatever the query's length, in training and in scoring."""
+
+    def iter_encode(self, prompts: Sequence[tuple[str, str, str]]) -> Iterator[list[int]]:
+        for start in range(0, len(prompts), _BATCH):
+            batch = prompts[start : start + _BATCH]
+            sides = [self.query_side(instruction, query) for instruction, query, _ in batch]
+            queries, docs = (
+                self.tokenizer(texts, truncation=True, max_length=self.max_len)["input_ids"]
+                for texts in (sides, [document for _, _, document in batch])
+            )
+            yield from (query + doc[1:] for query, doc in zip(queries, docs))  # the document's own [CLS] dropped

@@ -55,7 +55,8 @@ def embed(
     import transformers
     from transformers import AutoModel, AutoTokenizer
 
-    from lychee_exp.model.bi_encoder import pool  # the student's pooling; here, not at import: it loads torch
+    # the student's encoding (pooled, unit norm); here, not at import: it loads torch
+    from lychee_exp.model.bi_encoder import text_vectors
 
     transformers.logging.disable_progress_bar()
     path = str(resolve_path(dense.model, key))
@@ -71,8 +72,7 @@ def embed(
             batch = tokenizer(
                 [texts[i] for i in rows], padding=True, truncation=True, max_length=dense.max_len, return_tensors="pt"
             ).to(device)
-            pooled = pool(model(**batch).last_hidden_state, batch["attention_mask"], dense.pooling)
-            out[rows] = torch.nn.functional.normalize(pooled.float(), dim=-1).cpu().numpy()
+            out[rows] = text_vectors(model, batch["input_ids"], batch["attention_mask"], dense.pooling).cpu().numpy()
             bar.update(len(rows))
     return out
 

@@ -28,6 +28,7 @@ from lychee_exp.io.progress import progress_meter
 from lychee_exp.ir.candidates import RerankPairs
 from lychee_exp.ir.fusion import fuse
 from lychee_exp.ir.metrics import mean_metrics, per_query_metrics, trec_metrics
+from lychee_exp.model.bi_encoder import distinct_texts, pair_scores
 from lychee_exp.parallel.distributed import DistEnv
 from lychee_exp.parallel.sharding import is_sharded
 
@@ -134,38 +135,47 @@ def score_sharded(
     progress: str | None = None,
 ) -> list[float]:
     """Every rank scores every world_size-th batch of length_batches; the scores are all-gathered. Each batch is
-    the same tensor on any number of ranks, so 1 and N ranks give the same scores. A sharded model (parallel=fsdp)
-    gathers its weights from every rank in each forward, so a rank short of a batch forwards its last one again,
-    unrecorded: all ranks run the same number of forwards. `progress`: the main rank shows the scoring's progress
-    under that name (io.progress: a bar, or log lines), counting its own pairs times the ranks (every rank scores
-    about as many)."""
-    every = length_batches(token_ids, batch_size)
+    the same tensor on any number of ranks, so 1 and N ranks give the same scores. A bi-encoder
+    (model.kind=bi_encoder) forwards each distinct query and document of the pairs once instead, batched by length
+    the same way, and scores each pair by the cosine x 20 of its two vectors (model.bi_encoder.distinct_texts):
+    the scores `SentenceTransformer(<run>/model)` gives. A sharded model (parallel=fsdp) gathers its weights from
+    every rank in each forward, so a rank short of a batch forwards its last one again, unrecorded: all ranks run
+    the same number of forwards. `progress`: the main rank shows the scoring's progress under that name
+    (io.progress: a bar, or log lines), counting its own pairs (a bi-encoder's: texts) times the ranks (every rank
+    scores about as many)."""
+    texts = getattr(getattr(model, "module", model), "kind", None) == "bi_encoder"  # DDP, DataParallel: .module
+    rows_in = token_ids
+    if texts:
+        rows_in, pairs = distinct_texts(token_ids, encoder.sep_id)
+    every = length_batches(rows_in, batch_size)
     batches = every[env.rank :: env.world_size]
     sharded = is_sharded(model)
     rounds = -(-len(every) // env.world_size) if sharded else len(batches)
     was_training = model.training
     model.eval()
-    mine: list[tuple[int, float]] = []
+    mine: list[tuple[int, object]] = []
     shown = progress is not None and env.is_main
-    bar = progress_meter(desc=progress or "", unit="pair", total=len(token_ids), shown=shown, leave=None)
+    unit = "text" if texts else "pair"
+    bar = progress_meter(desc=progress or "", unit=unit, total=len(rows_in), shown=shown, leave=None)
     # FSDP2 writes its gathered weights in place, which inference tensors forbid: no_grad there
     with torch.no_grad() if sharded else torch.inference_mode(), bar:
         for turn in range(rounds):
             rows = batches[min(turn, len(batches) - 1)] if batches else every[0]
-            batch = encoder.pad([token_ids[i] for i in rows])
+            batch = encoder.pad([rows_in[i] for i in rows])
             # a sharded model gathers its weights in each forward: every rank must make the same number of them
-            parts = {} if sharded else {"max_tokens": SCORING_TOKENS}
+            parts = ({} if sharded else {"max_tokens": SCORING_TOKENS}) | ({"texts": True} if texts else {})
             with autocast():
-                logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device), **parts)
+                out = model(batch["input_ids"].to(device), batch["attention_mask"].to(device), **parts)
             if turn < len(batches):
-                mine.extend(zip(rows, logits.float().cpu().tolist()))
+                out = out.float().cpu()
+                mine.extend(zip(rows, list(out.numpy()) if texts else out.tolist()))  # a text's vector, a pair's logit
                 bar.update(len(rows) * env.world_size)
     model.train(was_training)
-    scores = [0.0] * len(token_ids)
+    values: list = [0.0] * len(rows_in)
     for part in env.gather_objects(mine):
         for row, value in part:
-            scores[row] = value
-    return scores
+            values[row] = value
+    return pair_scores(values, pairs) if texts else values
 
 
 def evaluate(

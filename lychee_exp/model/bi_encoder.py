@@ -3,17 +3,21 @@ to one unit vector, and the relevance logit is their cosine times the similarity
 trained with (config.schema.SCALE), so an untrained student scores exactly as its bi-encoder teacher does and its
 logits sit on the teacher scores' scale for distillation.
 
-Batches stay the text pairs every encoder kind reads (`[CLS] q [SEP] d [SEP]`, data.pair_prompt): `split_pair`
-cuts each row at its first separator into the query's own encoding (`[CLS] q [SEP]`) and the document's
-(`[CLS] d [SEP]`), which is what the tokenizer gives each text alone (checked once per tokenizer,
-`check_pair_split`). Saved models carry sentence-transformers' module files (Transformer, Pooling, Normalize),
-so `SentenceTransformer(<run>/model)` encodes as training did."""
+Batches stay the text pairs every encoder kind reads (`[CLS] q [SEP] d [SEP]`): the rows of
+data.pair_prompt.TextsApartEncoder, each text cut to model.prompt.max_len on its own. `split_pair` cuts each row
+at its first separator into the query's own encoding (`[CLS] q [SEP]`) and the document's (`[CLS] d [SEP]`),
+which is what the tokenizer gives each text alone (checked once per tokenizer, `check_pair_split`). Scoring
+(ir.evaluate) encodes each distinct text of the candidate pairs once (`distinct_texts`, `text_vectors`,
+`pair_scores`). Saved models carry sentence-transformers' module files (Transformer, Pooling, Normalize, with
+max_len as max_seq_length), so `SentenceTransformer(<run>/model)` encodes and scores as training and scoring did."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -21,8 +25,6 @@ from lychee_exp.config.choices import Pooling
 from lychee_exp.config.schema import SCALE
 from lychee_exp.data.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, pack
 from lychee_exp.errors import UserError
-
-pass
 
 # sentence-transformers' pooling modes, by model.pooling
 _ST_POOLING = {
@@ -83,6 +85,18 @@ def check_pair_split(tokenizer) -> int:
     )
 
 
+def text_vectors(
+    backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling, max_tokens=None
+) -> torch.Tensor:
+    """Unit-norm pooled encodings of right-padded single texts, one float32 row per text; `max_tokens`: forwarded
+    in row_parts of at most that many token slots."""
+    parts = []
+    for part_ids, part_mask in row_parts(input_ids, attention_mask, max_tokens):
+        hidden = backbone(input_ids=part_ids, attention_mask=part_mask).last_hidden_state
+        parts.append(nn.functional.normalize(pool(hidden.float(), part_mask, pooling), dim=-1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def bi_encoder_logits(
     backbone: nn.Module,
     input_ids: torch.Tensor,
@@ -93,15 +107,34 @@ def bi_encoder_logits(
 ) -> torch.Tensor:
     """SCALE x cosine of the pooled query and document encodings, one logit per pair row (float32). `max_tokens`:
     each side's texts forwarded in row_parts, at that side's width (Reranker.forward)."""
-    vectors = []
-    for ids, mask in split_pair(input_ids, attention_mask, sep_id):
-        parts = []
-        for part_ids, part_mask in row_parts(ids, mask, max_tokens):
-            hidden = backbone(input_ids=part_ids, attention_mask=part_mask).last_hidden_state
-            parts.append(nn.functional.normalize(pool(hidden.float(), part_mask, pooling), dim=-1))
-        vectors.append(parts[0] if len(parts) == 1 else torch.cat(parts))
-    query, doc = vectors
+    query, doc = (
+        text_vectors(backbone, ids, mask, pooling, max_tokens)
+        for ids, mask in split_pair(input_ids, attention_mask, sep_id)
+    )
     return SCALE * (query * doc).sum(-1)
+
+
+def distinct_texts(token_ids: Sequence[list[int]], sep_id: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Pair rows -> (each distinct text's own token ids, each row's (query, document) text index): the cut of
+    split_pair, so that scoring encodes a query shared by a hundred candidates, or a document shared by queries,
+    once."""
+    index: dict[tuple[int, ...], int] = {}
+    pairs = []
+    for row in token_ids:
+        sep = row.index(sep_id)
+        pairs.append(
+            tuple(index.setdefault(text, len(index)) for text in (tuple(row[: sep + 1]), (row[0], *row[sep + 1 :])))
+        )
+    return [list(text) for text in index], pairs
+
+
+def pair_scores(vectors: Sequence[np.ndarray], pairs: Sequence[tuple[int, int]]) -> list[float]:
+    """SCALE x cosine of each pair's unit vectors (distinct_texts' indices), in float32: bi_encoder_logits' score."""
+    if not pairs:
+        return []
+    table = torch.from_numpy(np.stack(vectors))
+    queries, docs = (torch.tensor(side) for side in zip(*pairs))
+    return (SCALE * (table[queries] * table[docs]).sum(-1)).tolist()
 
 
 def bi_encoder_packed_logits(

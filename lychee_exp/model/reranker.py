@@ -26,7 +26,7 @@ from torch import nn
 from lychee_exp.config.choices import ModelKind, Pooling
 from lychee_exp.config.schema import ModelConfig
 from lychee_exp.data.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX
-from lychee_exp.data.pair_prompt import PairEncoder, pair_max_len, token_types
+from lychee_exp.data.pair_prompt import PairEncoder, TextsApartEncoder, pair_max_len, token_types
 from lychee_exp.data.prompt import PromptEncoder
 from lychee_exp.errors import RunFailed, UserError, write_failure
 from lychee_exp.io.outputs import staged_directory
@@ -37,6 +37,7 @@ from lychee_exp.model.bi_encoder import (
     bi_encoder_packed_logits,
     check_pair_split,
     freeze_pooler,
+    text_vectors,
     write_sentence_transformers_files,
 )
 from lychee_exp.model.files import (
@@ -103,16 +104,21 @@ class Reranker(nn.Module):
         chunks: list[tuple[list[int], int]] | None = None,
         packed: dict | None = None,
         max_tokens: int | None = None,
+        texts: bool = False,
     ) -> torch.Tensor:
-        """One relevance logit per row. `chunks` (from bucketing.length_chunks): score the rows in groups of
-        similar length, each cut to its own width, so that fewer padding slots are computed; every row's logit
-        is the same as in one pass (positions count real tokens, padding is masked), in the rows' order.
+        """One relevance logit per row; `texts` (bi-encoders: scoring each text once, ir.evaluate): the rows are
+        single texts, and each gets its unit vector (model.bi_encoder.text_vectors) instead. `chunks` (from
+        bucketing.length_chunks): score the rows in groups of similar length, each cut to its own width, so that
+        fewer padding slots are computed; every row's logit is the same as in one pass (positions count real tokens,
+        padding is masked), in the rows' order.
         `packed` (data.packing.pack, without its input_ids): input_ids is one packed row; one logit per prompt
         (encoder cross-encoders: model.packed). `max_tokens` (scoring, ir.evaluate; bi-encoders): at most this many
         token slots per backbone forward (bi_encoder.row_parts: equal parts of rows at each side's width), so that
         a long batch's activations are held a part at a time, with the logits of one pass (tests/test_phase_memory.py).
         Other kinds score a batch whole: cut into parts, a cross-encoder's fp32 logits moved in their last bits here,
         which could move the default job's figures."""
+        if texts:  # through forward: FSDP and DDP wrap forward, not the backbone's own call
+            return text_vectors(self.backbone, input_ids, attention_mask, self.pooling, max_tokens)
         if packed is not None:
             return self._score_packed(input_ids, packed)
         if max_tokens:
@@ -224,7 +230,7 @@ def check_model_weights(cfg: ModelConfig) -> None:
 
 def build_encoder(cfg: ModelConfig, tokenizer) -> PromptEncoder:
     if cfg.kind == "bi_encoder":
-        encoder = PairEncoder(tokenizer, cfg.prompt, padding_side(cfg))
+        encoder = TextsApartEncoder(tokenizer, cfg.prompt, padding_side(cfg))
         encoder.sep_id = check_pair_split(tokenizer)  # where the model cuts each row into its two texts
         return encoder
     if uses_text_pairs(cfg):

@@ -164,10 +164,11 @@ def gathered_bytes(model: torch.nn.Module, cfg: RunConfig, precision: str) -> in
     return root + held
 
 
-def prompt_width(prompt, template_len: int) -> int:
-    """The most tokens one prompt can have (the widest row a batch can be padded to)."""
+def prompt_width(prompt, template_len: int, kind: str = "") -> int:
+    """The most tokens one prompt can have (the widest row a batch can be padded to). A bi-encoder's row is two
+    texts, each up to max_len (data.pair_prompt.TextsApartEncoder)."""
     if prompt.max_len:
-        return prompt.max_len
+        return 2 * prompt.max_len - 1 if kind == "bi_encoder" else prompt.max_len
     return template_len + (prompt.instruction_max_len or 256) + prompt.query_max_len + prompt.doc_max_len
 
 
@@ -180,7 +181,7 @@ def micro_batch_tokens(cfg: RunConfig, encoder: PromptEncoder | None = None) -> 
         from lychee_exp.model.reranker import build_encoder, load_tokenizer
 
         encoder = build_encoder(cfg.model, load_tokenizer(cfg.model))
-    width = prompt_width(cfg.model.prompt, getattr(encoder, "template_len", 0))
+    width = prompt_width(cfg.model.prompt, getattr(encoder, "template_len", 0), cfg.model.kind)
     return cfg.data.batch_size * cfg.data.train_group_size * width
 
 
