@@ -265,8 +265,8 @@ def test_tiny_dry_run_runs_every_phase_and_writes_every_key(tmp_path):
         row = checks[name]
         assert row["passed"] is True and row["same_weights"] is True and row["fingerprints"]["weights"] == weights
         assert row["timed_steps"] == 2 and row["tokens_per_s"] > 0 and row["distinct_shapes"] == 1
-        # decided at setup: no varlen on CPU; as run: the dry run's short bf16 prompts take segment rows on CPU
-        assert row["attention"] == "sdpa_per_prompt" and row["attention_paths_seen"] == ["segment_rows"]
+        # decided at setup: no varlen on CPU, and the dry run's prompts run through sdpa one by one
+        assert row["attention"] == "sdpa_per_prompt" and row["attention_paths_seen"] == ["sdpa_per_prompt"]
         assert row["varlen_probe"]["ok"] is False and len(row["widths_seen"]) == 1
         assert row["checkpointing_why"] == "auto: CPU" and "peak_reserved_mb" in row
     for mix in ("equal_lengths", "long_tailed"):

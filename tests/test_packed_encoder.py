@@ -1,14 +1,17 @@
-"""Packed rows through the BERT-family cross-encoder (model.packed_encoder) and the CPU bf16 attention over segment
-rows (model.packed): the padded batch's logits and per-parameter gradients, the token types of each prompt,
-and where data.packing=auto packs."""
+"""Packed rows through the BERT-family cross-encoder (model.packed_encoder) and their attention prompt by prompt
+(model.packed, float32 where gradients flow on CPU in bf16): the padded batch's logits and per-parameter
+gradients, the token types of each prompt, and where data.packing=auto packs."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import compose_config, run_job
 from test_packing import _grads, _groups
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lychee_exp.config.auto import packing_on
 from lychee_exp.config.schema import to_run_config
@@ -17,7 +20,7 @@ from lychee_exp.data.groups import GroupCollator
 from lychee_exp.data.pair_prompt import token_types
 from lychee_exp.errors import UserError
 from lychee_exp.model import packed as packed_rows
-from lychee_exp.model.packed import MAX_SEGMENT_TOKENS, packed_token_types, segment_rows_attention, use_segment_rows
+from lychee_exp.model.packed import float32_for_backward, packed_token_types, per_prompt_attention
 from lychee_exp.model.reranker import build_encoder, load_reranker, load_tokenizer
 from lychee_exp.train.losses import RankingLoss
 
@@ -71,13 +74,13 @@ def assert_gradients_match(ours: dict, reference: dict) -> None:
         torch.testing.assert_close(ours[name], reference[name], atol=1e-5 * largest, rtol=1e-4, msg=name)
 
 
-def test_packed_minilm_in_bf16_takes_segment_rows_and_stays_close(minilm_pair):
+def test_packed_minilm_in_bf16_attends_per_prompt_and_stays_close(minilm_pair):
     encoder, padded, packed = minilm_pair
     run_padded, run_packed = _both(encoder, padded, packed, _groups(3, seed=2))
     packed_rows.ATTENTION_PATHS.clear()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         a, b = run_padded(), run_packed()
-    assert {"segment_rows"} == packed_rows.ATTENTION_PATHS  # (the padded model records nothing)
+    assert {"sdpa_per_prompt"} == packed_rows.ATTENTION_PATHS  # (the padded model records nothing)
     with torch.no_grad():
         truth = run_padded()  # fp32
     # bf16 rounding, not a different model: the packed bf16 logits are about as far from the fp32 ones as the
@@ -111,14 +114,19 @@ def _reference(q, k, v, bounds, causal, scale):
     return torch.cat(parts, dim=2).transpose(1, 2)
 
 
+def _module(causal: bool, heads: int, kv_heads: int) -> SimpleNamespace:
+    """What transformers' sdpa reads of an attention module."""
+    return SimpleNamespace(is_causal=causal, num_key_value_groups=heads // kv_heads, training=False)
+
+
 @pytest.mark.parametrize("causal, kv_heads", [(False, 4), (True, 4), (True, 2)], ids=["both-ways", "causal", "gqa"])
-def test_segment_rows_equal_sdpa_per_segment_forward_and_backward(causal, kv_heads):
+def test_per_prompt_attention_equals_sdpa_per_segment_forward_and_backward(causal, kv_heads):
     gen = torch.Generator().manual_seed(0)
     bounds = (0, 5, 6, 19, 30, 32)  # uneven segments, one of a single token
     q = torch.randn(1, 4, 32, 8, dtype=torch.float64, generator=gen, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, 32, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in "kv")
     grad = torch.randn(1, 32, 4, 8, dtype=torch.float64, generator=gen)
-    got = segment_rows_attention(q, k, v, bounds, 0.3, causal)
+    got = per_prompt_attention(sdpa_attention_forward, _module(causal, 4, kv_heads), q, k, v, bounds, 0.3, 0.0)
     (g_q, g_k, g_v) = torch.autograd.grad(got, (q, k, v), grad)
     want = _reference(q, k, v, bounds, causal, 0.3)
     (w_q, w_k, w_v) = torch.autograd.grad(want, (q, k, v), grad)
@@ -126,11 +134,28 @@ def test_segment_rows_equal_sdpa_per_segment_forward_and_backward(causal, kv_hea
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
 
-def test_segment_rows_only_for_short_bf16_prompts_on_cpu():
-    bf16 = torch.zeros(1, 1, 4, 4, dtype=torch.bfloat16)
-    assert use_segment_rows(bf16, (0, MAX_SEGMENT_TOKENS, MAX_SEGMENT_TOKENS + 3))
-    assert not use_segment_rows(bf16, (0, 3, MAX_SEGMENT_TOKENS + 4))  # one long prompt: sdpa per segment
-    assert not use_segment_rows(bf16.float(), (0, 3, 6))  # fp32 keeps sdpa
+def test_bf16_attention_that_trains_computes_in_float32_on_cpu():
+    """Under bf16 autocast on CPU, a training step's attention is float32's, cast back (forward and gradients
+    bit for bit), while scoring without gradients stays in bf16."""
+    gen = torch.Generator().manual_seed(1)
+    bounds = (0, 7, 20, 24)
+    q, k, v = (torch.randn(1, 4, 24, 8, generator=gen).bfloat16().requires_grad_() for _ in "qkv")
+    grad = torch.randn(1, 24, 4, 8, generator=gen).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = per_prompt_attention(sdpa_attention_forward, _module(False, 4, 4), q, k, v, bounds, None, 0.0)
+    assert got.dtype == torch.bfloat16
+    got_grads = torch.autograd.grad(got, (q, k, v), grad)
+    up = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = _reference(*up, bounds, False, None).bfloat16()
+    want_grads = [g.bfloat16() for g in torch.autograd.grad(want, up, grad)]
+    assert torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.equal(a, b)
+    assert float32_for_backward(q) and not float32_for_backward(q.float())
+    with torch.no_grad():
+        assert not float32_for_backward(q)  # scoring: bf16's forward is the faster one
+        scored = per_prompt_attention(sdpa_attention_forward, _module(False, 4, 4), q, k, v, bounds, None, 0.0)
+    assert torch.equal(scored, _reference(q.detach(), k.detach(), v.detach(), bounds, False, None))
 
 
 @pytest.mark.parametrize(

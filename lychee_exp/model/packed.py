@@ -3,19 +3,15 @@ encoder cross-encoder's packed rows.
 
 Attention: the model runs under `packed_<base>` (registered below), which is the base implementation (sdpa or eager)
 for ordinary padded batches (evaluation) and, for packed ones, torch's varlen (flash) attention on CUDA in half
-precision, on CPU in bf16 the segments as padded rows of one batched matmul (short prompts), else causal sdpa on each
-segment in turn (eager: a block-diagonal causal mask). Which of these ran is recorded (`ATTENTION_PATHS`), and on
-CUDA a packed run without a working varlen kernel stops at setup (`check_packed_attention`) unless
-`data.packing_fallback=sdpa` asks for the per-prompt path.
+precision, else sdpa on each prompt in turn (`per_prompt_attention`; eager: a block-diagonal mask). Which of these
+ran is recorded (`ATTENTION_PATHS`), and on CUDA a packed run without a working varlen kernel stops at setup
+(`check_packed_attention`) unless `data.packing_fallback=sdpa` asks for the per-prompt path.
 
-The matmul path, why: on CPU, sdpa's flash kernel was the costliest operator of a bf16 cross-encoder step (its
-backward 30% of the step's self time, forward 6%, `python -m benchmarks.step_profile trainer.precision=bf16`), and
-one sdpa call per segment adds a call per prompt per layer. Gathering the segments into (heads x segments, longest,
-dim) rows and running bmm + masked softmax + bmm is faster in bf16 up to 160 tokens a segment and slower beyond
-(`python -m benchmarks.attention_cpu`); in fp32 it is faster only at 64 tokens and slower from 96 on, so fp32 keeps
-sdpa (`use_segment_rows`). The scores' softmax runs in float32 for bf16/fp16 inputs (as sdpa's math path does), keys
-past a segment's end are masked, and each output row is read back for its own tokens only, so the result equals sdpa
-per segment up to rounding (tests/test_packed_encoder.py compares them in float64, forward and backward).
+On CPU, why per prompt and why float32 in training: the bf16 bare loop (padded rows) spent half of its step in
+sdpa's flash backward (179 of 358 ms self CPU per 1000 tokens on a 2-core Intel Xeon with AMX, where bf16 matmuls
+are fast and attention is not), which float32 attention does in 0.35-0.8x the time (`float32_for_backward`,
+`python -m benchmarks.attention_cpu`); an earlier path here (bf16 bmm + softmax over padded segment rows) lost to
+it at every prompt length measured.
 
 Encoder cross-encoders (config.auto.PACKABLE_ENCODERS): the padded batch computes every pad slot through every
 linear layer; one packed row computes only real tokens. Each prompt keeps what it has in a padded row: positions
@@ -31,61 +27,36 @@ import sys
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lychee_exp.data.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX
 from lychee_exp.errors import UserError
 
-# Longest segment the matmul path takes (bf16 on CPU): 2.24x sdpa's speed at 96 tokens, 1.73x at 160, 0.88x at 192
-# (forward + backward, 32 segments, 2 threads, docs/benchmarks.md "Attention on CPU")
-MAX_SEGMENT_TOKENS = 160
+
+def float32_for_backward(query: torch.Tensor) -> bool:
+    """Attention that gradients flow through, on CPU in bf16/fp16 (autocast's output included), computes in
+    float32: torch's CPU bf16 attention forward + backward took 1.2-2.8x its float32 time on a packed row's
+    prompts (by length), while its forward alone (scoring) is faster in bf16 and stays there
+    (`python -m benchmarks.attention_cpu`)."""
+    half = query.dtype in (torch.bfloat16, torch.float16)
+    return half and query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad
 
 
-def use_segment_rows(query: torch.Tensor, bounds: Sequence[int]) -> bool:
-    """The matmul path: CPU, bf16 operands (autocast's output included) and every segment short enough."""
-    if query.device.type != "cpu" or query.dtype != torch.bfloat16:
-        return False
-    return max(e - s for s, e in zip(bounds[:-1], bounds[1:])) <= MAX_SEGMENT_TOKENS
-
-
-def segment_rows_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    bounds: Sequence[int],
-    scaling: float | None,
-    causal: bool,
-    dropout: float = 0.0,
-) -> torch.Tensor:
-    """Attention of a packed row (1, heads, width, dim) within each segment [bounds[i], bounds[i+1]) (the bounds
-    cover the whole width); returns (1, width, heads, dim), transformers' attention output layout. Grouped-query
-    keys and values are repeated to the query's heads."""
-    heads, width, dim = query.shape[1], query.shape[2], query.shape[3]
-    if key.shape[1] != heads:
-        key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
-    device = query.device
-    starts = torch.tensor(bounds[:-1], device=device)
-    lengths = torch.tensor(bounds[1:], device=device) - starts
-    longest = int(max(b - a for a, b in zip(bounds[:-1], bounds[1:])))
-    offsets = torch.arange(longest, device=device)
-    valid = offsets[None, :] < lengths[:, None]  # (segments, longest)
-    index = (starts[:, None] + offsets[None, :]).clamp(max=width - 1)  # past a segment's end: masked below
-    rows = len(lengths)
-    # heads-major (heads * segments, longest, dim): the gather's own layout, so no transpose is copied
-    q, k, v = (t[0][:, index].reshape(heads * rows, longest, dim) for t in (query, key, value))
-    scale = dim**-0.5 if scaling is None else scaling
-    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)  # in place: bmm's backward does not read its output
-    blocked = ~valid[:, None, :]  # keys past each segment's end, broadcast over heads and queries
-    if causal:
-        blocked = blocked | torch.ones(longest, longest, dtype=torch.bool, device=device).triu(1)
-    scores.view(heads, rows, longest, longest).masked_fill_(blocked, float("-inf"))
-    half = scores.dtype in (torch.bfloat16, torch.float16)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32 if half else None).to(v.dtype)
-    if dropout:
-        probs = F.dropout(probs, p=dropout)
-    out = torch.bmm(probs, v).view(heads, rows, longest, dim).permute(1, 2, 0, 3)  # (segments, longest, heads, dim)
-    return out[valid][None]  # the segments' own tokens, in row order: (1, width, heads, dim)
+def per_prompt_attention(base_fn, module, query, key, value, bounds: Sequence[int], scaling, dropout, **kwargs):
+    """The base implementation (sdpa) on each segment [bounds[i], bounds[i+1]) of a packed row (1, heads, width,
+    dim); returns (1, width, heads, dim). The segments are split views: their backward is one concatenation, where
+    slicing each segment out would fill a zero gradient of the whole row per segment (quadratic in the prompts)."""
+    dtype = query.dtype
+    if float32_for_backward(query):
+        query, key, value = query.float(), key.float(), value.float()
+    sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    # autocast off: its CPU policy would cast the float32 operands back down
+    with torch.autocast(query.device.type, enabled=False):
+        parts = [
+            base_fn(module, q, k, v, None, scaling=scaling, dropout=dropout, **kwargs)[0]
+            for q, k, v in zip(*(t.split(sizes, dim=2) for t in (query, key, value)))
+        ]
+    return torch.cat(parts, dim=1).to(dtype)
 
 
 log = logging.getLogger(__name__)
@@ -258,23 +229,9 @@ def _make_packed_attention(base: str):
             if out is not None:
                 _record("varlen")
                 return out, None
-        if base == "sdpa" and use_segment_rows(query, bounds):  # CPU bf16, short prompts: one batched matmul
-            _record("segment_rows")
-            return segment_rows_attention(query, key, value, bounds, scaling, causal, dropout), None
         if base == "sdpa":  # attention segment by segment: no width x width mask or scores
-            parts = [
-                base_fn(
-                    module,
-                    *(t[:, :, s:e] for t in (query, key, value)),
-                    None,
-                    scaling=scaling,
-                    dropout=dropout,
-                    **kwargs,
-                )[0]
-                for s, e in zip(bounds[:-1], bounds[1:])
-            ]
             _record("sdpa_per_prompt")
-            return torch.cat(parts, dim=1), None
+            return per_prompt_attention(base_fn, module, query, key, value, bounds, scaling, dropout, **kwargs), None
         _record("eager_block_mask")
         # eager adds its mask to the scores
         allowed = block_causal_mask(cu_seqlens, query.shape[2], causal)
