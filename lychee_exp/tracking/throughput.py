@@ -31,7 +31,7 @@ RANK_SPREAD_HINT = 1.25  # slowest / fastest rank compute time that earns a hint
 
 class StepTimer:
     """Times training by the wall clock between step END stamps, taken after everything a step does (its
-    collectives, the stop-request all-reduce, logging, checkpoints), minus the dev evaluations in between:
+    collectives, the stop-request all-reduce, logging), minus the dev evaluations and checkpoint writes in between:
     `time` runs from the end of the last warm-up step to the end of the last step, as the peer benchmark times
     other systems. `busy` is a rank's time outside collectives (data wait + forward): backward and the optimizer
     step wait for the slowest rank, so they would hide which rank is slow."""
