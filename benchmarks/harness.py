@@ -88,6 +88,17 @@ def run_child(module: str, name: str, spec: dict, env: dict[str, str]) -> dict |
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def lychee_run(overrides: Sequence[str], run_dir: Path) -> dict:
+    """`python -m lychee_exp.run <overrides>` in a process of its own, as a user runs it (every default the
+    overrides leave alone, checkpoints included), into `run_dir`; returns its metrics.json, whose
+    train_tokens_per_s is the figure the user reads. A failed run raises RuntimeError with its last stderr."""
+    cmd = [sys.executable, "-m", "lychee_exp.run", *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"python -m lychee_exp.run failed:\n{proc.stderr[-3000:]}")
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
 def child_call(argv: list[str], child: Callable[[str, dict], dict]) -> bool:
     """In a process `run_child` started: runs the system and prints its row; False in the parent process."""
     if argv[:1] != [CHILD_FLAG]:

@@ -4,15 +4,18 @@
 
 Systems (benchmarks.own_batching_loops): Hugging Face Trainer, a bare PyTorch loop, sentence-transformers'
 CrossEncoderTrainer, FlagEmbedding's reranker runner (benchmarks.flag_peer: its own group sampling and pair
-tokenization of the file, its group cross-entropy loss), and lychee_exp `parallel=single gpus=1` with its defaults
-(only data.batch_size and data.train_group_size set so that it too takes 32 pairs a step, the precision stated,
-and evaluation, saving and logging off). Same file (the built-in sample set), model (MiniLM cross-encoder, 1 logit,
+tokenization of the file, its group cross-entropy loss), and `python -m lychee_exp.run parallel=single gpus=1`
+with its defaults (only data.batch_size and data.train_group_size set so that it too takes 32 pairs a step, the
+precision stated, and evaluation, the saved model and logging off), read from its metrics.json: the figure its user
+reads. Same file (the built-in sample set), model (MiniLM cross-encoder, 1 logit,
 lychee's dropout), prompt text ("Query: {query} Document: {document}", query cut to 24 tokens, document to 64),
 threads (all cores), steps, lr (lychee's, scaled to its batch). Every system runs in each precision of
 `--precision` (default both), a row each: fp32, or bf16 by its own switch (the Trainers' `bf16=True`, the bare
 loop's autocast, lychee's trainer.precision=bf16); ratios to the fastest peer stay within a precision. Each run
-is a fresh process, systems interleaved in every round; each is timed by the wall clock between step-end stamps
-after the same warm-up, and its non-pad tokens are the attention-mask sums of what its model read. Overrides on
+is a fresh process, systems interleaved in every round; each peer is timed by the wall clock between step-end
+stamps after the same warm-up, and its non-pad tokens are the attention-mask sums of what its model read (lychee's
+StepTimer times the same window and counts the same tokens; checkpoint writes, which no peer makes, are off its
+clock). Overrides on
 the command line (e.g. trainer.forward_chunks=1) go to lychee_single only, to try a setting against the same peers
 (whose settings come from the defaults alone).
 Writes own_batching.csv and own_batching.md into the output directory.
@@ -49,8 +52,8 @@ COLUMNS = [
     "rounds",
     "own_metric_tokens_per_s",
 ]
-# lychee_exp's defaults, with only the batch shape (32 pairs) and the parts that are no training (evaluation,
-# saving, logging, speedup calibration) set; each run adds its trainer.precision
+# lychee_exp's defaults (`python -m lychee_exp.run`, checkpoints included), with only the batch shape (32 pairs) and
+# the parts that are no training (evaluation, the saved model, logging) set; each run adds its trainer.precision
 LYCHEE = [
     "parallel=single",
     "gpus=1",
@@ -58,10 +61,7 @@ LYCHEE = [
     f"data.train_group_size={GROUP}",
     "trainer.evaluate=false",
     "trainer.save_model=false",
-    "trainer.checkpoint_every=0",
-    "trainer.progress_bar=false",
     "logger=none",
-    "trainer.measure_speedup=false",
     # the prompt every peer reads (one templated string, the MiniLM preset's before it took text pairs), so that
     # docs/benchmarks_own_batching.md's figures stay comparable
     "model.prompt.text_pair=false",
@@ -123,13 +123,20 @@ def child(name: str, spec: dict) -> dict:
 
     from benchmarks import own_batching_loops as systems
 
+    if name == "lychee_single":  # as a user runs it; its row is what its metrics.json says
+        m = harness.lychee_run(spec["lychee_overrides"], Path(spec["out"]) / "run")
+        return {
+            "pairs_per_s": m["train_samples_per_s"] * GROUP,
+            "tokens_per_s": m["train_tokens_per_s"],
+            "padding_share": m["padding_share"],
+            "pairs_per_step": QUERIES * GROUP,
+            "timed_steps": m["steps"] - spec["warmup"],
+            "own_metric_tokens_per_s": m["train_tokens_per_s"],
+            "threads": m["cpu_threads_per_rank"],
+        }
     torch.set_num_threads(spec["threads"])
     systems.METER.install(spec["model_path"])
-    own = {}
-    if name == "lychee_single":
-        metrics = systems.lychee(spec, spec["out"])
-        own = {"own_metric_tokens_per_s": metrics["train_tokens_per_s"], "threads": metrics["cpu_threads_per_rank"]}
-    elif name == "flag_embedding":  # reads the file itself
+    if name == "flag_embedding":  # reads the file itself
         from benchmarks.flag_peer import own_file
 
         own_file(spec, spec["out"])
@@ -145,7 +152,6 @@ def child(name: str, spec: dict) -> dict:
         "pairs_per_step": w["pairs_per_step"],
         "timed_steps": w["steps"],
         "own_metric_tokens_per_s": float("nan"),
-        **own,
     }
 
 

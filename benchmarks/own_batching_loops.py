@@ -122,12 +122,6 @@ def _encoder_class(cls):
     return getattr(module, cls.__name__.replace("ForSequenceClassification", "Model"))
 
 
-def stamp_hook(rank: int, trial_number: int, batch_size: int = 0):
-    """LYCHEE_STEP_HOOK factory (rank, trial number, per-device batch), as lychee_exp.launch.step_hooks calls it:
-    lychee's trainer calls the returned hook at the end of every optimizer step."""
-    return lambda step, model: METER.stamp()
-
-
 def cut(tokenizer, text: str, max_tokens: int) -> str:
     """`text` up to the end of its first `max_tokens` tokens (as lychee's prompt encoder cuts a field)."""
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
@@ -265,17 +259,6 @@ def st_cross_encoder(spec: dict, pairs: list[Pair], out: str) -> None:
         callbacks=[step_end_callback(METER.stamp)],
     )
     trainer.train()
-
-
-def lychee(spec: dict, out: str) -> dict:
-    """Runs the job in this process with the step hook set; returns its metrics.json."""
-    import os
-
-    from lychee_exp.job.in_process import run_job
-    from lychee_exp.launch.step_hooks import STEP_HOOK_ENV
-
-    os.environ[STEP_HOOK_ENV] = f"{__name__}:stamp_hook"
-    return run_job(spec["lychee_overrides"], Path(out))[1]
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ is lychee_exp overrides (every system reads them).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 from benchmarks import harness
 from benchmarks.harness import Column
 from benchmarks.peer_batches import longtail_file
+from lychee_exp.config.schema import LYCHEE_PREFIX
 from lychee_exp.io.outputs import POLICY_LINE
 
 log = logging.getLogger("benchmarks.peers")
@@ -64,8 +64,16 @@ SETTINGS = [
     "loss=pointwise",
     "seed=42",
 ]
+# the Lychee prompt's text as the cross-encoder's first text (prefix, instruction, query) and the document as its
+# second, 160 tokens in all: issue 55's independent harness
+LYCHEE_QUERY_SIDE = f"'{LYCHEE_PREFIX}\nInstruct: {{instruction}} Query: {{query}}'"
 MIXES = {
-    "sample": ["model=minilm_cross_encoder", "data=sample"],
+    "sample": [
+        "model=minilm_cross_encoder",
+        "data=sample",
+        "model.prompt.max_len=160",
+        f"model.prompt.query_template={LYCHEE_QUERY_SIDE}",
+    ],
     "longtail": [
         "model=tiny_lychee",
         "data=jsonl",
@@ -76,35 +84,26 @@ MIXES = {
 }
 
 
-CHUNKS = 4  # trainer.forward_chunks of the *_chunked rows: 4 chunks of 8 pairs (the best of 1, 2, 4 on longtail)
-# the other lychee rows forward each batch in one pass, as the peers do (the CPU default `auto` would chunk it)
-ONE_PASS = "trainer.forward_chunks=1"
-
-
 def _system(name: str, processes: int, threads: int, *overrides: str) -> dict:
     return {"system": name, "processes": processes, "threads": threads, "overrides": list(overrides)}
 
 
 def systems(mix: str, cores: int, cuda: int) -> list[dict]:
-    """name, processes x threads, extra lychee_exp overrides."""
+    """name, processes x threads, extra lychee_exp overrides (the lychee rows keep every other default)."""
     rows = [_system("hf_trainer", 1, cores), _system("torch_loop", 1, cores)]
     if mix == "sample":  # the cross-encoder peers (the longtail mix's tiny Qwen2 is a causal LM)
         rows += [_system("st_cross_encoder", 1, cores), _system("flag_embedding", 1, cores)]
-    rows.append(_system("lychee_single", 1, cores, "parallel=single", "gpus=1", ONE_PASS))
-    chunked = f"trainer.forward_chunks={CHUNKS}"
+    rows.append(_system("lychee_single", 1, cores, "parallel=single", "gpus=1"))
     if mix == "longtail":
-        bucketed = "data.bucket_by_length=true"
-        rows.append(_system("lychee_single_bucketed", 1, cores, "parallel=single", "gpus=1", bucketed, ONE_PASS))
-        rows.append(_system("lychee_single_bucketed_chunked", 1, cores, "parallel=single", "gpus=1", bucketed, chunked))
+        rows.append(
+            _system("lychee_single_bucketed", 1, cores, "parallel=single", "gpus=1", "data.bucket_by_length=true")
+        )
         return rows
-    rows.append(_system("lychee_single_chunked", 1, cores, "parallel=single", "gpus=1", chunked))
     if cuda != 1:
-        rows.append(_system("lychee_ddp", 2, 1, "parallel=ddp", "gpus=2", "parallel.cpu_threads_per_rank=1", ONE_PASS))
+        rows.append(_system("lychee_ddp", 2, 1, "parallel=ddp", "gpus=2", "parallel.cpu_threads_per_rank=1"))
     if not cuda:
         rows.append(
-            _system(
-                "lychee_single_1thread", 1, 1, "parallel=single", "gpus=1", "parallel.cpu_threads_per_rank=1", ONE_PASS
-            )
+            _system("lychee_single_1thread", 1, 1, "parallel=single", "gpus=1", "parallel.cpu_threads_per_rank=1")
         )
     return rows
 
@@ -114,26 +113,11 @@ def child(name: str, spec: dict) -> dict:
     out, warmup, steps = Path(spec["out"]), spec["warmup"], spec["steps"]
     overrides = [*spec["overrides"], f"data.batch_size={spec['queries'] // spec.get('processes', 1)}"]
     if name.startswith("lychee"):
-        from lychee_exp.job.in_process import run_job
-
-        run_job(
-            [
-                *overrides,
-                "trainer.evaluate=false",
-                f"trainer.max_steps={warmup + steps}",
-                "logger=none",
-                "trainer.save_model=false",
-                "trainer.checkpoint_every=0",
-                "trainer.progress_bar=false",
-                "trainer.log_every=1000",
-                "trainer.measure_speedup=false",
-            ],
-            out,
-        )
-        # train_samples_per_s is lychee_exp's StepTimer: the wall clock from the end of the last warm-up step to
-        # the end of the last step, everything between steps included (collectives, the stop request) - the same
-        # window and clock as timed_row gives the peers below
-        m = json.loads((out / "metrics.json").read_text())
+        # as a user runs it (harness.lychee_run), training only; train_samples_per_s is lychee_exp's StepTimer: the
+        # wall clock from the end of the last warm-up step to the end of the last step, everything between steps
+        # included but checkpoint writes (the peers write none) - the same window and clock as timed_row below
+        m = harness.lychee_run([*overrides, "trainer.evaluate=false", f"trainer.max_steps={warmup + steps}",
+                                "logger=none"], out / "run")  # fmt: skip
         return {
             "pairs_per_s": m["train_samples_per_s"] * m["train_group_size"],
             "tokens_per_s": m["train_tokens_per_s"],
