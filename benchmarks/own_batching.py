@@ -129,7 +129,7 @@ def child(name: str, spec: dict) -> dict:
             "pairs_per_s": m["train_samples_per_s"] * GROUP,
             "tokens_per_s": m["train_tokens_per_s"],
             "padding_share": m["padding_share"],
-            "pairs_per_step": QUERIES * GROUP,
+            "pairs_per_step": [QUERIES * GROUP],  # data.batch_size queries x data.train_group_size, every step
             "timed_steps": m["steps"] - spec["warmup"],
             "own_metric_tokens_per_s": m["train_tokens_per_s"],
             "threads": m["cpu_threads_per_rank"],
