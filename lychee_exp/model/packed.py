@@ -8,8 +8,8 @@ ran is recorded (`ATTENTION_PATHS`), and on CUDA a packed run without a working 
 (`check_packed_attention`) unless `data.packing_fallback=sdpa` asks for the per-prompt path.
 
 On CPU, why per prompt and why float32 in training: the bf16 bare loop (padded rows) spent half of its step in
-sdpa's flash backward (179 of 358 ms self CPU per 1000 tokens on a 2-core Intel Xeon with AMX, where bf16 matmuls
-are fast and attention is not), which float32 attention does in 0.35-0.8x the time (`float32_for_backward`,
+sdpa's flash backward (154-175 of 320-338 ms self CPU per 1000 tokens on a 2-core Intel Xeon with AMX, where bf16
+matmuls are fast and attention is not), which float32 attention does in 0.35-0.8x the time (`float32_for_backward`,
 `python -m benchmarks.attention_cpu`); an earlier path here (bf16 bmm + softmax over padded segment rows) lost to
 it at every prompt length measured.
 
@@ -31,11 +31,12 @@ from torch import nn
 
 from lychee_exp.data.packing import BOUNDS, CU_SEQLENS, MAX_LENGTH, PACKED_PREFIX
 from lychee_exp.errors import UserError
+from lychee_exp.model.precision import full_precision
 
 
 def float32_for_backward(query: torch.Tensor) -> bool:
     """Attention that gradients flow through, on CPU in bf16/fp16 (autocast's output included), computes in
-    float32: torch's CPU bf16 attention forward + backward took 1.2-2.8x its float32 time on a packed row's
+    float32: torch's CPU bf16 attention forward + backward took 1.3-2.8x its float32 time on a packed row's
     prompts (by length), while its forward alone (scoring) is faster in bf16 and stays there
     (`python -m benchmarks.attention_cpu`)."""
     half = query.dtype in (torch.bfloat16, torch.float16)
@@ -51,7 +52,7 @@ def per_prompt_attention(base_fn, module, query, key, value, bounds: Sequence[in
         query, key, value = query.float(), key.float(), value.float()
     sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     # autocast off: its CPU policy would cast the float32 operands back down
-    with torch.autocast(query.device.type, enabled=False):
+    with full_precision(query.device.type):
         parts = [
             base_fn(module, q, k, v, None, scaling=scaling, dropout=dropout, **kwargs)[0]
             for q, k, v in zip(*(t.split(sizes, dim=2) for t in (query, key, value)))

@@ -70,7 +70,8 @@ def autocast(device_type: str, precision: str) -> contextlib.AbstractContextMana
 
 
 def full_precision(device_type: str) -> contextlib.AbstractContextManager:
-    """A region computed in fp32 inside a mixed-precision one (the answer head's two rows: model.answer_head)."""
+    """A region computed in fp32 inside a mixed-precision one (the answer head's two rows: model.answer_head; a
+    CPU training step's attention: model.packed)."""
     import torch
 
     return torch.autocast(device_type, enabled=False)
