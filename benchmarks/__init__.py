@@ -5,6 +5,7 @@ Each is run from the repository root as `python -m benchmarks.<name>` (the side-
 - `scaling` (also `python -m benchmarks`): training speed over device counts
 - `peers` (+ `peer_loops`, `peer_batches`): lychee_exp against HF Trainer, a bare loop, sentence-transformers, on
   identical batches; `own_batching` (+ `own_batching_loops`): each system batching the data file its own way
+- `step_vs_bare`: lychee_exp's step against a bare loop on the same pairs, profiled per operator group
 - `padded_vs_packed`, `step_profile`, `tokenize_startup`, `ir_throughput`, `checkpoint_write`, `yes_no_head`: one
   part of a run timed
 - `sweep_overhead`, `sweep_throughput`, `optuna_storage`: sweeps
