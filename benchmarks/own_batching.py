@@ -15,9 +15,8 @@ loop's autocast, lychee's trainer.precision=bf16); ratios to the fastest peer st
 is a fresh process, systems interleaved in every round; each peer is timed by the wall clock between step-end
 stamps after the same warm-up, and its non-pad tokens are the attention-mask sums of what its model read (lychee's
 StepTimer times the same window and counts the same tokens; checkpoint writes, which no peer makes, are off its
-clock). Overrides on
-the command line (e.g. trainer.forward_chunks=1) go to lychee_single only, to try a setting against the same peers
-(whose settings come from the defaults alone).
+clock). Overrides on the command line (e.g. trainer.forward_chunks=1) go to lychee_single only, to try a setting
+against the same peers (whose settings come from the defaults alone).
 Writes own_batching.csv and own_batching.md into the output directory.
 """
 

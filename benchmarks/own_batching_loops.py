@@ -6,14 +6,15 @@
 - st_cross_encoder: `CrossEncoderTrainer` on its documented (query, document, label) columns with
   `BinaryCrossEntropyLoss`; it tokenizes the two texts as a pair, so it reads one [SEP] more per pair.
 - flag_embedding: FlagEmbedding's EncoderOnlyRerankerRunner reads the file itself (benchmarks.flag_peer).
-- lychee: `python -m lychee_exp.run parallel=single gpus=1` in this process, with its defaults.
+- lychee: `python -m lychee_exp.run parallel=single gpus=1` in a process of its own, with its defaults
+  (benchmarks.own_batching reads its metrics.json; the Meter below times the peers).
 
 Precision (spec["precision"]): bf16 is the Trainer-based peers' `bf16=True`, the bare loop's autocast to
 bfloat16 and lychee's `trainer.precision=bf16`; fp32 is none of them.
 
-Every system is measured the same way: `Meter` wraps the model class's forward before any model exists and
+Every peer is measured the same way: `Meter` wraps the model class's forward before any model exists and
 records each call's attention mask (non-pad tokens = its sum, slots = its size, pairs = its rows), and every
-system stamps the wall clock at each step end (a Trainer callback, the loop itself, lychee's step hook).
+peer stamps the wall clock at each step end (a Trainer callback, the loop itself).
 """
 
 from __future__ import annotations
